@@ -1,0 +1,23 @@
+"""celery_ext: Celery on Redis/Valkey as a real job system.
+
+Importing this package registers the ``celery-ext://`` (and ``celery-exts://``,
+TLS) broker URL schemes with Kombu. ``install(app)`` adds the job-system defaults:
+one job queue per task name, weighted round-robin, jobs owned until finished.
+"""
+
+from __future__ import annotations
+
+from kombu.transport import TRANSPORT_ALIASES
+
+from .install import install
+from .transport import SCHEME, TLS_SCHEME
+
+__version__ = "0.1.0"
+
+#: Import path of the transport class, for ``broker_transport`` (see README).
+TRANSPORT = "celery_ext.transport:Transport"
+
+TRANSPORT_ALIASES.setdefault(SCHEME, TRANSPORT)
+TRANSPORT_ALIASES.setdefault(TLS_SCHEME, TRANSPORT)
+
+__all__ = ["SCHEME", "TLS_SCHEME", "TRANSPORT", "__version__", "install"]

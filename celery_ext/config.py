@@ -1,0 +1,117 @@
+"""Settings and their named defaults: the one place timings live.
+
+Every interval the plugin uses is a field of :class:`Settings`. Values come, in
+order of precedence, from environment variables ``CELERY_EXT_<FIELD>`` (so tests
+can shrink every timing of a worker subprocess at once), then from the broker
+transport options (``app.conf.broker_transport_options``), then the defaults
+below.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+#: Prefix of every Redis key and pub/sub channel; also the Redis Cluster hash tag.
+DEFAULT_NAMESPACE = "celery_ext"
+#: Seconds between two heartbeats of a worker pool.
+DEFAULT_HEARTBEAT_INTERVAL = 5.0
+#: A pool whose last heartbeat is older than this (by Redis time) is dead.
+DEFAULT_DEAD_AFTER = 30.0
+#: Seconds between two reaper passes in each pool (jittered by +/-20%).
+DEFAULT_REAP_INTERVAL = 10.0
+#: An idle pool re-reads which job queues hold jobs this often, in case a wake-up
+#: notification was missed (pub/sub is at-most-once). Its only idle command.
+DEFAULT_IDLE_REFRESH_INTERVAL = 1.0
+#: A job recovered from dead pools more often than this goes to the dead set.
+DEFAULT_MAX_RECOVERIES = 3
+#: Weight of a job queue whose task sets none.
+DEFAULT_WEIGHT = 1
+#: The dead set keeps at most this many jobs (oldest trimmed first)...
+DEFAULT_DEAD_MAX_SIZE = 10_000
+#: ...and none older than this many seconds (180 days).
+DEFAULT_DEAD_MAX_AGE = 180 * 24 * 3600.0
+#: Most messages one fetch round trip may move into the in-flight record.
+DEFAULT_FETCH_BATCH = 16
+
+_ENV_PREFIX = "CELERY_EXT_"
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+
+class ConfigError(ValueError):
+    """A setting has a value the plugin cannot work with; the message says which."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """All tunables of one transport/worker, validated at construction."""
+
+    namespace: str = DEFAULT_NAMESPACE
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
+    dead_after: float = DEFAULT_DEAD_AFTER
+    reap_interval: float = DEFAULT_REAP_INTERVAL
+    idle_refresh_interval: float = DEFAULT_IDLE_REFRESH_INTERVAL
+    max_recoveries: int = DEFAULT_MAX_RECOVERIES
+    default_weight: int = DEFAULT_WEIGHT
+    fetch_batch: int = DEFAULT_FETCH_BATCH
+    dead_max_size: int = DEFAULT_DEAD_MAX_SIZE
+    dead_max_age: float = DEFAULT_DEAD_MAX_AGE
+
+    def __post_init__(self) -> None:
+        if not _NAMESPACE_RE.match(self.namespace):
+            raise ConfigError(
+                f"celery_ext: namespace {self.namespace!r} must be 1-64 characters of "
+                "letters, digits and _ . : - (no braces: it becomes the Redis hash tag)"
+            )
+        for name in ("heartbeat_interval", "dead_after", "reap_interval", "idle_refresh_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"celery_ext: {name} must be > 0, got {getattr(self, name)!r}")
+        if self.dead_after < 2 * self.heartbeat_interval:
+            raise ConfigError(
+                f"celery_ext: dead_after ({self.dead_after}) must be at least twice "
+                f"heartbeat_interval ({self.heartbeat_interval}), or live pools would be reaped"
+            )
+        if self.dead_max_size < 1 or self.dead_max_age <= 0:
+            raise ConfigError("celery_ext: dead_max_size must be >= 1 and dead_max_age > 0")
+        if self.max_recoveries < 0 or self.default_weight < 1 or self.fetch_batch < 1:
+            raise ConfigError(
+                "celery_ext: max_recoveries must be >= 0, default_weight >= 1 and fetch_batch >= 1"
+            )
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def load(cls, options: Mapping[str, Any] | None = None,
+             environ: Mapping[str, str] | None = None) -> Settings:
+        """Build settings from transport options overlaid with ``CELERY_EXT_*`` variables."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        types = {f.name: f.type for f in fields(cls)}
+        for name in types:
+            if options and name in options:
+                values[name] = options[name]
+            env = environ.get(_ENV_PREFIX + name.upper())
+            if env is not None:
+                values[name] = env
+        for name, raw in list(values.items()):
+            kind = types[name]
+            try:
+                if kind in ("float", float):
+                    values[name] = float(raw)
+                elif kind in ("int", int):
+                    values[name] = int(raw)
+                else:
+                    values[name] = str(raw)
+            except (TypeError, ValueError):
+                raise ConfigError(
+                    f"celery_ext: setting {name} must be a {kind}, got {raw!r}"
+                ) from None
+        return cls(**values)
+
+    def with_(self, **changes: Any) -> Settings:
+        return replace(self, **changes)

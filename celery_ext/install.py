@@ -1,0 +1,72 @@
+"""``install(app)``: the one line that turns a Celery app into a celery_ext app."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from celery import Celery
+
+from .bootsteps import JobQueues
+
+logger = logging.getLogger("celery_ext")
+
+#: Celery settings install() changes unless the user set them: a job is acked when
+#: it *finishes* (so it stays in its pool's in-flight record while running), and a
+#: job whose prefork child died is returned to its queue instead of dropped.
+DEFAULTS: dict[str, Any] = {
+    "task_acks_late": True,
+    "task_reject_on_worker_lost": True,
+}
+
+
+def route_by_task_name(name: str, args: Any, kwargs: Any, options: Mapping[str, Any],
+                       task: Any = None, **kw: Any) -> dict[str, Any]:
+    """Celery router: every task goes to the job queue named after it.
+
+    Routers run after an explicit ``queue=`` (on the task or the call), which wins,
+    and after every router the user configured (this one is appended last).
+    """
+    return {"queue": name}
+
+
+def _append_router(conf: Any) -> None:
+    routes = conf.task_routes
+    if routes is None:
+        new: list[Any] = [route_by_task_name]
+    elif isinstance(routes, Sequence) and not isinstance(routes, str):
+        if route_by_task_name in routes:
+            return
+        new = [*routes, route_by_task_name]
+    else:
+        new = [routes, route_by_task_name]
+    conf.task_routes = new
+
+
+def install(app: Celery, *, route_by_name: bool = True) -> Celery:
+    """Make ``app`` use one job queue per task name, consumed by every worker.
+
+    - routes each task to the job queue named after it (explicit ``queue=`` wins);
+    - workers started without ``-Q`` consume every registered task's job queue, with
+      the task option ``weight=N`` (default 1) as that queue's weight;
+    - defaults ``task_acks_late`` and ``task_reject_on_worker_lost`` to True unless
+      configured, so a job is owned by its worker pool until it finishes.
+
+    Returns ``app`` so it can be used inline. Safe to call more than once.
+    """
+    if getattr(app, "_celery_ext_installed", False):
+        return app
+    app._celery_ext_installed = True  # type: ignore[attr-defined]
+    app.add_defaults(dict(DEFAULTS))
+
+    if route_by_name:
+        if app.configured:
+            _append_router(app.conf)
+        else:
+            def _on_configure(sender: Any = None, source: Any = None, **kw: Any) -> None:
+                _append_router(app.conf if source is None else source)
+
+            app.on_after_configure.connect(_on_configure, weak=False)
+    app.steps["worker"].add(JobQueues)
+    return app

@@ -1,0 +1,90 @@
+"""Every Redis key and pub/sub channel name the plugin uses, built in one place.
+
+All names start with ``{<namespace>}:``. The braces make the namespace the Redis
+Cluster hash tag, so every key a script touches lives in one hash slot and every
+script stays valid on a cluster (shard by running several namespaces).
+
+Layout (``ns`` = namespace)::
+
+    {ns}:queue:<name>        list    a job queue; producers LPUSH, fetch RPOPs (FIFO)
+    {ns}:ready               set     names of job queues that hold at least one job
+    {ns}:queues              set     every job queue name ever enqueued to
+    {ns}:weights             hash    queue name -> weight (written by worker pools)
+    {ns}:wake                channel queue name, published when a queue becomes non-empty
+    {ns}:pools               zset    pool id -> last heartbeat (Redis time, ms)
+    {ns}:pool:<id>           hash    a pool's registration (host, pid, concurrency, ...)
+    {ns}:inflight:<id>       hash    delivery tag -> "<queue>\\n<payload>" jobs a pool owns
+    {ns}:inflight_pools      set     pool ids that may own in-flight jobs (finds orphans)
+    {ns}:redelivery          hash    delivery tag -> times recovered from a dead pool
+    {ns}:reaper              string  lock held by the one reaper running a pass
+    {ns}:dead                zset    dead job id -> failed_at (ms)
+    {ns}:dead_jobs           hash    dead job id -> "<meta json>\n<queue>\n<payload>"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builder for one namespace."""
+
+    namespace: str
+
+    @property
+    def prefix(self) -> str:
+        return "{" + self.namespace + "}:"
+
+    def queue(self, name: str) -> str:
+        return f"{self.prefix}queue:{name}"
+
+    def queue_name(self, key: str) -> str:
+        """Inverse of :meth:`queue`."""
+        return key[len(self.prefix) + len("queue:"):]
+
+    @property
+    def ready(self) -> str:
+        return self.prefix + "ready"
+
+    @property
+    def queues(self) -> str:
+        return self.prefix + "queues"
+
+    @property
+    def weights(self) -> str:
+        return self.prefix + "weights"
+
+    @property
+    def wake_channel(self) -> str:
+        return self.prefix + "wake"
+
+    @property
+    def pools(self) -> str:
+        return self.prefix + "pools"
+
+    def pool(self, pool_id: str) -> str:
+        return f"{self.prefix}pool:{pool_id}"
+
+    def inflight(self, pool_id: str) -> str:
+        return f"{self.prefix}inflight:{pool_id}"
+
+    @property
+    def inflight_pools(self) -> str:
+        return self.prefix + "inflight_pools"
+
+    @property
+    def redelivery(self) -> str:
+        return self.prefix + "redelivery"
+
+    @property
+    def reaper_lock(self) -> str:
+        return self.prefix + "reaper"
+
+    @property
+    def dead(self) -> str:
+        return self.prefix + "dead"
+
+    @property
+    def dead_jobs(self) -> str:
+        return self.prefix + "dead_jobs"

@@ -1,0 +1,50 @@
+"""Loads the Lua scripts in ``scripts/*.lua`` once and calls them by SHA.
+
+Each ``.lua`` file starts with a header naming every ``KEYS[i]`` and ``ARGV[i]``;
+every key a script touches is passed in ``KEYS`` (Redis Cluster rule).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+
+SCRIPT_NAMES = ("enqueue", "fetch", "ack", "requeue", "heartbeat", "deregister", "dead")
+
+
+@cache
+def source(name: str) -> str:
+    """The text of ``scripts/<name>.lua`` shipped with the package."""
+    return resources.files("celery_ext").joinpath("scripts", f"{name}.lua").read_text("utf-8")
+
+
+@cache
+def sha(name: str) -> str:
+    """SHA1 of a script, as EVALSHA wants it (computed locally, no round trip)."""
+    import hashlib
+
+    return hashlib.sha1(source(name).encode("utf-8")).hexdigest()
+
+
+class Scripts:
+    """The plugin's scripts bound to one client; NOSCRIPT is handled by redis-py."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+        self._scripts: dict[str, Script] = {
+            name: client.register_script(source(name)) for name in SCRIPT_NAMES
+        }
+
+    def __call__(self, name: str, keys: list[str], args: list[Any],
+                 client: Any = None) -> Any:
+        return self._scripts[name](keys=keys, args=args, client=client or self._client)
+
+    def load_all(self, client: redis.Redis | None = None) -> None:
+        """Load every script into the server's cache (after a restart flushed it)."""
+        target = client or self._client
+        for name in SCRIPT_NAMES:
+            target.script_load(source(name))

@@ -1,0 +1,57 @@
+-- fetch: move jobs from job queues into a pool's in-flight record, one round trip.
+-- The pool's weighted round-robin picks the candidate queues; this script pops
+-- one job per candidate, atomically recording it as owned by the pool.
+-- KEYS[1]  in-flight hash of the pool   {ns}:inflight:<pool id>
+-- KEYS[2]  pools zset                   {ns}:pools
+-- KEYS[3]  ready set                    {ns}:ready
+-- KEYS[4]  redelivery hash              {ns}:redelivery
+-- KEYS[5]  in-flight pools set          {ns}:inflight_pools
+-- KEYS[6..] job queue lists, one per candidate (repeats allowed)
+-- ARGV[1]  pool id
+-- ARGV[2]  one char per candidate: "1" = record in-flight (acked consumer), "0" = no-ack
+-- ARGV[3..] queue names, one per candidate, in the order of KEYS[6..]
+-- Returns {status, jobs, empties}: status 0 = pool not registered (nothing moved),
+-- 1 = ok; jobs = {{queue, delivery tag, payload, recoveries or -1}, ...};
+-- empties = names of candidate queues found or left empty.
+local ncand = #KEYS - 5
+local flags = ARGV[2]
+if string.find(flags, '1', 1, true) and not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+  return {0, {}, {}}
+end
+local jobs, empties, seen_empty = {}, {}, {}
+local now = nil
+local tracked = false
+for i = 1, ncand do
+  local qkey, qname = KEYS[5 + i], ARGV[2 + i]
+  if not seen_empty[qname] then
+    local payload = redis.call('RPOP', qkey)
+    if not payload then
+      seen_empty[qname] = true
+      empties[#empties + 1] = qname
+      redis.call('SREM', KEYS[3], qname)
+    else
+      -- kombu puts properties last, so the last delivery_tag is the message's own.
+      local tag = nil
+      for t in string.gmatch(payload, '"delivery_tag": "([^"]*)"') do tag = t end
+      if not tag or tag == '' then
+        now = now or redis.call('TIME')
+        tag = 'undecodable-' .. now[1] .. now[2] .. '-' .. i
+      end
+      if string.sub(flags, i, i) == '1' then
+        redis.call('HSET', KEYS[1], tag, qname .. '\n' .. payload)
+        tracked = true
+      end
+      local rec = redis.call('HGET', KEYS[4], tag)
+      jobs[#jobs + 1] = {qname, tag, payload, tonumber(rec or -1)}
+      if redis.call('LLEN', qkey) == 0 then
+        seen_empty[qname] = true
+        empties[#empties + 1] = qname
+        redis.call('SREM', KEYS[3], qname)
+      end
+    end
+  end
+end
+if tracked then
+  redis.call('SADD', KEYS[5], ARGV[1])
+end
+return {1, jobs, empties}

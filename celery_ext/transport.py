@@ -1,0 +1,528 @@
+"""The celery_ext Kombu transport: Kombu's Redis transport with job-system semantics.
+
+What changes against ``redis://`` (everything else, fanout/events/remote control
+over PUB/SUB included, is inherited unchanged, and ``driver_type`` stays ``redis``):
+
+* Job queues are lists under ``{ns}:queue:<name>``; producers push with the
+  ``enqueue`` script, which also keeps the ``ready`` set and wakes idle pools.
+* Consuming: instead of ``BRPOP`` the channel sends one ``fetch`` script per round
+  trip. The pool's weighted round-robin (``sampler``) picks up to ``prefetch``
+  candidate queues among those believed non-empty; the script pops one job per
+  candidate and records it in the pool's in-flight hash in the same atomic step.
+* Idle: when every consumed queue is empty, nothing is polled. The channel listens
+  on the ``wake`` pub/sub channel (announced by ``enqueue`` when a queue becomes
+  non-empty) and re-reads the ``ready`` set once per ``idle_refresh_interval`` in
+  case a notification was missed.
+* Ack removes the job from the in-flight hash (O(1)); reject-with-requeue and the
+  restore at shutdown put jobs back at the *front* of their queue. There is no
+  visibility timeout: a job leaves the in-flight record only when its pool acks it,
+  returns it, or is declared dead by the reaper.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import weakref
+from collections.abc import Iterable
+from contextlib import suppress
+from queue import Empty
+from time import monotonic
+from typing import Any
+
+import redis
+from kombu.transport import redis as kredis
+from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
+
+from . import scripts as _scripts
+from .config import Settings
+from .dead import dead_letter
+from .heartbeater import Heartbeater, heartbeater_for
+from .keys import Keys
+from .sampler import WeightedRoundRobin
+
+logger = logging.getLogger("celery_ext.transport")
+
+#: URL schemes registered for this transport (plain and TLS).
+SCHEME = "celery-ext"
+TLS_SCHEME = "celery-exts"
+
+#: Channels of this process that consume from job queues: their unacked jobs are
+#: the only in-flight records of this pool that are legitimately outstanding.
+_live_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+#: Set when a channel closed without returning its jobs (Redis unreachable); the
+#: next channel to fetch returns the leftovers first.
+_pending_recovery: set[tuple[str, str]] = set()
+
+
+class QoS(virtual.QoS):
+    """Prefetch accounting in memory; ownership lives in Redis (the in-flight hash)."""
+
+    restore_at_shutdown = True
+    channel: Channel
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        # The fetch script already recorded the job as in flight, atomically.
+        super().append(message, delivery_tag)
+
+    def ack(self, delivery_tag: str) -> None:
+        self.channel._ack([delivery_tag])
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if requeue:
+            self.channel._requeue([delivery_tag])
+        else:
+            self.channel._dead_letter(delivery_tag, "rejected", "rejected by the consumer")
+        super().ack(delivery_tag)
+
+    def restore_unacked(self, client: Any = None) -> list[Any]:
+        """Return every job fetched and not acked to the front of its queue, in order."""
+        self._flush()
+        tags = list(self._delivered)
+        errors: list[Any] = []
+        if tags:
+            try:
+                self.channel._requeue(tags)
+            except Exception as exc:
+                errors = [(exc, self._delivered[t]) for t in tags]
+                self.channel._mark_needs_recovery()
+        self._delivered.clear()
+        return errors
+
+    def restore_visible(self, *args: Any, **kwargs: Any) -> None:
+        """No visibility timeout: dead pools' jobs are requeued by the reaper."""
+
+    def live_tags(self) -> set[str]:
+        return {t for t in self._delivered if t not in self._dirty}
+
+
+class MultiChannelPoller(kredis.MultiChannelPoller):
+    """Adds the WAKE pub/sub listener and the idle refresh to Kombu's poller."""
+
+    def on_poll_start(self) -> None:
+        self._update_brpop_polling()
+        for channel in self._channels:
+            if channel.active_queues:
+                self._register_WAKE(channel)
+                if channel.qos.can_consume():
+                    self._register_BRPOP(channel)
+            if channel.active_fanout_queues:
+                self._register_LISTEN(channel)
+
+    def _register_WAKE(self, channel: Channel) -> None:
+        if not self._client_registered(channel, channel.wakeclient, "WAKE"):
+            channel._in_wake = False
+            self._register(channel, channel.wakeclient, "WAKE")
+        if not channel._in_wake:
+            channel._wake_subscribe()
+
+    def on_readable(self, fileno: int) -> None:
+        chan_type = self._fd_to_chan.get(fileno)
+        if chan_type is not None and chan_type[1] == "WAKE":
+            # Reading a wake-up never consumes prefetch credit: always drain it,
+            # or a level-triggered poller would spin on the readable socket.
+            chan_type[0].handlers["WAKE"]()
+            return
+        super().on_readable(fileno)
+
+    def maybe_refresh_ready(self) -> None:
+        for channel in list(self._channels):
+            try:
+                channel.maybe_refresh_ready()
+            except channel.connection_errors:
+                logger.debug("celery_ext: ready refresh failed, will retry", exc_info=True)
+
+    def get(self, callback: Any, timeout: float | None = None) -> Any:
+        self.maybe_refresh_ready()
+        return super().get(callback, timeout=timeout)
+
+
+class Channel(kredis.Channel):
+    """Redis channel whose queues are job queues with crash-safe, weighted fetch."""
+
+    QoS = QoS
+    qos: QoS
+    from_transport_options = kredis.Channel.from_transport_options + Settings.option_names()
+
+    _in_wake: Any = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        conn = args[0] if args else kwargs["connection"]
+        self.settings = Settings.load(conn.client.transport_options)
+        self.keys = Keys(self.settings.namespace)
+        self._sched = WeightedRoundRobin(default_weight=self.settings.default_weight)
+        self._no_ack_queues: set[str] = set()
+        self._last_refresh = 0.0
+        self._heartbeater: Heartbeater | None = None
+        super().__init__(*args, **kwargs)
+        self.handlers["WAKE"] = self._wake_read
+        self._scripts = _scripts.Scripts(self.client)
+        # The event loop sends fetch by SHA without redis-py's NOSCRIPT fallback.
+        with self.conn_or_acquire() as client:
+            self._scripts.load_all(client)
+
+    # -- connection details ----------------------------------------------------------
+    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        conninfo = self.connection.client
+        if conninfo.transport_cls == TLS_SCHEME and not conninfo.ssl:
+            # Secure by default: verify the server certificate unless told otherwise
+            # (e.g. ?ssl_cert_reqs=none in the URL, as with rediss://).
+            conninfo.ssl = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+        return super()._connparams(asynchronous=asynchronous)
+
+    @property
+    def server_id(self) -> str:
+        c = self.connection.client
+        return f"{c.hostname}:{c.port}/{c.virtual_host}"
+
+    def _new_sync_client(self) -> redis.Redis:
+        params = self._connparams(asynchronous=False)
+        return redis.Redis(connection_pool=redis.ConnectionPool(**params))
+
+    @property
+    def wakeclient(self) -> Any:
+        """Pub/Sub connection that hears which job queues became non-empty."""
+        client = self.__dict__.get("_wakeclient")
+        if client is None:
+            client = self.__dict__["_wakeclient"] = self._create_client(asynchronous=True).pubsub()
+        return client
+
+    # -- producing ---------------------------------------------------------------------
+    def _enqueue_args(self, queue: str, message: Any) -> tuple[list[str], list[Any]]:
+        keys = [self.keys.queue(queue), self.keys.ready, self.keys.queues]
+        return keys, [dumps(message), queue, self.keys.wake_channel,
+                      self._expires.get(queue, 0)]
+
+    def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        keys, args = self._enqueue_args(queue, message)
+        publish_batch = kwargs.pop("_publish_batch", None)
+        if publish_batch is not None:
+            publish_batch.add("evalsha", _scripts.sha("enqueue"), len(keys), *keys, *args)
+            return
+        with self.conn_or_acquire() as client:
+            self._scripts("enqueue", keys, args, client=client)
+
+    def create_publish_batch(self, max_size: int) -> Any:
+        batch = super().create_publish_batch(max_size)
+        # EVALSHA inside a pipeline cannot recover from NOSCRIPT; make sure it is loaded.
+        with self.conn_or_acquire() as client:
+            client.script_load(_scripts.source("enqueue"))
+        return batch
+
+    # -- queue management --------------------------------------------------------------
+    def _size(self, queue: str) -> int:
+        with self.conn_or_acquire() as client:
+            return int(client.llen(self.keys.queue(queue)))
+
+    def _purge(self, queue: str) -> int:
+        with self.conn_or_acquire() as client, client.pipeline() as pipe:
+            pipe.llen(self.keys.queue(queue)).delete(self.keys.queue(queue))
+            pipe.srem(self.keys.ready, queue)
+            size = pipe.execute()[0]
+            return int(size)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        with self.conn_or_acquire() as client:
+            return bool(client.exists(self.keys.queue(queue)))
+
+    def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str,
+                *args: Any, **kwargs: Any) -> None:
+        self.auto_delete_queues.discard(queue)
+        member = self.sep.join([routing_key or "", pattern or "", queue or ""])
+        with self.conn_or_acquire(client=kwargs.get("client")) as client, \
+                client.pipeline() as pipe:
+            pipe.srem(self.keyprefix_queue % (exchange,), member)
+            pipe.srem(self.keyprefix_binding_permanent % (exchange,), member)
+            pipe.delete(self.keys.queue(queue))
+            pipe.srem(self.keys.ready, queue)
+            pipe.execute()
+
+    def _maybe_update_queues_expire(self, client: Any, queue: str) -> None:
+        if self._expires and queue in self._expires:
+            client.pexpire(self.keys.queue(queue), self._expires[queue])
+
+    # -- consuming ---------------------------------------------------------------------
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        if "\n" in queue:
+            raise ValueError(f"celery_ext: queue name {queue!r} must not contain a newline")
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        else:
+            self._no_ack_queues.discard(queue)
+        ret = super().basic_consume(queue, no_ack, *args, **kwargs)
+        _live_channels.add(self)
+        return ret
+
+    def _update_queue_cycle(self) -> None:
+        from .weights import weight_of
+
+        self._sched.set_queues({q: weight_of(q, self.settings.default_weight)
+                                for q in self.active_queues})
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        jobs = self._fetch_sync([queue], track=not no_ack)
+        if not jobs:
+            return None
+        qname, tag, payload, rec = jobs[0]
+        raw = self._decode(qname, tag, payload, rec)
+        if raw is None:
+            return None
+        message = self.Message(raw, channel=self)
+        if not no_ack:
+            self.qos.append(message, message.delivery_tag)
+        return message
+
+    def _get(self, queue: str, timeout: float | None = None) -> Any:
+        jobs = self._fetch_sync([queue], track=False)
+        for qname, tag, payload, rec in jobs:
+            raw = self._decode(qname, tag, payload, rec)
+            if raw is not None:
+                return raw
+        raise Empty()
+
+    @property
+    def pool_id(self) -> str:
+        return self._ensure_pool().pool_id
+
+    def _ensure_pool(self) -> Heartbeater:
+        """Register this process's pool (once) before its first tracked fetch."""
+        if self._heartbeater is None:
+            self._heartbeater = heartbeater_for(self._new_sync_client, self.settings,
+                                                self.server_id)
+        key = (self.server_id, self.settings.namespace)
+        if key in _pending_recovery:
+            _pending_recovery.discard(key)
+            self._recover_leftovers()
+        return self._heartbeater
+
+    def _fetch_keys(self, pool_id: str, queues: list[str]) -> list[str]:
+        k = self.keys
+        return [k.inflight(pool_id), k.pools, k.ready, k.redelivery, k.inflight_pools,
+                *(k.queue(q) for q in queues)]
+
+    def _fetch_sync(self, queues: list[str], track: bool) -> list[Any]:
+        pool_id = self._ensure_pool().pool_id if track else "-"
+        flags = ("1" if track else "0") * len(queues)
+        with self.conn_or_acquire() as client:
+            for _ in range(2):
+                status, jobs, _empties = self._scripts(
+                    "fetch", self._fetch_keys(pool_id, queues), [pool_id, flags, *queues],
+                    client=client)
+                if status:
+                    return list(jobs)
+                self._ensure_pool().register()
+        return []
+
+    def _brpop_start(self, timeout: Any = None) -> None:
+        """Send one fetch (instead of BRPOP) for up to the free prefetch slots."""
+        sched = self._sched
+        if not sched.has_active():
+            return  # idle: the WAKE listener and the ready refresh take over
+        credit = self.qos.can_consume_max_estimate()
+        n = self.settings.fetch_batch if credit is None else min(credit, self.settings.fetch_batch)
+        if n <= 0:
+            return
+        picks = sched.take(n)
+        no_ack = self._no_ack_queues
+        flags = "".join("0" if q in no_ack else "1" for q in picks)
+        pool_id = self._ensure_pool().pool_id if "1" in flags else "-"
+        keys = self._fetch_keys(pool_id, picks)
+        conn = self.client.connection
+        self._in_poll = conn
+        self._brpop_sent_at = monotonic()
+        conn.send_command("EVALSHA", _scripts.sha("fetch"), len(keys), *keys,
+                          pool_id, flags, *picks)
+
+    def _brpop_read(self, **options: Any) -> bool:
+        conn = self.client.connection
+        pending = self._in_poll
+        try:
+            try:
+                reply = self.client.parse_response(conn, "EVALSHA", **options)
+            except self.connection_errors:
+                conn.disconnect()
+                self._sched.activate_many(self._sched.queues)
+                raise
+            except redis.exceptions.NoScriptError:
+                # The server restarted and lost its script cache: load and go on.
+                with self.conn_or_acquire() as client:
+                    self._scripts.load_all(client)
+                raise Empty() from None
+        finally:
+            self._in_poll = None
+        if not pending:
+            raise Empty()
+        status, jobs, empties = reply
+        for name in empties:
+            self._sched.deactivate(bytes_to_str(name))
+        if not status:
+            # A reaper declared this pool dead while it was stopped; register again.
+            self._ensure_pool().register()
+            raise Empty()
+        delivered = False
+        for qname, tag, payload, rec in jobs:
+            raw = self._decode(qname, tag, payload, rec)
+            if raw is not None:
+                self.connection._deliver(raw, bytes_to_str(qname))
+                delivered = True
+        if not delivered:
+            raise Empty()
+        return True
+
+    def _decode(self, qname: Any, tag: Any, payload: Any, rec: Any) -> dict[str, Any] | None:
+        """Parse a fetched job; an undecodable one goes to the dead set, not the floor."""
+        queue, tag = bytes_to_str(qname), bytes_to_str(tag)
+        try:
+            raw = loads(bytes_to_str(payload))
+            props = raw["properties"]
+            props["delivery_tag"] = tag
+            info = props.setdefault("delivery_info", {})
+        except Exception as exc:
+            logger.error("celery_ext: undecodable message in job queue %r (%s: %s); "
+                         "moved to the dead set", queue, type(exc).__name__, exc)
+            self._dead_letter(tag, "undecodable", f"{type(exc).__name__}: {exc}", queue=queue)
+            return None
+        if int(rec) >= 0:
+            info["redelivered"] = True
+            headers = raw.get("headers")
+            if isinstance(headers, dict):
+                headers["redelivered"] = True
+        return raw
+
+    # -- idle: wake-ups and refresh ---------------------------------------------------
+    def _wake_subscribe(self) -> None:
+        c = self.wakeclient
+        if c.connection._sock is None:
+            c.connection.connect()
+        self._in_wake = c.connection
+        c.subscribe(self.keys.wake_channel)
+
+    def _wake_read(self) -> bool:
+        c = self.wakeclient
+        try:
+            self._on_wake(c.parse_response())
+            while c.connection is not None and c.connection.can_read(timeout=0):
+                self._on_wake(c.parse_response())
+        except self.connection_errors:
+            self._in_wake = None
+            raise
+        return False
+
+    def _on_wake(self, response: Any) -> None:
+        if not isinstance(response, list | tuple) or len(response) < 3:
+            return
+        kind = bytes_to_str(response[0])
+        if kind == "message":
+            self._sched.activate(bytes_to_str(response[2]))
+        elif kind == "subscribe":
+            # (Re)subscribed: notifications may have been missed meanwhile.
+            self._sched.activate_many(self._sched.queues)
+
+    def maybe_refresh_ready(self) -> None:
+        """Re-read the ready set if some consumed queue is believed empty (1 command)."""
+        sched = self._sched
+        if len(sched.active) == len(sched.queues):
+            return
+        now = monotonic()
+        if now - self._last_refresh < self.settings.idle_refresh_interval * 0.9:
+            return
+        self._last_refresh = now
+        with self.conn_or_acquire() as client:
+            ready = client.smembers(self.keys.ready)
+        sched.activate_many(bytes_to_str(name) for name in ready)
+
+    # -- ack, requeue, dead ------------------------------------------------------------
+    def _inflight_key(self) -> str:
+        return self.keys.inflight(self.pool_id)
+
+    def _ack(self, tags: list[str]) -> None:
+        with self.conn_or_acquire() as client:
+            self._scripts("ack", [self._inflight_key(), self.keys.redelivery], tags,
+                          client=client)
+
+    def _requeue(self, tags: Iterable[str], client: Any = None) -> list[str]:
+        """Put jobs of this pool back at the front of their queues, first delivered
+        first fetched again. Tags no longer in the record are skipped."""
+        return requeue_tags(self._scripts, self.keys, self.pool_id, list(tags),
+                            client or self._create_client())
+
+    def _dead_letter(self, tag: str, reason: str, error: str, queue: str | None = None) -> None:
+        with self.conn_or_acquire() as client:
+            dead_letter(client, self.settings, self.pool_id, tag, reason=reason, error=error)
+
+    def _mark_needs_recovery(self) -> None:
+        _pending_recovery.add((self.server_id, self.settings.namespace))
+
+    def _recover_leftovers(self) -> None:
+        """Requeue this pool's in-flight jobs that no live channel of the process owns
+        (their channel closed while Redis was unreachable)."""
+        assert self._heartbeater is not None
+        owned: set[str] = set()
+        for channel in list(_live_channels):
+            if channel is not self and not channel.closed:
+                owned |= channel.qos.live_tags()
+        client = self._create_client()
+        tags = [bytes_to_str(t) for t in client.hkeys(self.keys.inflight(self.pool_id))]
+        left = [t for t in tags if t not in owned]
+        if left:
+            done = self._requeue(left, client=client)
+            logger.warning("celery_ext: returned %d in-flight jobs of a closed channel "
+                           "to their queues", len(done))
+
+    def close(self) -> None:
+        _live_channels.discard(self)
+        wake = self.__dict__.get("_wakeclient")
+        if wake is not None:
+            with suppress(Exception):
+                conn, wake.connection = wake.connection, None
+                if conn is not None:
+                    conn.disconnect()
+        super().close()
+
+
+def requeue_tags(scripts: _scripts.Scripts, keys: Keys, pool_id: str, tags: list[str],
+                 client: Any) -> list[str]:
+    """Move ``tags`` (in delivery order) from a pool's in-flight record to the front
+    of their job queues. Reads the queues first (scripts may only touch keys they
+    are given), then moves atomically; returns the tags moved."""
+    if not tags:
+        return []
+    inflight = keys.inflight(pool_id)
+    records = client.hmget(inflight, tags)
+    pairs = []
+    for tag, rec in zip(tags, records, strict=True):
+        if rec:
+            pairs.append((tag, bytes_to_str(rec.split(b"\n", 1)[0])))
+    pairs.reverse()  # pushed last = fetched first: the first delivered goes back in front
+    done = scripts(
+        "requeue",
+        [inflight, keys.ready, keys.redelivery, *(keys.queue(q) for _, q in pairs)],
+        [keys.wake_channel, keys.queue(""), *(t for t, _ in pairs)],
+        client=client,
+    )
+    return [bytes_to_str(t) for t in done]
+
+
+class Transport(kredis.Transport):
+    """Kombu transport registered as ``celery-ext://`` (and ``celery-exts://`` for TLS)."""
+
+    Channel = Channel
+    driver_type = "redis"
+    driver_name = "redis"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cycle = MultiChannelPoller()
+        self.settings = Settings.load(self.client.transport_options)
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        super().register_with_event_loop(connection, loop)
+        cycle = self.cycle
+        old = getattr(cycle, "_ready_refresh_tref", None)
+        if old is not None:
+            old.cancel()
+        cycle._ready_refresh_tref = loop.call_repeatedly(
+            self.settings.idle_refresh_interval, cycle.maybe_refresh_ready)

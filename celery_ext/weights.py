@@ -1,0 +1,24 @@
+"""Weights of job queues known to this process (set by ``install(app)`` from task options)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+_weights: dict[str, int] = {}
+
+
+def set_weights(weights: Mapping[str, int]) -> None:
+    """Record the weight of each job queue; later values win."""
+    for name, weight in weights.items():
+        weight = int(weight)
+        if weight < 1:
+            raise ValueError(f"celery_ext: weight of {name!r} must be a whole number >= 1")
+        _weights[name] = weight
+
+
+def weight_of(queue: str, default: int = 1) -> int:
+    return _weights.get(queue, default)
+
+
+def all_weights() -> dict[str, int]:
+    return dict(_weights)

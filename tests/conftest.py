@@ -1,0 +1,85 @@
+"""Shared fixtures: one real server per session, a clean database per test, real workers.
+
+Tests run against a real Redis/Valkey (see :mod:`celery_ext.server`) because the
+plugin's guarantees live in Lua scripts and AOF behaviour that no fake reproduces.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_ext.server import RedisServer
+from tests.workers import WorkerProcess
+
+# pyproject passes `-p no:celery` so the plugin is not auto-loaded twice; load it here
+# for the celery_app / celery_worker fixtures.
+pytest_plugins = ("celery.contrib.pytest",)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Turn SIGTERM (e.g. a CI timeout) into KeyboardInterrupt so teardown and atexit
+    still stop every server and worker instead of leaving them running."""
+    if threading.current_thread() is threading.main_thread():
+
+        def on_term(signum: int, frame: object) -> None:
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        signal.signal(signal.SIGTERM, on_term)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One real server for the whole session (starting one per test would dominate runtime)."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A bytes client on an empty server: FLUSHALL first, so tests never see each other's keys."""
+    client = redis_server.client()
+    client.flushall()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def broker_url(redis_server: RedisServer) -> str:
+    """The session server's URL with our transport's scheme (``import celery_ext`` registers it)."""
+    return redis_server.url(scheme="celery-ext")
+
+
+@pytest.fixture
+def worker_factory(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., WorkerProcess]]:
+    """Build :class:`WorkerProcess` objects (call ``.start()``); all are stopped at teardown.
+
+    ``worker_factory("tasks.app", queues=[...])`` uses the ``broker_url`` fixture unless
+    one is passed. Logs go to ``tmp_path``; their tails are printed at teardown, which
+    pytest shows when the test fails.
+    """
+    workers: list[WorkerProcess] = []
+
+    def make(app: str, broker_url: str | None = None, **kwargs: Any) -> WorkerProcess:
+        url = broker_url if broker_url is not None else request.getfixturevalue("broker_url")
+        worker = WorkerProcess(app, url, log_dir=tmp_path, **kwargs)
+        workers.append(worker)
+        return worker
+
+    yield make
+
+    for worker in workers:
+        if worker.started:
+            # SIGTERM (SIGKILL after 15 s), then SIGKILL whatever is left in its group.
+            worker.stop(signal.SIGTERM, timeout=15)
+            print(f"--- {worker.hostname} ({worker.log_path}):\n{worker.log_tail()}")

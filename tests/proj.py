@@ -1,0 +1,83 @@
+"""Celery app used by the end-to-end tests (workers run it as ``-A tests.proj``).
+
+The broker URL comes from ``CELERY_EXT_BROKER_URL``; results go to the same server's
+db 1 over plain ``redis://``. Tasks record what they do in Redis so tests can count
+runs without relying on results.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from celery import Celery
+
+import celery_ext
+
+BROKER_URL = os.environ.get("CELERY_EXT_BROKER_URL", "celery-ext://127.0.0.1:6379/0")
+
+
+def backend_url(broker_url: str) -> str:
+    parts = urlsplit(broker_url)
+    scheme = "rediss" if parts.scheme.endswith("s") and parts.scheme != "celery-ext" else "redis"
+    return urlunsplit((scheme, parts.netloc, "/1", parts.query, ""))
+
+
+app = Celery("proj", broker=BROKER_URL, backend=backend_url(BROKER_URL))
+app.conf.update(
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    task_track_started=True,
+    result_expires=3600,
+)
+if os.environ.get("CELERY_EXT_NO_INSTALL") != "1":
+    celery_ext.install(app)
+
+_record: redis.Redis | None = None
+
+
+def recorder() -> redis.Redis:
+    """Client on the result db, where tasks leave traces for the tests."""
+    global _record
+    if _record is None:
+        _record = redis.Redis.from_url(backend_url(BROKER_URL).replace("/1", "/2"))
+    return _record
+
+
+@app.task
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task
+def noop() -> None:
+    return None
+
+
+@app.task(weight=5)
+def heavy_weight(i: int) -> int:
+    recorder().rpush("order", f"heavy:{i}")
+    return i
+
+
+@app.task(weight=1)
+def light_weight(i: int) -> int:
+    recorder().rpush("order", f"light:{i}")
+    return i
+
+
+@app.task
+def record(key: str, value: Any = 1, sleep: float = 0.0) -> Any:
+    """Count one run of ``key``; sleep first if asked (a long job)."""
+    if sleep:
+        time.sleep(sleep)
+    recorder().rpush(f"runs:{key}", f"{os.getpid()}:{time.time()}")
+    return value
+
+
+@app.task(queue="explicit_q")
+def explicit(x: int) -> int:
+    return x * 10
