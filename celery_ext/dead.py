@@ -25,7 +25,7 @@ def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,
                         default=repr, separators=(",", ":"))
     moved = Scripts(client)(
         "dead",
-        [keys.inflight(pool_id), keys.dead, keys.dead_jobs, keys.redelivery],
+        [keys.inflight(pool_id), keys.dead, keys.dead_jobs, keys.redelivery, keys.running],
         [tag, record, settings.dead_max_size, int(settings.dead_max_age * 1000)],
     )
     return bool(moved)

@@ -16,6 +16,7 @@ Layout (``ns`` = namespace)::
     {ns}:inflight:<id>       hash    delivery tag -> "<queue>\\n<payload>" jobs a pool owns
     {ns}:inflight_pools      set     pool ids that may own in-flight jobs (finds orphans)
     {ns}:redelivery          hash    delivery tag -> times recovered from a dead pool
+    {ns}:running             hash    queue name -> jobs of it in flight in all pools
     {ns}:reaper              string  lock held by the one reaper running a pass
     {ns}:dead                zset    dead job id -> failed_at (ms)
     {ns}:dead_jobs           hash    dead job id -> "<meta json>\n<queue>\n<payload>"
@@ -80,6 +81,10 @@ class Keys:
     @property
     def reaper_lock(self) -> str:
         return self.prefix + "reaper"
+
+    @property
+    def running(self) -> str:
+        return self.prefix + "running"
 
     @property
     def dead(self) -> str:

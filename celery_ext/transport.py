@@ -301,7 +301,7 @@ class Channel(kredis.Channel):
     def _fetch_keys(self, pool_id: str, queues: list[str]) -> list[str]:
         k = self.keys
         return [k.inflight(pool_id), k.pools, k.ready, k.redelivery, k.inflight_pools,
-                *(k.queue(q) for q in queues)]
+                k.running, *(k.queue(q) for q in queues)]
 
     def _fetch_sync(self, queues: list[str], track: bool) -> list[Any]:
         pool_id = self._ensure_pool().pool_id if track else "-"
@@ -440,7 +440,8 @@ class Channel(kredis.Channel):
 
     def _ack(self, tags: list[str]) -> None:
         with self.conn_or_acquire() as client:
-            self._scripts("ack", [self._inflight_key(), self.keys.redelivery], tags,
+            self._scripts("ack", [self._inflight_key(), self.keys.redelivery, self.keys.running],
+                          tags,
                           client=client)
 
     def _requeue(self, tags: Iterable[str], client: Any = None) -> list[str]:
@@ -499,7 +500,8 @@ def requeue_tags(scripts: _scripts.Scripts, keys: Keys, pool_id: str, tags: list
     pairs.reverse()  # pushed last = fetched first: the first delivered goes back in front
     done = scripts(
         "requeue",
-        [inflight, keys.ready, keys.redelivery, *(keys.queue(q) for _, q in pairs)],
+        [inflight, keys.ready, keys.redelivery, keys.running,
+         *(keys.queue(q) for _, q in pairs)],
         [keys.wake_channel, keys.queue(""), *(t for t, _ in pairs)],
         client=client,
     )

@@ -20,10 +20,11 @@ import celery_ext
 BROKER_URL = os.environ.get("CELERY_EXT_BROKER_URL", "celery-ext://127.0.0.1:6379/0")
 
 
-def backend_url(broker_url: str) -> str:
+def backend_url(broker_url: str, db: int = 1) -> str:
+    """The plain redis:// URL of another db on the broker's server."""
     parts = urlsplit(broker_url)
-    scheme = "rediss" if parts.scheme.endswith("s") and parts.scheme != "celery-ext" else "redis"
-    return urlunsplit((scheme, parts.netloc, "/1", parts.query, ""))
+    scheme = "rediss" if parts.scheme in ("rediss", "celery-exts") else "redis"
+    return urlunsplit((scheme, parts.netloc, f"/{db}", parts.query, ""))
 
 
 app = Celery("proj", broker=BROKER_URL, backend=backend_url(BROKER_URL))
@@ -43,7 +44,7 @@ def recorder() -> redis.Redis:
     """Client on the result db, where tasks leave traces for the tests."""
     global _record
     if _record is None:
-        _record = redis.Redis.from_url(backend_url(BROKER_URL).replace("/1", "/2"))
+        _record = redis.Redis.from_url(backend_url(BROKER_URL, db=2))
     return _record
 
 

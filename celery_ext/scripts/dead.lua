@@ -3,6 +3,7 @@
 -- KEYS[2]  dead zset                    {ns}:dead
 -- KEYS[3]  dead jobs hash               {ns}:dead_jobs
 -- KEYS[4]  redelivery hash              {ns}:redelivery
+-- KEYS[5]  running counts hash          {ns}:running
 -- ARGV[1]  delivery tag (becomes the dead job id)
 -- ARGV[2]  meta JSON (reason, error, pool, ...), one line
 -- ARGV[3]  max dead jobs kept
@@ -16,6 +17,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('HINCRBY', KEYS[5], string.sub(rec, 1, string.find(rec, '\n', 1, true) - 1), -1)
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[2] .. '\n' .. rec)
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 -- Trim: too old first, then too many; bounded work per call.

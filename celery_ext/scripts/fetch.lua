@@ -6,14 +6,15 @@
 -- KEYS[3]  ready set                    {ns}:ready
 -- KEYS[4]  redelivery hash              {ns}:redelivery
 -- KEYS[5]  in-flight pools set          {ns}:inflight_pools
--- KEYS[6..] job queue lists, one per candidate (repeats allowed)
+-- KEYS[6]  running counts hash          {ns}:running
+-- KEYS[7..] job queue lists, one per candidate (repeats allowed)
 -- ARGV[1]  pool id
 -- ARGV[2]  one char per candidate: "1" = record in-flight (acked consumer), "0" = no-ack
--- ARGV[3..] queue names, one per candidate, in the order of KEYS[6..]
+-- ARGV[3..] queue names, one per candidate, in the order of KEYS[7..]
 -- Returns {status, jobs, empties}: status 0 = pool not registered (nothing moved),
 -- 1 = ok; jobs = {{queue, delivery tag, payload, recoveries or -1}, ...};
 -- empties = names of candidate queues found or left empty.
-local ncand = #KEYS - 5
+local ncand = #KEYS - 6
 local flags = ARGV[2]
 if string.find(flags, '1', 1, true) and not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
   return {0, {}, {}}
@@ -22,7 +23,7 @@ local jobs, empties, seen_empty = {}, {}, {}
 local now = nil
 local tracked = false
 for i = 1, ncand do
-  local qkey, qname = KEYS[5 + i], ARGV[2 + i]
+  local qkey, qname = KEYS[6 + i], ARGV[2 + i]
   if not seen_empty[qname] then
     local payload = redis.call('RPOP', qkey)
     if not payload then
@@ -39,6 +40,7 @@ for i = 1, ncand do
       end
       if string.sub(flags, i, i) == '1' then
         redis.call('HSET', KEYS[1], tag, qname .. '\n' .. payload)
+        redis.call('HINCRBY', KEYS[6], qname, 1)
         tracked = true
       end
       local rec = redis.call('HGET', KEYS[4], tag)

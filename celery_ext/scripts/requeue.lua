@@ -3,18 +3,19 @@
 -- KEYS[1]  in-flight hash of the pool   {ns}:inflight:<pool id>
 -- KEYS[2]  ready set                    {ns}:ready
 -- KEYS[3]  redelivery hash              {ns}:redelivery
--- KEYS[4..] job queue lists, one per tag
+-- KEYS[4]  running counts hash          {ns}:running
+-- KEYS[5..] job queue lists, one per tag
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job queue key prefix         {ns}:queue:
--- ARGV[3..] delivery tags, one per KEYS[4..], in the order to push them
+-- ARGV[3..] delivery tags, one per KEYS[5..], in the order to push them
 --          (the last one pushed is the next fetched)
 -- Each job is marked redelivered (recovery count kept, or 0). A tag whose
 -- record is gone, or whose record names another queue than the key given, is
 -- skipped: the caller passes the queue it read, and this script re-checks it.
 -- Returns the tags requeued.
 local done = {}
-for i = 4, #KEYS do
-  local tag = ARGV[i - 1]
+for i = 5, #KEYS do
+  local tag = ARGV[i - 2]
   local rec = redis.call('HGET', KEYS[1], tag)
   if rec then
     local nl = string.find(rec, '\n', 1, true)
@@ -22,6 +23,7 @@ for i = 4, #KEYS do
     if KEYS[i] == ARGV[2] .. qname then
       redis.call('RPUSH', KEYS[i], string.sub(rec, nl + 1))
       redis.call('HDEL', KEYS[1], tag)
+      redis.call('HINCRBY', KEYS[4], qname, -1)
       redis.call('HSETNX', KEYS[3], tag, 0)
       if redis.call('SADD', KEYS[2], qname) == 1 then
         redis.call('PUBLISH', ARGV[1], qname)
