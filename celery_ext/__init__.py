@@ -10,6 +10,7 @@ from __future__ import annotations
 from kombu.transport import TRANSPORT_ALIASES
 
 from .install import install
+from .observer import checkin
 from .transport import SCHEME, TLS_SCHEME
 
 __version__ = "0.1.0"
@@ -20,4 +21,4 @@ TRANSPORT = "celery_ext.transport:Transport"
 TRANSPORT_ALIASES.setdefault(SCHEME, TRANSPORT)
 TRANSPORT_ALIASES.setdefault(TLS_SCHEME, TRANSPORT)
 
-__all__ = ["SCHEME", "TLS_SCHEME", "TRANSPORT", "__version__", "install"]
+__all__ = ["SCHEME", "TLS_SCHEME", "TRANSPORT", "__version__", "checkin", "install"]

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from celery import bootsteps
+from celery.signals import worker_shutdown, worker_shutting_down
 from kombu import Queue
 
+from .heartbeater import Heartbeater, all_heartbeaters, current_pool_id
+from .reaper import Reaper
 from .weights import set_weights
 
 logger = logging.getLogger("celery_ext.bootsteps")
+
+_reapers: list[Reaper] = []
 
 
 def job_queues(app: Any) -> dict[str, int]:
@@ -39,6 +45,8 @@ class JobQueues(bootsteps.Step):
     name = "celery_ext.JobQueues"
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
+        # Fix the pool id before the prefork pool forks, so children know their owner.
+        current_pool_id()
         app = worker.app
         weights = job_queues(app)
         set_weights(weights)
@@ -54,3 +62,53 @@ class JobQueues(bootsteps.Step):
             logger.warning(
                 "celery_ext: install(app) is active but the broker is not celery-ext:// "
                 "(jobs are routed per task name, without crash-safe ownership)")
+
+
+class WorkerPool(bootsteps.StartStopStep):
+    """Registers the worker pool with its details and runs the reaper.
+
+    The transport registers the pool and starts its heartbeat at the first fetch;
+    this step adds node name, concurrency, pool type and job names, and runs one
+    reaper per pool. Shutdown marks the pool "stopping" (checkin returns True) and,
+    once everything has stopped, deregisters it.
+    """
+
+    name = "celery_ext.WorkerPool"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, c: Any) -> None:
+        channel = c.connection.default_channel
+        if not hasattr(channel, "_ensure_pool"):
+            return  # not our transport
+        hb: Heartbeater = channel._ensure_pool()
+        controller = getattr(c, "controller", None)
+        pool_cls = getattr(controller, "pool_cls", None)
+        hb.update_info(
+            node=c.hostname,
+            concurrency=getattr(controller, "concurrency", "") or "",
+            pool_type=getattr(pool_cls, "__module__", str(pool_cls)).rsplit(".", 1)[-1],
+            queues=",".join(sorted(c.app.amqp.queues.consume_from)),
+            started_at=int(time.time() * 1000),
+            state="running",
+        )
+        if not _reapers:
+            reaper = Reaper(channel._new_sync_client(), channel.settings, own_pool_id=hb.pool_id)
+            _reapers.append(reaper)
+            reaper.start()
+
+
+@worker_shutting_down.connect(weak=False)
+def _on_shutting_down(**kwargs: Any) -> None:
+    for hb in all_heartbeaters():
+        try:
+            hb.client.hset(hb.keys.pool(hb.pool_id), "state", "stopping")
+        except Exception as exc:
+            logger.warning("celery_ext: could not mark pool stopping: %s", exc)
+
+
+@worker_shutdown.connect(weak=False)
+def _on_shutdown(**kwargs: Any) -> None:
+    while _reapers:
+        _reapers.pop().stop()
+    for hb in all_heartbeaters():
+        hb.stop(deregister=True)

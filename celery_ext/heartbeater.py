@@ -27,6 +27,9 @@ from .scripts import Scripts
 logger = logging.getLogger("celery_ext.heartbeater")
 
 _pool_id: str | None = None
+#: In a forked child (a prefork pool process): the pool id of the parent that owns
+#: the jobs this child runs.
+_parent_pool_id: str | None = None
 _lock = threading.Lock()
 
 
@@ -39,8 +42,14 @@ def current_pool_id() -> str:
         return _pool_id
 
 
+def owning_pool_id() -> str:
+    """The pool that owns jobs run in this process: the parent's in a prefork child."""
+    return _parent_pool_id or current_pool_id()
+
+
 def _reset_after_fork() -> None:
-    global _pool_id, _heartbeaters, _lock
+    global _pool_id, _parent_pool_id, _heartbeaters, _lock
+    _parent_pool_id = _pool_id or _parent_pool_id
     _pool_id = None
     _heartbeaters = {}
     _lock = threading.Lock()

@@ -8,7 +8,8 @@ from typing import Any
 
 from celery import Celery
 
-from .bootsteps import JobQueues
+from .bootsteps import JobQueues, WorkerPool
+from .observer import _task_checkin
 
 logger = logging.getLogger("celery_ext")
 
@@ -51,7 +52,10 @@ def install(app: Celery, *, route_by_name: bool = True) -> Celery:
     - workers started without ``-Q`` consume every registered task's job queue, with
       the task option ``weight=N`` (default 1) as that queue's weight;
     - defaults ``task_acks_late`` and ``task_reject_on_worker_lost`` to True unless
-      configured, so a job is owned by its worker pool until it finishes.
+      configured, so a job is owned by its worker pool until it finishes;
+    - adds the worker-pool bootstep (registration details, reaper), busy-worker
+      records, ``task.checkin()``, and per-job recovery counting when a prefork child
+      dies (poison pills end in the dead set).
 
     Returns ``app`` so it can be used inline. Safe to call more than once.
     """
@@ -69,4 +73,8 @@ def install(app: Celery, *, route_by_name: bool = True) -> Celery:
 
             app.on_after_configure.connect(_on_configure, weak=False)
     app.steps["worker"].add(JobQueues)
+    app.steps["consumer"].add(WorkerPool)
+    # Every task of the app gets the counting Request class and a checkin() method.
+    app.Task.Request = "celery_ext.request:Request"
+    app.Task.checkin = _task_checkin
     return app

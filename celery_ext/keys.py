@@ -17,6 +17,9 @@ Layout (``ns`` = namespace)::
     {ns}:inflight_pools      set     pool ids that may own in-flight jobs (finds orphans)
     {ns}:redelivery          hash    delivery tag -> times recovered from a dead pool
     {ns}:running             hash    queue name -> jobs of it in flight in all pools
+    {ns}:busy:<id>           hash    slot -> "<started ms>\n<job json>" jobs a pool runs now
+    {ns}:checkins            hash    job id -> "<ms>\n<json>" last checkin of a running job
+    {ns}:stop                set     job ids someone asked to stop (checkin returns True)
     {ns}:reaper              string  lock held by the one reaper running a pass
     {ns}:dead                zset    dead job id -> failed_at (ms)
     {ns}:dead_jobs           hash    dead job id -> "<meta json>\n<queue>\n<payload>"
@@ -81,6 +84,17 @@ class Keys:
     @property
     def reaper_lock(self) -> str:
         return self.prefix + "reaper"
+
+    def busy(self, pool_id: str) -> str:
+        return f"{self.prefix}busy:{pool_id}"
+
+    @property
+    def checkins(self) -> str:
+        return self.prefix + "checkins"
+
+    @property
+    def stop_requests(self) -> str:
+        return self.prefix + "stop"
 
     @property
     def running(self) -> str:

@@ -13,7 +13,10 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-SCRIPT_NAMES = ("enqueue", "fetch", "ack", "requeue", "heartbeat", "deregister", "dead")
+SCRIPT_NAMES = (
+    "enqueue", "fetch", "ack", "requeue", "heartbeat", "deregister", "dead", "recover",
+    "checkin", "busy",
+)
 
 
 @cache

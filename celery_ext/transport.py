@@ -95,6 +95,10 @@ class QoS(virtual.QoS):
     def restore_visible(self, *args: Any, **kwargs: Any) -> None:
         """No visibility timeout: dead pools' jobs are requeued by the reaper."""
 
+    def forget(self, delivery_tag: str) -> None:
+        """Drop a tag from prefetch accounting only (Redis was already updated)."""
+        super().ack(delivery_tag)
+
     def live_tags(self) -> set[str]:
         return {t for t in self._delivered if t not in self._dirty}
 
@@ -453,6 +457,21 @@ class Channel(kredis.Channel):
     def _dead_letter(self, tag: str, reason: str, error: str, queue: str | None = None) -> None:
         with self.conn_or_acquire() as client:
             dead_letter(client, self.settings, self.pool_id, tag, reason=reason, error=error)
+
+    def recover_lost(self, tag: str) -> str:
+        """The job's prefork child died: requeue it now, counting a recovery, or
+        dead-letter it past max_recoveries. Returns "requeued", "dead" or "gone"."""
+        from .reaper import recover_tags
+
+        with self.conn_or_acquire() as client:
+            _, requeued, dead = recover_tags(client, self.settings, self.pool_id, [tag],
+                                             mode="job", reason="worker lost")
+        self.qos.forget(tag)
+        if dead:
+            logger.error("celery_ext: job %s killed its worker more than %d times; "
+                         "moved to the dead set", tag, self.settings.max_recoveries)
+            return "dead"
+        return "requeued" if requeued else "gone"
 
     def _mark_needs_recovery(self) -> None:
         _pending_recovery.add((self.server_id, self.settings.namespace))

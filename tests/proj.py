@@ -48,6 +48,18 @@ def recorder() -> redis.Redis:
     return _record
 
 
+def configure(broker_url: str) -> None:
+    """Point this app (in the test process) at a test server's broker URL."""
+    global _record
+    if app.conf.broker_url != broker_url:
+        app.conf.broker_url = broker_url
+        app.conf.result_backend = backend_url(broker_url)
+        app._backend = app._get_backend()  # rebuild with the new URL
+        app._pool = None  # connection pools are keyed by URL: a new one is made
+        app.amqp._producer_pool = None
+    _record = redis.Redis.from_url(backend_url(broker_url, db=2))
+
+
 @app.task
 def add(x: int, y: int) -> int:
     return x + y
@@ -82,3 +94,26 @@ def record(key: str, value: Any = 1, sleep: float = 0.0) -> Any:
 @app.task(queue="explicit_q")
 def explicit(x: int) -> int:
     return x * 10
+
+
+@app.task(bind=True)
+def probe(self: Any, key: str, sleep: float = 0.0) -> Any:
+    """Record one run of ``key`` with the job's redelivered flag, and return the flag."""
+    if sleep:
+        time.sleep(sleep)
+    redelivered = self.request.delivery_info.get("redelivered")
+    recorder().rpush(f"runs:{key}", f"{os.getpid()}:{time.time()}:{redelivered}")
+    return redelivered
+
+
+@app.task
+def fail(key: str) -> None:
+    """Count one run of ``key``, then fail."""
+    recorder().rpush(f"runs:{key}", f"{os.getpid()}:{time.time()}")
+    raise ValueError(f"{key} failed on purpose")
+
+
+@app.task
+def xsum(numbers: list[int]) -> int:
+    """Chord body: the sum of its header's results."""
+    return sum(numbers)

@@ -1,0 +1,213 @@
+"""The dead-pool reaper: requeues the in-flight jobs of pools that stopped heartbeating.
+
+Every worker pool runs one (``start()``/``stop()``); a lock makes one pass run at a
+time across the cluster, and ``reap()`` is the one-shot pass that tests and the CLI
+call. Staleness is judged by Redis time only. After the reaper itself could not
+reach Redis (or was stopped) it waits until it has seen Redis answer steadily for
+``dead_after`` again, so a Redis stall, which makes every heartbeat look old at
+once, never reaps live pools.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from kombu.utils.encoding import bytes_to_str
+
+from .clock import now_ms
+from .config import Settings
+from .keys import Keys
+from .scripts import Scripts
+
+logger = logging.getLogger("celery_ext.reaper")
+
+#: Most in-flight jobs moved by one script call (bounds the time Redis is blocked).
+RECOVER_CHUNK = 500
+
+
+@dataclass
+class ReapResult:
+    """What one reaper pass did."""
+
+    dead_pools: list[str] = field(default_factory=list)
+    requeued: list[str] = field(default_factory=list)
+    dead_jobs: list[str] = field(default_factory=list)
+    skipped: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.dead_pools or self.requeued or self.dead_jobs)
+
+
+def recover_tags(client: Any, settings: Settings, pool_id: str, tags: list[str], *,
+                 mode: str, deadline_ms: int = 0, reason: str = "worker lost",
+                 scripts: Scripts | None = None) -> tuple[bool, list[str], list[str]]:
+    """Run the ``recover`` script for some of a pool's in-flight tags.
+
+    Returns (done, requeued tags, dead tags); done is False when the pool turned out
+    to be alive ("pool" mode re-checks the heartbeat atomically).
+    """
+    keys = Keys(settings.namespace)
+    inflight = keys.inflight(pool_id)
+    pairs: list[tuple[str, str]] = []
+    if tags:
+        for tag, rec in zip(tags, client.hmget(inflight, tags), strict=True):
+            if rec:
+                pairs.append((tag, bytes_to_str(rec.split(b"\n", 1)[0])))
+    pairs.reverse()  # pushed last = fetched first
+    scripts = scripts or Scripts(client)
+    status, requeued, dead = scripts(
+        "recover",
+        [inflight, keys.pools, keys.pool(pool_id), keys.inflight_pools, keys.ready,
+         keys.redelivery, keys.running, keys.dead, keys.dead_jobs,
+         *(keys.queue(q) for _, q in pairs)],
+        [pool_id, mode, deadline_ms, keys.wake_channel, keys.queue(""),
+         settings.max_recoveries, settings.dead_max_size, reason, *(t for t, _ in pairs)],
+    )
+    return bool(status), [bytes_to_str(t) for t in requeued], [bytes_to_str(t) for t in dead]
+
+
+class Reaper:
+    """Finds dead and vanished pools and returns their jobs to the front of their queues."""
+
+    def __init__(self, client: redis.Redis, settings: Settings,
+                 own_pool_id: str | None = None) -> None:
+        self.client = client
+        self.settings = settings
+        self.keys = Keys(settings.namespace)
+        self.scripts = Scripts(client)
+        self.own_pool_id = own_pool_id
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Stall guard: Redis time (ms) since which this reaper has reached Redis at
+        # every pass without a gap; None until the first successful pass.
+        self._steady_since: int | None = None
+        self._last_ok: int | None = None
+        self.passes = 0
+
+    # -- one pass ------------------------------------------------------------------------
+    def stale_pools(self, now: int) -> list[str]:
+        """Pools whose heartbeat is older than dead_after, plus orphans: pools that
+        own in-flight jobs but are not registered at all."""
+        deadline = now - int(self.settings.dead_after * 1000)
+        stale = [bytes_to_str(p) for p in self.client.zrange(
+            self.keys.pools, "-inf", f"({deadline}", byscore=True)]
+        owners = {bytes_to_str(p) for p in self.client.smembers(self.keys.inflight_pools)}
+        if owners:
+            registered = self.client.zmscore(self.keys.pools, sorted(owners))
+            stale += [p for p, s in zip(sorted(owners), registered, strict=True)
+                      if s is None and p not in stale]
+        return [p for p in stale if p != self.own_pool_id]
+
+    def reap(self) -> ReapResult:
+        """One pass: requeue the jobs of every dead pool (under the cluster-wide lock)."""
+        result = ReapResult()
+        token = uuid.uuid4().hex
+        lock_ms = int(max(self.settings.reap_interval, 5.0) * 1000)
+        if not self.client.set(self.keys.reaper_lock, token, nx=True, px=lock_ms):
+            result.skipped = "another reaper holds the lock"
+            return result
+        try:
+            now = now_ms(self.client)
+            deadline = now - int(self.settings.dead_after * 1000)
+            for pool_id in self.stale_pools(now):
+                self._reap_pool(pool_id, deadline, result)
+        finally:
+            # Release only our own lock (it may have expired and been taken since).
+            self.client.eval(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+                "return redis.call('DEL', KEYS[1]) end return 0",
+                1, self.keys.reaper_lock, token)
+        if result:
+            logger.warning(
+                "celery_ext: reaped %d dead worker pool(s) %s: %d job(s) requeued, "
+                "%d to the dead set", len(result.dead_pools), ", ".join(result.dead_pools),
+                len(result.requeued), len(result.dead_jobs))
+        return result
+
+    def _reap_pool(self, pool_id: str, deadline: int, result: ReapResult) -> None:
+        inflight = self.keys.inflight(pool_id)
+        tags = [bytes_to_str(t) for t in self.client.hkeys(inflight)]
+        chunks: Iterable[list[str]] = (
+            [tags[i:i + RECOVER_CHUNK] for i in range(0, len(tags), RECOVER_CHUNK)] or [[]])
+        for chunk in chunks:
+            done, requeued, dead = recover_tags(
+                self.client, self.settings, pool_id, chunk, mode="pool",
+                deadline_ms=deadline, scripts=self.scripts)
+            if not done:
+                return  # it heartbeated meanwhile: alive after all
+            result.requeued += requeued
+            result.dead_jobs += dead
+        result.dead_pools.append(pool_id)
+        self._forget_busy(pool_id)
+
+    def _forget_busy(self, pool_id: str) -> None:
+        """Drop a dead pool's busy-worker records (observational data only)."""
+        busy = self.keys.busy(pool_id)
+        job_ids = []
+        for raw in self.client.hvals(busy):
+            try:
+                job_ids.append(json.loads(bytes_to_str(raw).split("\n", 1)[1])["job_id"])
+            except (ValueError, KeyError, IndexError):
+                continue
+        with self.client.pipeline() as pipe:
+            if job_ids:
+                pipe.hdel(self.keys.checkins, *job_ids)
+            pipe.delete(busy)
+            pipe.execute()
+
+    # -- loop ----------------------------------------------------------------------------
+    def steady(self) -> bool:
+        """Has this reaper seen Redis answer without a gap for at least dead_after?"""
+        if self._steady_since is None or self._last_ok is None:
+            return False
+        return self._last_ok - self._steady_since >= self.settings.dead_after * 1000
+
+    def tick(self) -> ReapResult | None:
+        """One loop step: note Redis' answer for the stall guard, then reap if steady."""
+        try:
+            now = now_ms(self.client)
+        except redis.RedisError:
+            self._steady_since = None
+            raise
+        gap_limit = 2 * self.settings.reap_interval * 1000 + 1000
+        if self._last_ok is None or now - self._last_ok > gap_limit:
+            self._steady_since = now  # first contact, or after a stall: start over
+        self._last_ok = now
+        if not self.steady():
+            return None
+        self.passes += 1
+        return self.reap()
+
+    def _run(self) -> None:
+        interval = self.settings.reap_interval
+        # Short first wait so a fresh pool checks soon; jitter spreads pools apart.
+        wait = min(interval, self.settings.heartbeat_interval) * random.uniform(0.5, 1.0)
+        while not self._stop.wait(wait):
+            try:
+                self.tick()
+            except redis.RedisError as exc:
+                logger.warning("celery_ext: reaper could not reach Redis: %s", exc)
+            except Exception:
+                logger.exception("celery_ext: reaper pass failed")
+            wait = interval * random.uniform(0.8, 1.2)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="celery_ext-reaper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

@@ -1,0 +1,48 @@
+"""The Celery Request class ``install(app)`` sets: counts lost workers per job.
+
+When a prefork child dies mid-job, Celery (with ``task_reject_on_worker_lost``)
+rejects the message with requeue. This class routes that one case through the
+``recover`` script instead: the job goes back to the front of its queue at once
+with its recovery count incremented, or, past ``max_recoveries``, into the dead
+set as a poison pill, so one job that kills its worker cannot take the fleet down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from billiard.einfo import ExceptionWithTraceback
+from billiard.exceptions import WorkerLostError
+from celery.worker.request import Request as CeleryRequest
+
+
+class Request(CeleryRequest):
+    _ext_worker_lost = False
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True,
+                   return_ok: bool = False) -> Any:
+        exc = exc_info.exception
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        self._ext_worker_lost = isinstance(exc, WorkerLostError | SystemExit)
+        try:
+            return super().on_failure(exc_info, send_failed_event=send_failed_event,
+                                      return_ok=return_ok)
+        finally:
+            self._ext_worker_lost = False
+
+    def reject(self, requeue: bool = False) -> None:
+        if requeue and self._ext_worker_lost and not self.acknowledged:
+            recover = getattr(self.message.channel, "recover_lost", None)
+            if recover is not None:
+                outcome = recover(self.message.delivery_tag)
+                self.acknowledged = True
+                if outcome == "dead":
+                    self.task.backend.mark_as_failure(
+                        self.id, WorkerLostError("worker lost too many times: dead set"),
+                        request=self._context, store_result=self.store_errors)
+                    self.send_event("task-failed", exception="WorkerLostError (dead set)")
+                else:
+                    self.send_event("task-rejected", requeue=True)
+                return
+        super().reject(requeue=requeue)

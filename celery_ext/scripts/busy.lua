@@ -1,0 +1,19 @@
+-- busy: record (or clear) the job an execution slot of a pool is running.
+-- KEYS[1]  busy hash of the pool        {ns}:busy:<pool id>
+-- KEYS[2]  checkins hash                {ns}:checkins
+-- KEYS[3]  stop requests set            {ns}:stop
+-- ARGV[1]  slot id (pid, or pid-thread)
+-- ARGV[2]  "start" or "end"
+-- ARGV[3]  job id
+-- ARGV[4]  job record JSON (start only), one line; started_at is added here
+-- Returns the Redis time in ms.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[2] == 'start' then
+  redis.call('HSET', KEYS[1], ARGV[1], now .. '\n' .. ARGV[4])
+else
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('HDEL', KEYS[2], ARGV[3])
+  redis.call('SREM', KEYS[3], ARGV[3])
+end
+return now

@@ -1,0 +1,82 @@
+-- recover: return a dead (or vanished) pool's in-flight jobs to the FRONT of their
+-- job queues, counting one recovery per job; a job recovered more than
+-- max_recoveries times goes to the dead set instead (a poison pill). Also used
+-- for a single job whose prefork child died (the pool itself is alive).
+-- KEYS[1]  in-flight hash of the pool   {ns}:inflight:<pool id>
+-- KEYS[2]  pools zset                   {ns}:pools
+-- KEYS[3]  pool hash                    {ns}:pool:<pool id>
+-- KEYS[4]  in-flight pools set          {ns}:inflight_pools
+-- KEYS[5]  ready set                    {ns}:ready
+-- KEYS[6]  redelivery hash              {ns}:redelivery
+-- KEYS[7]  running counts hash          {ns}:running
+-- KEYS[8]  dead zset                    {ns}:dead
+-- KEYS[9]  dead jobs hash               {ns}:dead_jobs
+-- KEYS[10..] job queue lists, one per tag
+-- ARGV[1]  pool id
+-- ARGV[2]  "pool": only if the pool's heartbeat is older than ARGV[3] (or gone),
+--          and then the pool is removed; "job": the pool is alive, recover the tags
+-- ARGV[3]  heartbeat deadline, ms (Redis time); ignored in "job" mode
+-- ARGV[4]  wake channel                 {ns}:wake
+-- ARGV[5]  job queue key prefix         {ns}:queue:
+-- ARGV[6]  max recoveries
+-- ARGV[7]  max dead jobs kept
+-- ARGV[8]  reason/error text prefix for the dead set (e.g. "worker lost")
+-- ARGV[9..] delivery tags, one per KEYS[10..], in the order to push them
+-- Returns {status, requeued tags, dead tags}; status 0 = the pool heartbeated
+-- meanwhile (alive: nothing done), 1 = done.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[2] == 'pool' then
+  local beat = redis.call('ZSCORE', KEYS[2], ARGV[1])
+  if beat and tonumber(beat) >= tonumber(ARGV[3]) then
+    return {0, {}, {}}
+  end
+  -- Declared dead first: its heartbeat now fails and it re-registers; its fetches
+  -- are refused until then, and its late acks find nothing.
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('DEL', KEYS[3])
+end
+local requeued, dead = {}, {}
+for i = 10, #KEYS do
+  local tag = ARGV[i - 1]
+  local rec = redis.call('HGET', KEYS[1], tag)
+  if rec then
+    local nl = string.find(rec, '\n', 1, true)
+    local qname = string.sub(rec, 1, nl - 1)
+    if KEYS[i] == ARGV[5] .. qname then
+      redis.call('HDEL', KEYS[1], tag)
+      redis.call('HINCRBY', KEYS[7], qname, -1)
+      local n = redis.call('HINCRBY', KEYS[6], tag, 1)
+      if n > tonumber(ARGV[6]) then
+        redis.call('HDEL', KEYS[6], tag)
+        local meta = cjson.encode({
+          reason = 'worker_lost',
+          error = ARGV[8] .. ' ' .. n .. ' times',
+          pool = ARGV[1],
+          recoveries = n,
+        })
+        redis.call('HSET', KEYS[9], tag, meta .. '\n' .. rec)
+        redis.call('ZADD', KEYS[8], now, tag)
+        local over = redis.call('ZCARD', KEYS[8]) - tonumber(ARGV[7])
+        if over > 0 then
+          local ids = redis.call('ZRANGE', KEYS[8], 0, math.min(over, 100) - 1)
+          for _, id in ipairs(ids) do
+            redis.call('HDEL', KEYS[9], id)
+            redis.call('ZREM', KEYS[8], id)
+          end
+        end
+        dead[#dead + 1] = tag
+      else
+        redis.call('RPUSH', KEYS[i], string.sub(rec, nl + 1))
+        if redis.call('SADD', KEYS[5], qname) == 1 then
+          redis.call('PUBLISH', ARGV[4], qname)
+        end
+        requeued[#requeued + 1] = tag
+      end
+    end
+  end
+end
+if ARGV[2] == 'pool' and redis.call('HLEN', KEYS[1]) == 0 then
+  redis.call('SREM', KEYS[4], ARGV[1])
+end
+return {1, requeued, dead}

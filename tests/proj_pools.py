@@ -1,0 +1,49 @@
+"""Test app for worker-pool behaviour (kills, checkin, poison pills).
+
+Tasks leave traces in db 2 of the broker's server: ``runs:<key>`` lists
+``"<pid>:<time>"`` per run, so tests count runs without relying on results.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from tests.proj import app, recorder
+
+import celery_ext  # noqa: F401  (checkin)
+
+
+@app.task(bind=True)
+def slow(self: Any, key: str, seconds: float) -> str:
+    """A job that runs ``seconds`` and records start and end."""
+    r = recorder()
+    r.rpush(f"start:{key}", f"{os.getpid()}:{time.time()}")
+    time.sleep(seconds)
+    r.rpush(f"runs:{key}", f"{os.getpid()}:{time.time()}")
+    return key
+
+
+@app.task(bind=True, stall_after=60)
+def long_checkin(self: Any, key: str, seconds: float) -> str:
+    """A long job that checks in every 0.2 s and stops early if told to."""
+    r = recorder()
+    r.rpush(f"start:{key}", f"{os.getpid()}:{time.time()}")
+    deadline = time.time() + seconds
+    step = 0
+    while time.time() < deadline:
+        step += 1
+        if self.checkin(message=f"step {step}", progress=min(1.0, step * 0.2 / seconds)):
+            r.rpush(f"stopped:{key}", str(step))
+            return "stopped"
+        time.sleep(0.2)
+    r.rpush(f"runs:{key}", f"{os.getpid()}:{time.time()}")
+    return key
+
+
+@app.task
+def poison(key: str) -> None:
+    """Kills its own worker process, every time."""
+    recorder().rpush(f"start:{key}", str(os.getpid()))
+    os._exit(1)

@@ -1,0 +1,284 @@
+"""Worker pools: heartbeats, reaper, busy workers, checkin, poison pills (issue 3).
+
+Real server, real ``celery worker`` subprocesses, timings shrunk through the
+``CELERY_EXT_*`` environment variables (the one place timings live).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from celery_ext.config import Settings
+from celery_ext.heartbeater import Heartbeater
+from celery_ext.keys import Keys
+from celery_ext.reaper import Reaper
+from tests import proj
+from tests.workers import WorkerProcess
+
+FAST = {
+    "CELERY_EXT_HEARTBEAT_INTERVAL": "0.25",
+    "CELERY_EXT_DEAD_AFTER": "1.5",
+    "CELERY_EXT_REAP_INTERVAL": "0.5",
+}
+SETTINGS = Settings.load({}, environ=FAST)
+KEYS = Keys(SETTINGS.namespace)
+APP = "tests.proj_pools"
+
+
+@pytest.fixture
+def app(broker_url: str, redis_client: redis.Redis) -> Any:
+    proj.configure(broker_url)
+    from tests import proj_pools
+
+    return proj_pools
+
+
+@pytest.fixture
+def rec(redis_server: Any) -> redis.Redis:
+    """db 2, where test tasks record their runs."""
+    return redis_server.client(db=2)
+
+
+def start_worker(factory: Callable[..., WorkerProcess], **kw: Any) -> WorkerProcess:
+    env = {**FAST, **kw.pop("env", {})}
+    return factory(APP, env=env, **kw).start()
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str, step: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def runs(rec: redis.Redis, key: str) -> list[str]:
+    return [v.decode() for v in rec.lrange(f"runs:{key}", 0, -1)]
+
+
+def starts(rec: redis.Redis, key: str) -> list[str]:
+    return [v.decode() for v in rec.lrange(f"start:{key}", 0, -1)]
+
+
+def pools(client: redis.Redis) -> dict[str, float]:
+    return {k.decode(): s for k, s in client.zrange(KEYS.pools, 0, -1, withscores=True)}
+
+
+def test_pool_registers_and_heartbeats_with_redis_time(app: Any, worker_factory: Any,
+                                                       redis_client: redis.Redis) -> None:
+    w = start_worker(worker_factory, pool="prefork", concurrency=2)
+    pool_id = wait_for(lambda: next(iter(pools(redis_client)), None), 10, "pool registration")
+    info = wait_for(lambda: (h := redis_client.hgetall(KEYS.pool(pool_id))) and b"node" in h and h,
+                    10, "pool details from the bootstep")
+    assert info[b"concurrency"] == b"2"
+    assert info[b"pool_type"] == b"prefork"
+    assert str(w.pid).encode() == info[b"pid"]
+    assert b"tests.proj_pools.slow" in info[b"queues"]
+    first = pools(redis_client)[pool_id]
+    second = wait_for(lambda: (s := pools(redis_client).get(pool_id, 0)) > first and s, 5,
+                      "a second heartbeat")
+    t_s, t_us = redis_client.time()
+    assert abs((t_s * 1000 + t_us // 1000) - second) < 2000  # stamped with Redis time
+    w.stop()
+    assert pools(redis_client) == {}  # warm shutdown deregisters
+
+
+def test_sigkill_main_process_jobs_rerun_elsewhere(app: Any, worker_factory: Any,
+                                                   redis_client: redis.Redis,
+                                                   rec: redis.Redis) -> None:
+    survivor = start_worker(worker_factory, pool="threads", concurrency=4, hostname="b@%h")
+    victim = start_worker(worker_factory, pool="prefork", concurrency=2, hostname="a@%h")
+    # Fill the victim only: pause the survivor's consumption by starting it first is not
+    # enough, so send jobs and wait until the victim runs at least one.
+    keys = [f"k{i}" for i in range(8)]
+    for k in keys:
+        app.slow.delay(k, 1.0)
+    victim_pid = str(victim.pid)
+    victim_children = set(map(str, victim.child_pids()))
+    wait_for(lambda: any(s.split(":")[0] in victim_children
+                         for k in keys for s in starts(rec, k)), 10, "victim running a job")
+    kill_at = time.time()
+    children = victim.child_pids()
+    victim.kill()
+    for pid in children:  # the whole host died: its children too
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: all(runs(rec, k) for k in keys), 30, "every job to complete")
+    # Jobs the victim held are rerun by the survivor within dead_after + reap + 1 s.
+    reruns = [float(s.split(":")[1]) for k in keys for s in starts(rec, k)
+              if float(s.split(":")[1]) > kill_at]
+    assert reruns, "expected some of the victim's jobs to be rerun"
+    limit = SETTINGS.dead_after + SETTINGS.reap_interval * 1.2 + 1.0
+    assert max(reruns) - kill_at < limit + 1.0, (max(reruns) - kill_at, limit)
+    for k in keys:
+        assert len(runs(rec, k)) >= 1
+        assert len(starts(rec, k)) <= 2  # at most one extra run per in-flight job
+    assert victim_pid not in {p.split(":")[1] for p in pools(redis_client)}
+    wait_for(lambda: redis_client.scard(KEYS.inflight_pools) <= 1, 5, "orphan cleanup")
+    running = {k: int(v) for k, v in redis_client.hgetall(KEYS.running).items()}
+    wait_for(lambda: all(int(v) == 0 for v in redis_client.hgetall(KEYS.running).values()),
+             10, f"running counts back to 0 (now {running})")
+    survivor.stop()
+
+
+def test_sigkill_prefork_child_reruns_promptly(app: Any, worker_factory: Any,
+                                               redis_client: redis.Redis,
+                                               rec: redis.Redis) -> None:
+    w = start_worker(worker_factory, pool="prefork", concurrency=2)
+    app.slow.delay("child", 3.0)
+    first = wait_for(lambda: starts(rec, "child"), 10, "job start")[0]
+    child_pid = int(first.split(":")[0])
+    killed_at = time.time()
+    os.kill(child_pid, signal.SIGKILL)
+    wait_for(lambda: len(starts(rec, "child")) >= 2, 15, "the job to rerun")
+    # Billiard notices a dead child within a few seconds; the job is then requeued at
+    # once by the pool itself (it stays alive, so the reaper would never touch it).
+    assert time.time() - killed_at < 12
+    log = w.log_text()
+    lost_at = log.index("WorkerLostError")
+    assert "received" in log[lost_at:]
+    wait_for(lambda: runs(rec, "child"), 15, "the rerun to finish")
+    assert w.alive
+    assert int(redis_client.hget(KEYS.running, "tests.proj_pools.slow") or 0) == 0
+
+
+def test_long_job_checks_in_and_is_never_duplicated(app: Any, worker_factory: Any,
+                                                    redis_client: redis.Redis,
+                                                    rec: redis.Redis) -> None:
+    start_worker(worker_factory, pool="prefork", concurrency=2, hostname="a@%h")
+    start_worker(worker_factory, pool="prefork", concurrency=2, hostname="b@%h")
+    duration = SETTINGS.dead_after * 3
+    result = app.long_checkin.delay("long", duration)
+    wait_for(lambda: redis_client.hlen(KEYS.checkins) > 0, 10, "a checkin")
+    raw = redis_client.hget(KEYS.checkins, result.id)
+    at_ms, payload = raw.decode().split("\n", 1)
+    assert json.loads(payload)["message"].startswith("step ")
+    busy = {}
+    for pool_id in pools(redis_client):
+        busy.update(redis_client.hgetall(KEYS.busy(pool_id)))
+    assert any(json.loads(v.decode().split("\n", 1)[1])["job_id"] == result.id
+               for v in busy.values())
+    assert result.get(timeout=duration + 15) == "long"
+    assert len(starts(rec, "long")) == 1  # never duplicated while its pool lives
+    assert redis_client.hget(KEYS.checkins, result.id) is None  # cleared at the end
+
+
+def test_checkin_says_stop_on_warm_shutdown(app: Any, worker_factory: Any,
+                                            redis_client: redis.Redis,
+                                            rec: redis.Redis) -> None:
+    w = start_worker(worker_factory, pool="prefork", concurrency=1)
+    app.long_checkin.delay("stopme", 60)
+    wait_for(lambda: starts(rec, "stopme"), 10, "job start")
+    time.sleep(0.5)
+    t0 = time.time()
+    assert w.stop(signal.SIGTERM, timeout=20) == 0
+    assert time.time() - t0 < 10
+    assert rec.lrange("stopped:stopme", 0, -1), "checkin did not report the shutdown"
+
+
+def test_poison_job_lands_in_dead_set_others_keep_flowing(app: Any, worker_factory: Any,
+                                                          redis_client: redis.Redis,
+                                                          rec: redis.Redis) -> None:
+    w = start_worker(worker_factory, pool="prefork", concurrency=2)
+    app.poison.delay("p")
+    others = [proj.add.delay(i, i) for i in range(20)]
+    assert [r.get(timeout=30) for r in others] == [2 * i for i in range(20)]
+    wait_for(lambda: redis_client.zcard(KEYS.dead) == 1, 30, "the poison job in the dead set")
+    starts_p = rec.lrange("start:p", 0, -1)
+    assert len(starts_p) == SETTINGS.max_recoveries + 1
+    (job_id,) = redis_client.zrange(KEYS.dead, 0, -1)
+    meta = json.loads(redis_client.hget(KEYS.dead_jobs, job_id).decode().split("\n", 1)[0])
+    assert meta["reason"] == "worker_lost"
+    assert f"{SETTINGS.max_recoveries + 1} times" in meta["error"]
+    assert proj.add.delay(1, 1).get(timeout=10) == 2
+    assert w.alive
+
+
+def test_sigstop_past_dead_after_then_sigcont(app: Any, worker_factory: Any,
+                                              redis_client: redis.Redis,
+                                              rec: redis.Redis) -> None:
+    start_worker(worker_factory, pool="threads", concurrency=2, hostname="b@%h")
+    sleeper = start_worker(worker_factory, pool="solo", hostname="a@%h")
+    keys = [f"s{i}" for i in range(6)]
+    for k in keys:
+        app.slow.delay(k, 0.5)
+    time.sleep(0.3)
+    os.kill(sleeper.pid, signal.SIGSTOP)
+    try:
+        time.sleep(SETTINGS.dead_after + SETTINGS.reap_interval * 2 + 1)
+    finally:
+        os.kill(sleeper.pid, signal.SIGCONT)
+    wait_for(lambda: all(runs(rec, k) for k in keys), 30, "every job to complete")
+    assert sum(len(starts(rec, k)) for k in keys) <= len(keys) + 1 + 4  # bounded dupes
+    # The stopped pool found out at its next heartbeat and registered again.
+    wait_for(lambda: any(str(sleeper.pid) in p for p in pools(redis_client)), 10,
+             "the revived pool to re-register")
+    assert "declared dead" in sleeper.log_text()
+    assert proj.add.delay(2, 2).get(timeout=10) == 4
+
+
+def test_two_reapers_requeue_each_job_once(redis_client: redis.Redis) -> None:
+    """Reapers racing on one dead pool: the lock and the atomic script move each job once."""
+    s = SETTINGS
+    dead = Heartbeater(redis_client, s, "deadhost:1:aaaa")
+    dead.register()
+    tags = [f"t{i}" for i in range(50)]
+    for t in tags:
+        redis_client.hset(KEYS.inflight(dead.pool_id), t,
+                          b"q\n" + json.dumps({"properties": {"delivery_tag": t}}).encode())
+        redis_client.hincrby(KEYS.running, "q", 1)
+    redis_client.sadd(KEYS.inflight_pools, dead.pool_id)
+    redis_client.zadd(KEYS.pools, {dead.pool_id: 0})  # heartbeat long ago
+    import threading
+
+    results: list[Any] = []
+
+    def run() -> None:
+        r = Reaper(redis.Redis(connection_pool=redis_client.connection_pool), s)
+        for _ in range(5):
+            results.append(r.reap())
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    requeued = [tag for r in results for tag in r.requeued]
+    assert sorted(requeued) == sorted(tags)  # each exactly once
+    assert redis_client.llen(KEYS.queue("q")) == 50
+    assert int(redis_client.hget(KEYS.running, "q")) == 0
+    assert redis_client.zscore(KEYS.pools, dead.pool_id) is None
+    assert not redis_client.sismember(KEYS.inflight_pools, dead.pool_id)
+    assert all(int(redis_client.hget(KEYS.redelivery, t)) == 1 for t in tags)
+
+
+def test_reaper_stall_guard_waits_for_steady_redis(redis_client: redis.Redis) -> None:
+    """After a gap in its own contact with Redis the reaper does not judge staleness."""
+    s = SETTINGS
+    r = Reaper(redis_client, s)
+    redis_client.zadd(KEYS.pools, {"other:1:bbbb": 0})
+    assert r.tick() is None  # first contact: not steady yet
+    r._last_ok = (r._last_ok or 0) - int((2 * s.reap_interval + 5) * 1000)  # a stall
+    assert r.tick() is None and not r.steady()
+    assert redis_client.zscore(KEYS.pools, "other:1:bbbb") is not None
+    time.sleep(s.dead_after + 0.1)
+    result = r.tick()
+    assert result is not None and result.dead_pools == ["other:1:bbbb"]
+
+
+def test_orphaned_inflight_records_are_requeued(redis_client: redis.Redis) -> None:
+    orphan = "gone:2:cccc"
+    redis_client.hset(KEYS.inflight(orphan), "t1", b'q\n{"properties": {}}')
+    redis_client.sadd(KEYS.inflight_pools, orphan)
+    result = Reaper(redis_client, SETTINGS).reap()
+    assert result.requeued == ["t1"] and result.dead_pools == [orphan]
+    assert redis_client.lrange(KEYS.queue("q"), 0, -1) == [b'{"properties": {}}']
