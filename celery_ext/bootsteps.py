@@ -12,7 +12,7 @@ from kombu import Queue
 
 from .heartbeater import Heartbeater, all_heartbeaters, current_pool_id
 from .reaper import Reaper
-from .weights import set_weights
+from .weights import all_weights, set_weights
 
 logger = logging.getLogger("celery_ext.bootsteps")
 
@@ -91,6 +91,10 @@ class WorkerPool(bootsteps.StartStopStep):
             started_at=int(time.time() * 1000),
             state="running",
         )
+        weights: dict[str | bytes, int] = {
+            q: w for q, w in all_weights().items() if q in c.app.amqp.queues.consume_from}
+        if weights:
+            hb.client.hset(hb.keys.weights, mapping=weights)
         if not _reapers:
             reaper = Reaper(channel._new_sync_client(), channel.settings, own_pool_id=hb.pool_id)
             _reapers.append(reaper)

@@ -61,7 +61,7 @@ def install(app: Celery, *, route_by_name: bool = True) -> Celery:
     """
     if getattr(app, "_celery_ext_installed", False):
         return app
-    app._celery_ext_installed = True  # type: ignore[attr-defined]
+    app._celery_ext_installed = True
     app.add_defaults(dict(DEFAULTS))
 
     if route_by_name:

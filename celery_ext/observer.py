@@ -82,9 +82,11 @@ class Observer:
                                             owning_pool_id())
             return obs
 
-    def _busy(self, mode: str, job_id: str, record: str = "") -> None:
+    def _busy(self, mode: str, job_id: str, record: str = "", queue: str = "",
+              outcome: str = "") -> None:
         self.scripts("busy", [self.keys.busy(self.pool_id), self.keys.checkins,
-                              self.keys.stop_requests], [slot_id(), mode, job_id, record])
+                              self.keys.stop_requests, self.keys.stats],
+                     [slot_id(), mode, job_id, record, queue, outcome])
 
     def job_started(self, task: Any, job_id: str, args: Any, kwargs: Any) -> None:
         record = json.dumps({
@@ -96,9 +98,9 @@ class Observer:
         }, default=repr, separators=(",", ":"))
         self._busy("start", job_id, record)
 
-    def job_finished(self, job_id: str) -> None:
+    def job_finished(self, job_id: str, queue: str = "", outcome: str = "") -> None:
         self._checkins.pop(job_id, None)
-        self._busy("end", job_id)
+        self._busy("end", job_id, queue=queue, outcome=outcome)
 
     def checkin(self, job_id: str, message: str | None = None,
                 progress: float | None = None) -> tuple[bool, bool]:
@@ -160,14 +162,20 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
         logger.warning("celery_ext: could not record busy worker for %s: %s", task_id, exc)
 
 
+#: Celery end state of a run -> the stats counter it increments.
+OUTCOMES = {"SUCCESS": "processed", "FAILURE": "failed", "RETRY": "retried"}
+
+
 @task_postrun.connect(weak=False)
 def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None,
-                **kw: Any) -> None:
+                state: str | None = None, **kw: Any) -> None:
     if task is None or task_id is None or not getattr(task.app, "_celery_ext_installed", False):
         return
     try:
         obs = Observer.for_app(task.app)
         if obs is not None:
-            obs.job_finished(task_id)
+            info = task.request.delivery_info or {}
+            queue = info.get("routing_key") or task.name
+            obs.job_finished(task_id, queue=queue, outcome=OUTCOMES.get(state or "", ""))
     except Exception as exc:
         logger.warning("celery_ext: could not clear busy worker for %s: %s", task_id, exc)

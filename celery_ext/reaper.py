@@ -97,8 +97,8 @@ class Reaper:
         """Pools whose heartbeat is older than dead_after, plus orphans: pools that
         own in-flight jobs but are not registered at all."""
         deadline = now - int(self.settings.dead_after * 1000)
-        stale = [bytes_to_str(p) for p in self.client.zrange(
-            self.keys.pools, "-inf", f"({deadline}", byscore=True)]
+        stale = [bytes_to_str(p) for p in self.client.zrangebyscore(
+            self.keys.pools, "-inf", f"({deadline}")]
         owners = {bytes_to_str(p) for p in self.client.smembers(self.keys.inflight_pools)}
         if owners:
             registered = self.client.zmscore(self.keys.pools, sorted(owners))

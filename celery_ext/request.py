@@ -18,6 +18,7 @@ from celery.worker.request import Request as CeleryRequest
 
 class Request(CeleryRequest):
     _ext_worker_lost = False
+    acknowledged: bool
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> Any:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+import time
 import weakref
 from collections.abc import Iterable
 from contextlib import suppress
@@ -37,6 +38,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
 from . import scripts as _scripts
+from .clock import now_s
 from .config import Settings
 from .dead import dead_letter
 from .heartbeater import Heartbeater, heartbeater_for
@@ -103,6 +105,9 @@ class QoS(virtual.QoS):
         return {t for t in self._delivered if t not in self._dirty}
 
 
+_QoS = QoS
+
+
 class MultiChannelPoller(kredis.MultiChannelPoller):
     """Adds the WAKE pub/sub listener and the idle refresh to Kombu's poller."""
 
@@ -148,7 +153,7 @@ class Channel(kredis.Channel):
     """Redis channel whose queues are job queues with crash-safe, weighted fetch."""
 
     QoS = QoS
-    qos: QoS
+    qos: _QoS
     from_transport_options = kredis.Channel.from_transport_options + Settings.option_names()
 
     _in_wake: Any = False
@@ -167,6 +172,8 @@ class Channel(kredis.Channel):
         # The event loop sends fetch by SHA without redis-py's NOSCRIPT fallback.
         with self.conn_or_acquire() as client:
             self._scripts.load_all(client)
+            # Redis time minus local time: jobs are stamped on the one clock.
+            self._clock_offset = now_s(client) - time.time()
 
     # -- connection details ----------------------------------------------------------
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
@@ -196,6 +203,10 @@ class Channel(kredis.Channel):
 
     # -- producing ---------------------------------------------------------------------
     def _enqueue_args(self, queue: str, message: Any) -> tuple[list[str], list[Any]]:
+        props = message.get("properties")
+        if isinstance(props, dict):
+            # Queue latency (age of the oldest job) is read from this stamp.
+            props.setdefault("enqueued_at", round(time.time() + self._clock_offset, 3))
         keys = [self.keys.queue(queue), self.keys.ready, self.keys.queues]
         return keys, [dumps(message), queue, self.keys.wake_channel,
                       self._expires.get(queue, 0)]
@@ -444,9 +455,9 @@ class Channel(kredis.Channel):
 
     def _ack(self, tags: list[str]) -> None:
         with self.conn_or_acquire() as client:
-            self._scripts("ack", [self._inflight_key(), self.keys.redelivery, self.keys.running],
-                          tags,
-                          client=client)
+            k = self.keys
+            self._scripts("ack", [self._inflight_key(), k.redelivery, k.running, k.limits, k.ready],
+                          [k.wake_channel, *tags], client=client)
 
     def _requeue(self, tags: Iterable[str], client: Any = None) -> list[str]:
         """Put jobs of this pool back at the front of their queues, first delivered

@@ -10,9 +10,8 @@ import os
 import time
 from typing import Any
 
-from tests.proj import app, recorder
-
 import celery_ext  # noqa: F401  (checkin)
+from tests.proj import app, recorder
 
 
 @app.task(bind=True)

@@ -2,10 +2,13 @@
 -- KEYS[1]  busy hash of the pool        {ns}:busy:<pool id>
 -- KEYS[2]  checkins hash                {ns}:checkins
 -- KEYS[3]  stop requests set            {ns}:stop
+-- KEYS[4]  stats hash                   {ns}:stats
 -- ARGV[1]  slot id (pid, or pid-thread)
 -- ARGV[2]  "start" or "end"
 -- ARGV[3]  job id
 -- ARGV[4]  job record JSON (start only), one line; started_at is added here
+-- ARGV[5]  (end only) job queue name and ARGV[6] outcome ("processed"/"failed"/
+--          "retried"): counted in the stats hash as "<outcome>:<queue>" and "<outcome>"
 -- Returns the Redis time in ms.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -15,5 +18,9 @@ else
   redis.call('HDEL', KEYS[1], ARGV[1])
   redis.call('HDEL', KEYS[2], ARGV[3])
   redis.call('SREM', KEYS[3], ARGV[3])
+  if ARGV[6] and ARGV[6] ~= '' then
+    redis.call('HINCRBY', KEYS[4], ARGV[6] .. ':' .. ARGV[5], 1)
+    redis.call('HINCRBY', KEYS[4], ARGV[6], 1)
+  end
 end
 return now

@@ -1,0 +1,232 @@
+"""Read model of job queues, worker pools and busy workers (no KEYS, no SCAN).
+
+Everything here is read with a few pipelined round trips, whatever the number of
+queues: the known queue names come from the ``queues`` set, pools from the ``pools``
+zset. ``celery_ext.client`` is the facade the dashboard and the CLI use; this
+module is its pools/queues half.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypedDict
+
+import redis
+from kombu.utils.encoding import bytes_to_str
+
+from .clock import now_ms
+from .config import Settings
+from .keys import Keys
+
+
+class QueueInfo(TypedDict):
+    name: str
+    size: int
+    latency: float | None  # seconds since the oldest queued job was enqueued
+    weight: int
+    paused: bool
+    max_concurrency: int | None
+    in_flight: int
+    processed: int
+    failed: int
+
+
+class PoolInfo(TypedDict):
+    pool_id: str
+    node: str
+    host: str
+    pid: int | None
+    concurrency: str
+    pool_type: str
+    queues: list[str]
+    started_at: float | None
+    heartbeat_age: float | None  # seconds, by Redis time
+    state: str  # running, stopping, dead (heartbeat older than dead_after)
+    in_flight: int
+
+
+class BusyWorker(TypedDict):
+    pool_id: str
+    slot: str
+    job_id: str
+    job_name: str
+    args: str
+    started_at: float
+    checkin_at: float | None
+    checkin_message: str | None
+    progress: float | None
+    stall_after: float | None
+    stalled: bool
+    stop_requested: bool
+
+
+def _int(value: Any, default: int = 0) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def enqueued_at(payload: bytes | str | None) -> float | None:
+    """The ``enqueued_at`` stamp (Redis-clock seconds) of a raw job, if any."""
+    if not payload:
+        return None
+    try:
+        value = json.loads(payload)["properties"]["enqueued_at"]
+        return float(value)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class State:
+    """Reads the plugin's records for one namespace."""
+
+    def __init__(self, client: redis.Redis, settings: Settings | None = None) -> None:
+        self.client = client
+        self.settings = settings or Settings()
+        self.keys = Keys(self.settings.namespace)
+
+    # -- queues ------------------------------------------------------------------------
+    def queue_names(self) -> list[str]:
+        return sorted(bytes_to_str(n) for n in self.client.smembers(self.keys.queues))
+
+    def job_queues(self, offset: int = 0, limit: int | None = None,
+                   prefix: str | None = None) -> list[QueueInfo]:
+        """One page of job queues with size, latency, weight and counters."""
+        k = self.keys
+        names = [n for n in self.queue_names() if not prefix or n.startswith(prefix)]
+        names = names[offset:offset + limit if limit is not None else None]
+        if not names:
+            return []
+        now = now_ms(self.client) / 1000
+        with self.client.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.llen(k.queue(name))
+                pipe.lindex(k.queue(name), -1)
+            pipe.hmget(k.weights, names)
+            pipe.smembers(k.paused)
+            pipe.hmget(k.limits, names)
+            pipe.hmget(k.running, names)
+            pipe.hmget(k.stats, [f"processed:{n}" for n in names])
+            pipe.hmget(k.stats, [f"failed:{n}" for n in names])
+            replies = pipe.execute()
+        per = replies[:2 * len(names)]
+        weights, paused, limits, running, processed, failed = replies[2 * len(names):]
+        paused_names = {bytes_to_str(p) for p in paused}
+        result: list[QueueInfo] = []
+        for i, name in enumerate(names):
+            size, oldest = per[2 * i], per[2 * i + 1]
+            stamp = enqueued_at(oldest)
+            result.append(QueueInfo(
+                name=name,
+                size=_int(size),
+                latency=max(0.0, now - stamp) if stamp is not None else (0.0 if not size else None),
+                weight=_int(weights[i], self.settings.default_weight),
+                paused=name in paused_names,
+                max_concurrency=_int(limits[i]) if limits[i] is not None else None,
+                in_flight=max(0, _int(running[i])),
+                processed=_int(processed[i]),
+                failed=_int(failed[i]),
+            ))
+        return result
+
+    def totals(self) -> dict[str, int]:
+        """Processed/failed/retried counters over all queues (for throughput plots)."""
+        raw = self.client.hmget(self.keys.stats, ["processed", "failed", "retried"])
+        return {"processed": _int(raw[0]), "failed": _int(raw[1]), "retried": _int(raw[2])}
+
+    # -- pools -------------------------------------------------------------------------
+    def worker_pools(self) -> list[PoolInfo]:
+        k = self.keys
+        beats = self.client.zrange(k.pools, 0, -1, withscores=True)
+        owners = {bytes_to_str(p) for p in self.client.smembers(k.inflight_pools)}
+        ids = [bytes_to_str(p) for p, _ in beats]
+        ids += sorted(owners - set(ids))  # orphans: own jobs but are not registered
+        now = now_ms(self.client)
+        with self.client.pipeline(transaction=False) as pipe:
+            for pool_id in ids:
+                pipe.hgetall(k.pool(pool_id))
+                pipe.hlen(k.inflight(pool_id))
+            replies = pipe.execute()
+        beat_of = {bytes_to_str(p): s for p, s in beats}
+        result: list[PoolInfo] = []
+        for i, pool_id in enumerate(ids):
+            info = {bytes_to_str(a): bytes_to_str(b) for a, b in replies[2 * i].items()}
+            beat = beat_of.get(pool_id)
+            age = (now - beat) / 1000 if beat is not None else None
+            if age is None:
+                state = "orphaned"
+            elif age > self.settings.dead_after:
+                state = "dead"
+            else:
+                state = info.get("state", "running")
+            started = info.get("started_at") or info.get("registered_at")
+            result.append(PoolInfo(
+                pool_id=pool_id,
+                node=info.get("node", ""),
+                host=info.get("host", pool_id.split(":", 1)[0]),
+                pid=_int(info.get("pid"), 0) or None,
+                concurrency=info.get("concurrency", ""),
+                pool_type=info.get("pool_type", ""),
+                queues=[q for q in info.get("queues", "").split(",") if q],
+                started_at=_int(started) / 1000 if started else None,
+                heartbeat_age=age,
+                state=state,
+                in_flight=_int(replies[2 * i + 1]),
+            ))
+        return result
+
+    # -- busy workers ------------------------------------------------------------------
+    def busy_workers(self) -> list[BusyWorker]:
+        k = self.keys
+        ids = [bytes_to_str(p) for p in self.client.zrange(k.pools, 0, -1)]
+        now = now_ms(self.client)
+        with self.client.pipeline(transaction=False) as pipe:
+            for pool_id in ids:
+                pipe.hgetall(k.busy(pool_id))
+            replies = pipe.execute()
+        rows: list[tuple[str, str, int, dict[str, Any]]] = []
+        for pool_id, slots in zip(ids, replies, strict=True):
+            for slot, raw in slots.items():
+                try:
+                    started, record = bytes_to_str(raw).split("\n", 1)
+                    rows.append((pool_id, bytes_to_str(slot), int(started), json.loads(record)))
+                except ValueError:
+                    continue
+        if not rows:
+            return []
+        job_ids = [r[3].get("job_id", "") for r in rows]
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.hmget(k.checkins, job_ids)
+            for job_id in job_ids:
+                pipe.sismember(k.stop_requests, job_id)
+            checkins, *stops = pipe.execute()
+        result: list[BusyWorker] = []
+        for (pool_id, slot, started, record), raw, stop in zip(rows, checkins, stops,
+                                                                strict=True):
+            at: int | None = None
+            data: dict[str, Any] = {}
+            if raw:
+                at_s, body = bytes_to_str(raw).split("\n", 1)
+                at, data = int(at_s), json.loads(body)
+            stall_after = record.get("stall_after")
+            last = at if at is not None else started
+            result.append(BusyWorker(
+                pool_id=pool_id,
+                slot=slot,
+                job_id=record.get("job_id", ""),
+                job_name=record.get("job_name", ""),
+                args=record.get("args", ""),
+                started_at=started / 1000,
+                checkin_at=at / 1000 if at is not None else None,
+                checkin_message=data.get("message"),
+                progress=data.get("progress"),
+                stall_after=stall_after,
+                stalled=bool(stall_after) and (now - last) / 1000 > float(stall_after),
+                stop_requested=bool(stop),
+            ))
+        return sorted(result, key=lambda b: b["started_at"])
+
+    def request_stop(self, job_id: str) -> None:
+        """Ask a running job to stop: its next checkin returns True."""
+        self.client.sadd(self.keys.stop_requests, job_id)

@@ -1,0 +1,1 @@
+"""Example Celery configuration for a celery_ext app (see celeryconfig.py)."""

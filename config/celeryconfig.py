@@ -1,0 +1,35 @@
+"""Example Celery configuration using the celery_ext transport.
+
+Load it with ``app.config_from_object("config.celeryconfig")``. The broker URL comes
+from ``CELERY_EXT_BROKER_URL`` (the demo sets it to an embedded server); results go
+to the same server, db 1, over plain ``redis://``.
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlsplit, urlunsplit
+
+broker_url = os.environ.get("CELERY_EXT_BROKER_URL", "celery-ext://127.0.0.1:6379/0")
+
+_parts = urlsplit(broker_url)
+result_backend = urlunsplit(
+    ("rediss" if _parts.scheme == "celery-exts" else "redis", _parts.netloc, "/1", _parts.query, ""))
+
+# celery_ext settings (each also overridable by a CELERY_EXT_<NAME> environment variable).
+broker_transport_options = {
+    "namespace": "celery_ext",      # key prefix and Redis Cluster hash tag
+    "heartbeat_interval": 5.0,      # seconds between a pool's heartbeats
+    "dead_after": 30.0,             # a pool silent this long is dead: its jobs are requeued
+    "reap_interval": 10.0,          # seconds between reaper passes (jittered)
+    "max_recoveries": 3,            # a job that killed its worker more often goes to the dead set
+}
+
+broker_connection_retry_on_startup = True
+# install(app) already defaults these two to True: a job is acked when it finishes,
+# and a job whose prefork child died is returned to its queue.
+task_acks_late = True
+task_reject_on_worker_lost = True
+task_track_started = True
+worker_prefetch_multiplier = 4
+result_expires = 24 * 3600

@@ -1,0 +1,39 @@
+"""The example jobs."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+from .app import app
+
+
+class TransientError(Exception):
+    """A failure worth retrying (a timeout talking to some other service)."""
+
+
+@app.task(weight=5)
+def send_notice(user_id: int) -> str:
+    """A short job: one per user, many of them."""
+    time.sleep(0.05)
+    return f"notice sent to user {user_id}"
+
+
+@app.task(bind=True, weight=1, stall_after=30)
+def build_report(self: Any, report_id: int, steps: int = 20, step_seconds: float = 0.25) -> dict:
+    """A long job: checks in after each step; stops early when told to."""
+    for step in range(1, steps + 1):
+        time.sleep(step_seconds)
+        if self.checkin(message=f"step {step}/{steps}", progress=step / steps):
+            return {"report_id": report_id, "stopped_at_step": step}
+    return {"report_id": report_id, "steps": steps}
+
+
+@app.task(bind=True, autoretry_for=(TransientError,), max_retries=3,
+          retry_backoff=0.5, retry_backoff_max=4, retry_jitter=True)
+def sync_account(self: Any, account_id: int, fail_rate: float = 0.5) -> str:
+    """A flaky job: fails at random; after 3 retries it lands in the dead set."""
+    if random.random() < fail_rate:
+        raise TransientError(f"account {account_id}: upstream timed out")
+    return f"account {account_id} synced"
