@@ -44,6 +44,8 @@ from .dead import dead_letter
 from .heartbeater import Heartbeater, heartbeater_for
 from .keys import Keys
 from .sampler import WeightedRoundRobin
+from .scheduled import eta_delay_ms, retries_of, schedule, schedule_args
+from .unique import UniqueRequest, take_pending
 
 logger = logging.getLogger("celery_ext.transport")
 
@@ -81,9 +83,13 @@ class QoS(virtual.QoS):
         super().ack(delivery_tag)
 
     def restore_unacked(self, client: Any = None) -> list[Any]:
-        """Return every job fetched and not acked to the front of its queue, in order."""
+        """Return every job fetched and not acked to the front of its queue, in order.
+
+        Jobs running right now are left in the in-flight record: their channel may be
+        closing (connection loss) but their pool lives and acks them when they end."""
         self._flush()
-        tags = list(self._delivered)
+        running = running_tags()
+        tags = [t for t in self._delivered if t not in running]
         errors: list[Any] = []
         if tags:
             try:
@@ -106,6 +112,22 @@ class QoS(virtual.QoS):
 
 
 _QoS = QoS
+
+
+def running_tags() -> set[str]:
+    """Delivery tags of the jobs this worker process is executing now (Celery's
+    ``active_requests``); empty outside a Celery worker."""
+    try:
+        from celery.worker.state import active_requests
+    except ImportError:  # pragma: no cover - kombu used without celery
+        return set()
+    tags = set()
+    for request in list(active_requests):
+        message = getattr(request, "message", None)
+        tag = getattr(message, "delivery_tag", None)
+        if tag:
+            tags.add(tag)
+    return tags
 
 
 class MultiChannelPoller(kredis.MultiChannelPoller):
@@ -212,19 +234,59 @@ class Channel(kredis.Channel):
                       self._expires.get(queue, 0)]
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
-        keys, args = self._enqueue_args(queue, message)
         publish_batch = kwargs.pop("_publish_batch", None)
+        delay = eta_delay_ms(message)
+        uniq = take_pending(message)
+        if delay is not None or uniq is not None:
+            self._put_scheduled_or_unique(queue, message, delay, uniq, publish_batch)
+            return
+        keys, args = self._enqueue_args(queue, message)
         if publish_batch is not None:
             publish_batch.add("evalsha", _scripts.sha("enqueue"), len(keys), *keys, *args)
             return
         with self.conn_or_acquire() as client:
             self._scripts("enqueue", keys, args, client=client)
 
+    def _put_scheduled_or_unique(self, queue: str, message: Any, delay: int | None,
+                                 uniq: UniqueRequest | None, publish_batch: Any) -> None:
+        """A job with a future ``eta`` goes to the scheduled (or retry) set in Redis,
+        never into a worker's memory; a unique job is pushed (or scheduled) only if no
+        identical job is pending, in the same script that takes its lock."""
+        props = message.get("properties")
+        if delay is not None and isinstance(props, dict):
+            # It counts as enqueued when it is due (queue latency starts then).
+            offset = getattr(self, "_clock_offset", 0.0)
+            props.setdefault("enqueued_at", round(time.time() + offset + delay / 1000, 3))
+        lock: tuple[str, str, int, bool] | None = None
+        if uniq is not None:
+            ttl_ms = int((uniq.ttl or self.settings.unique_ttl) * 1000)
+            lock = (self.keys.unique(uniq.digest), str(message["headers"].get("id")), ttl_ms,
+                    retries_of(message) > 0)
+        if delay is not None and lock is None and publish_batch is not None:
+            keys, args = schedule_args(self.keys, queue, message, delay)
+            publish_batch.add("evalsha", _scripts.sha("schedule"), len(keys), *keys, *args)
+            return
+        with self.conn_or_acquire() as client:
+            if delay is not None:
+                _, holder = schedule(self._scripts, self.keys, queue, message, delay, client,
+                                     lock=lock)
+            else:
+                assert lock is not None
+                lock_key, task_id, ttl_ms, force = lock
+                keys, args = self._enqueue_args(queue, message)
+                _, raw = self._scripts("enqueue_unique", [lock_key, *keys],
+                                       [*args, task_id, ttl_ms, "1" if force else "0"],
+                                       client=client)
+                holder = bytes_to_str(raw)
+        if uniq is not None:
+            uniq.holder = holder
+
     def create_publish_batch(self, max_size: int) -> Any:
         batch = super().create_publish_batch(max_size)
         # EVALSHA inside a pipeline cannot recover from NOSCRIPT; make sure it is loaded.
         with self.conn_or_acquire() as client:
             client.script_load(_scripts.source("enqueue"))
+            client.script_load(_scripts.source("schedule"))
         return batch
 
     # -- queue management --------------------------------------------------------------
@@ -316,14 +378,14 @@ class Channel(kredis.Channel):
     def _fetch_keys(self, pool_id: str, queues: list[str]) -> list[str]:
         k = self.keys
         return [k.inflight(pool_id), k.pools, k.ready, k.redelivery, k.inflight_pools,
-                k.running, *(k.queue(q) for q in queues)]
+                k.running, k.limits, k.paused, *(k.queue(q) for q in queues)]
 
     def _fetch_sync(self, queues: list[str], track: bool) -> list[Any]:
         pool_id = self._ensure_pool().pool_id if track else "-"
         flags = ("1" if track else "0") * len(queues)
         with self.conn_or_acquire() as client:
             for _ in range(2):
-                status, jobs, _empties = self._scripts(
+                status, jobs, _empties, _blocked = self._scripts(
                     "fetch", self._fetch_keys(pool_id, queues), [pool_id, flags, *queues],
                     client=client)
                 if status:
@@ -370,8 +432,10 @@ class Channel(kredis.Channel):
             self._in_poll = None
         if not pending:
             raise Empty()
-        status, jobs, empties = reply
-        for name in empties:
+        status, jobs, empties, blocked = reply
+        # Empty queues wait for a wake-up; paused ones and those at their
+        # max_concurrency too (resume and ack publish one).
+        for name in (*empties, *blocked):
             self._sched.deactivate(bytes_to_str(name))
         if not status:
             # A reaper declared this pool dead while it was stopped; register again.
@@ -453,30 +517,38 @@ class Channel(kredis.Channel):
     def _inflight_key(self) -> str:
         return self.keys.inflight(self.pool_id)
 
+    def _owner_client(self) -> Any:
+        """A client that outlives this channel: acks of jobs still running when the
+        channel closed (connection loss) must reach Redis, not be lost with it."""
+        if self._heartbeater is not None:
+            return self._heartbeater.client
+        return self._create_client()
+
     def _ack(self, tags: list[str]) -> None:
-        with self.conn_or_acquire() as client:
-            k = self.keys
-            self._scripts("ack", [self._inflight_key(), k.redelivery, k.running, k.limits, k.ready],
-                          [k.wake_channel, *tags], client=client)
+        client = self._owner_client()
+        k = self.keys
+        self._scripts("ack", [self._inflight_key(), k.redelivery, k.running, k.limits, k.ready],
+                      [k.wake_channel, *tags], client=client)
 
     def _requeue(self, tags: Iterable[str], client: Any = None) -> list[str]:
         """Put jobs of this pool back at the front of their queues, first delivered
         first fetched again. Tags no longer in the record are skipped."""
         return requeue_tags(self._scripts, self.keys, self.pool_id, list(tags),
-                            client or self._create_client())
+                            client or self._owner_client())
 
-    def _dead_letter(self, tag: str, reason: str, error: str, queue: str | None = None) -> None:
-        with self.conn_or_acquire() as client:
-            dead_letter(client, self.settings, self.pool_id, tag, reason=reason, error=error)
+    def _dead_letter(self, tag: str, reason: str, error: str, queue: str | None = None,
+                     **meta: Any) -> bool:
+        """Move one in-flight job of this pool to the dead set (see ``dead.dead_letter``)."""
+        return dead_letter(self._owner_client(), self.settings, self.pool_id, tag,
+                           reason=reason, error=error, **meta)
 
     def recover_lost(self, tag: str) -> str:
         """The job's prefork child died: requeue it now, counting a recovery, or
         dead-letter it past max_recoveries. Returns "requeued", "dead" or "gone"."""
         from .reaper import recover_tags
 
-        with self.conn_or_acquire() as client:
-            _, requeued, dead = recover_tags(client, self.settings, self.pool_id, [tag],
-                                             mode="job", reason="worker lost")
+        _, requeued, dead = recover_tags(self._owner_client(), self.settings, self.pool_id,
+                                         [tag], mode="job", reason="worker lost")
         self.qos.forget(tag)
         if dead:
             logger.error("celery_ext: job %s killed its worker more than %d times; "
@@ -491,11 +563,11 @@ class Channel(kredis.Channel):
         """Requeue this pool's in-flight jobs that no live channel of the process owns
         (their channel closed while Redis was unreachable)."""
         assert self._heartbeater is not None
-        owned: set[str] = set()
+        owned = running_tags()
         for channel in list(_live_channels):
             if channel is not self and not channel.closed:
                 owned |= channel.qos.live_tags()
-        client = self._create_client()
+        client = self._owner_client()
         tags = [bytes_to_str(t) for t in client.hkeys(self.keys.inflight(self.pool_id))]
         left = [t for t in tags if t not in owned]
         if left:
