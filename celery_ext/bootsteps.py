@@ -7,11 +7,18 @@ import time
 from typing import Any
 
 from celery import bootsteps
-from celery.signals import worker_shutdown, worker_shutting_down
+from celery.signals import celeryd_init, worker_shutdown, worker_shutting_down
 from kombu import Queue
 
+from .config import ConfigError, Settings
+from .dead import wrap_consumer_handlers
 from .heartbeater import Heartbeater, all_heartbeaters, current_pool_id
+from .keys import Keys
+from .limits import job_limits, write_limits
 from .reaper import Reaper
+from .requeuer import Requeuer
+from .retry import apply_backoffs
+from .unique import validate_unique_options
 from .weights import all_weights, set_weights
 
 logger = logging.getLogger("celery_ext.bootsteps")
@@ -101,6 +108,21 @@ class WorkerPool(bootsteps.StartStopStep):
             reaper.start()
 
 
+def validate_settings(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
+    """``celeryd_init``: check celery_ext settings before the worker connects, and exit
+    with one clear line instead of a traceback from deep inside Kombu."""
+    app = getattr(instance, "app", None)
+    if app is None or not getattr(app, "_celery_ext_installed", False):
+        return
+    try:
+        Settings.load(app.conf.broker_transport_options)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+celeryd_init.connect(validate_settings, weak=False)
+
+
 @worker_shutting_down.connect(weak=False)
 def _on_shutting_down(**kwargs: Any) -> None:
     for hb in all_heartbeaters():
@@ -116,3 +138,55 @@ def _on_shutdown(**kwargs: Any) -> None:
         _reapers.pop().stop()
     for hb in all_heartbeaters():
         hb.stop(deregister=True)
+
+
+class Sets(bootsteps.StartStopStep):
+    """Per pool: the requeuer (scheduled/retry promotion) and the job options of the
+    scheduled, retry and dead sets (backoff, unique, max_concurrency), checked at
+    start so a bad option stops the worker with a clear message."""
+
+    name = "celery_ext.Sets"
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        app = worker.app
+        self.requeuer: Requeuer | None = None
+        try:
+            settings = Settings.load(app.conf.broker_transport_options)
+            self.limits = job_limits(app)
+            for task in app.tasks.values():
+                validate_unique_options(task)
+            apply_backoffs(app.tasks, settings)
+        except (ConfigError, ValueError) as exc:
+            raise SystemExit(str(exc)) from None
+
+    def start(self, worker: Any) -> None:
+        conn = worker.app.connection_for_write()
+        try:
+            channel = conn.default_channel
+            if not hasattr(channel, "settings"):
+                return  # not our transport
+            client, settings = channel._new_sync_client(), channel.settings
+        finally:
+            conn.release()
+        write_limits(client, Keys(settings.namespace), self.limits,
+                     worker.app.amqp.queues.consume_from)
+        self.requeuer = Requeuer(client, settings)
+        self.requeuer.start()
+
+    def stop(self, worker: Any) -> None:
+        if self.requeuer is not None:
+            self.requeuer.stop()
+            self.requeuer = None
+
+
+class DeadLetters(bootsteps.Step):
+    """Consumer step: unknown task names and undecodable or invalid messages go to
+    the dead set with their reason instead of being logged and dropped."""
+
+    name = "celery_ext.DeadLetters"
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        if not getattr(c, "_celery_ext_dead_letters", False):
+            wrap_consumer_handlers(c)
+            c._celery_ext_dead_letters = True

@@ -46,3 +46,10 @@ def poison(key: str) -> None:
     """Kills its own worker process, every time."""
     recorder().rpush(f"start:{key}", str(os.getpid()))
     os._exit(1)
+
+
+@app.task(stall_after=1)
+def quiet(key: str, seconds: float) -> str:
+    """A long job that never checks in: reported stalled after 1 s."""
+    time.sleep(seconds)
+    return key

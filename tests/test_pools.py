@@ -20,6 +20,7 @@ from celery_ext.config import Settings
 from celery_ext.heartbeater import Heartbeater
 from celery_ext.keys import Keys
 from celery_ext.reaper import Reaper
+from celery_ext.state import State
 from tests import proj
 from tests.workers import WorkerProcess
 
@@ -159,14 +160,12 @@ def test_long_job_checks_in_and_is_never_duplicated(app: Any, worker_factory: An
     duration = SETTINGS.dead_after * 3
     result = app.long_checkin.delay("long", duration)
     wait_for(lambda: redis_client.hlen(KEYS.checkins) > 0, 10, "a checkin")
-    raw = redis_client.hget(KEYS.checkins, result.id)
-    _at_ms, payload = raw.decode().split("\n", 1)
-    assert json.loads(payload)["message"].startswith("step ")
-    busy = {}
-    for pool_id in pools(redis_client):
-        busy.update(redis_client.hgetall(KEYS.busy(pool_id)))
-    assert any(json.loads(v.decode().split("\n", 1)[1])["job_id"] == result.id
-               for v in busy.values())
+    state = State(redis_client, SETTINGS)
+    (busy,) = [b for b in state.busy_workers() if b["job_id"] == result.id]
+    assert busy["job_name"] == "tests.proj_pools.long_checkin"
+    assert busy["checkin_message"].startswith("step ")
+    assert 0 < busy["progress"] <= 1 and busy["args"].startswith("'long'")
+    assert not busy["stalled"] and not busy["stop_requested"]
     assert result.get(timeout=duration + 15) == "long"
     assert len(starts(rec, "long")) == 1  # never duplicated while its pool lives
     wait_for(lambda: redis_client.hget(KEYS.checkins, result.id) is None, 5,
@@ -283,3 +282,18 @@ def test_orphaned_inflight_records_are_requeued(redis_client: redis.Redis) -> No
     result = Reaper(redis_client, SETTINGS).reap()
     assert result.requeued == ["t1"] and result.dead_pools == [orphan]
     assert redis_client.lrange(KEYS.queue("q"), 0, -1) == [b'{"properties": {}}']
+
+
+def test_stop_request_and_stalled_jobs(app: Any, worker_factory: Any,
+                                       redis_client: redis.Redis, rec: redis.Redis) -> None:
+    start_worker(worker_factory, pool="threads", concurrency=2)
+    state = State(redis_client, SETTINGS)
+    quiet = app.quiet.delay("quiet", 3.0)  # never checks in; stall_after=1
+    chatty = app.long_checkin.delay("chatty", 30)
+    wait_for(lambda: len(state.busy_workers()) == 2, 10, "both jobs running")
+    state.request_stop(chatty.id)
+    assert chatty.get(timeout=10) == "stopped"  # its next checkin returned True
+    stalled = wait_for(lambda: [b for b in state.busy_workers() if b["stalled"]], 5,
+                       "the silent job to be reported stalled")
+    assert stalled[0]["job_id"] == quiet.id
+    assert quiet.get(timeout=10) == "quiet"
