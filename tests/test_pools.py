@@ -297,3 +297,42 @@ def test_stop_request_and_stalled_jobs(app: Any, worker_factory: Any,
                        "the silent job to be reported stalled")
     assert stalled[0]["job_id"] == quiet.id
     assert quiet.get(timeout=10) == "quiet"
+
+
+def test_redis_outage_does_not_reap_live_pools(worker_factory: Any, tmp_path: Any) -> None:
+    """Redis goes away for twice dead_after and comes back from its AOF: every
+    heartbeat now looks stale at once, yet no live pool is reaped (each reaper waits
+    until it has seen Redis answer steadily), and the job running across the outage
+    completes exactly once."""
+    from celery_ext.server import RedisServer
+
+    with RedisServer(data_dir=tmp_path / "outage") as server:
+        url = server.url(scheme="celery-ext")
+        proj.configure(url)
+        from tests import proj_pools
+
+        workers = [factory_start(worker_factory, url, f"{n}@%h") for n in ("a", "b")]
+        client = server.client()
+        job = proj_pools.slow.delay("through-outage", 2 * SETTINGS.dead_after + 2)
+        wait_for(lambda: int(client.hget(KEYS.running, "tests.proj_pools.slow") or 0) == 1,
+                 10, "the job in flight")
+        before = set(pools(client))
+        client.close()
+        server.kill()  # a crash: AOF (fsync always) keeps every acknowledged write
+        time.sleep(SETTINGS.dead_after * 2)
+        server.start()
+        client = server.client()
+        time.sleep(SETTINGS.dead_after * 2 + SETTINGS.reap_interval * 2)
+        assert set(pools(client)) == before  # nobody was declared dead
+        assert client.hlen(KEYS.redelivery) == 0  # nothing requeued
+        assert job.get(timeout=30) == "through-outage"
+        rec = redis.Redis.from_url(server.url(db=2))
+        assert len(rec.lrange("start:through-outage", 0, -1)) == 1
+        for w in workers:
+            assert "declared dead" not in w.log_text()
+            w.stop()
+
+
+def factory_start(factory: Callable[..., WorkerProcess], url: str, name: str) -> WorkerProcess:
+    return factory(APP, broker_url=url, env=dict(FAST), hostname=name, pool="threads",
+                   concurrency=2).start()
