@@ -7,9 +7,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery import Celery
+from celery.app.amqp import AMQP as CeleryAMQP
+from kombu.utils.objects import cached_property
 
-from .bootsteps import JobQueues, WorkerPool
+from .bootsteps import DeadLetters, JobQueues, Sets, WorkerPool, declare_job_queues
 from .observer import _task_checkin
+from .unique import patch_send_task
 
 logger = logging.getLogger("celery_ext")
 
@@ -45,6 +48,21 @@ def _append_router(conf: Any) -> None:
     conf.task_routes = new
 
 
+class AMQP(CeleryAMQP):
+    """Celery's AMQP API whose queue table includes every job queue in every
+    process (``celery purge``, ``inspect``), not only in workers."""
+
+    @cached_property
+    def queues(self) -> Any:
+        queues = self.Queues(self.app.conf.task_queues)
+        self.__dict__["queues"] = queues  # declare_job_queues reads it back
+        if self.app.finalized:
+            declare_job_queues(self.app)
+        elif self.app.autofinalize:
+            self.app.finalize(auto=True)  # its on_after_finalize hook declares them
+        return queues
+
+
 def install(app: Celery, *, route_by_name: bool = True) -> Celery:
     """Make ``app`` use one job queue per task name, consumed by every worker.
 
@@ -55,7 +73,10 @@ def install(app: Celery, *, route_by_name: bool = True) -> Celery:
       configured, so a job is owned by its worker pool until it finishes;
     - adds the worker-pool bootstep (registration details, reaper), busy-worker
       records, ``task.checkin()``, and per-job recovery counting when a prefork child
-      dies (poison pills end in the dead set).
+      dies (poison pills end in the dead set);
+    - keeps countdown/eta jobs and retries in Redis (scheduled and retry sets) and
+      failed, expired, unknown and undecodable jobs in the dead set; adds the task
+      options ``unique``, ``max_concurrency`` and ``backoff`` (see docs/sets.md).
 
     Returns ``app`` so it can be used inline. Safe to call more than once.
     """
@@ -72,8 +93,19 @@ def install(app: Celery, *, route_by_name: bool = True) -> Celery:
                 _append_router(app.conf if source is None else source)
 
             app.on_after_configure.connect(_on_configure, weak=False)
+    if app.finalized:
+        declare_job_queues(app)
+    else:
+        app.on_after_finalize.connect(lambda sender=None, **kw: declare_job_queues(app),
+                                      weak=False)
+    if "amqp" not in app.__dict__:
+        app.amqp_cls = f"{__name__}:AMQP"
     app.steps["worker"].add(JobQueues)
     app.steps["consumer"].add(WorkerPool)
+    # Scheduled/retry promotion, dead set, unique jobs, max_concurrency (docs/sets.md).
+    app.steps["consumer"].add(Sets)
+    app.steps["consumer"].add(DeadLetters)
+    patch_send_task(app)
     # Every task of the app gets the counting Request class and a checkin() method.
     app.Task.Request = "celery_ext.request:Request"
     app.Task.checkin = _task_checkin

@@ -15,7 +15,7 @@ from redis.commands.core import Script
 
 SCRIPT_NAMES = (
     "enqueue", "fetch", "ack", "requeue", "heartbeat", "deregister", "dead", "recover",
-    "checkin", "busy",
+    "checkin", "busy", "schedule", "promote", "enqueue_unique", "unique_release", "dead_retry",
 )
 
 
@@ -49,5 +49,7 @@ class Scripts:
     def load_all(self, client: redis.Redis | None = None) -> None:
         """Load every script into the server's cache (after a restart flushed it)."""
         target = client or self._client
-        for name in SCRIPT_NAMES:
-            target.script_load(source(name))
+        with target.pipeline(transaction=False) as pipe:  # one round trip for all
+            for name in SCRIPT_NAMES:
+                pipe.script_load(source(name))
+            pipe.execute()
