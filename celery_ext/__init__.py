@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
+from .flower import enable as _enable_flower
 from .install import install
 from .observer import checkin
 from .transport import SCHEME, TLS_SCHEME
@@ -20,5 +21,7 @@ TRANSPORT = "celery_ext.transport:Transport"
 
 TRANSPORT_ALIASES.setdefault(SCHEME, TRANSPORT)
 TRANSPORT_ALIASES.setdefault(TLS_SCHEME, TRANSPORT)
+# Flower's broker page and queue lengths for our schemes (only if Flower is used).
+_enable_flower()
 
 __all__ = ["SCHEME", "TLS_SCHEME", "TRANSPORT", "__version__", "checkin", "install"]

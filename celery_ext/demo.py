@@ -12,6 +12,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["CELERY_EXT_BROKER_URL"] = broker_url
     sys.path.insert(0, str(ROOT))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / "celery_ext_demo_worker.log", "w")  # noqa: SIM115
+    log_path = Path(tempfile.gettempdir()) / "celery_ext_demo_worker.log"
+    log = log_path.open("w")
     worker = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-P", "prefork", "-c", "4",
          "--loglevel=INFO", "-n", "demo@%h"],

@@ -222,7 +222,7 @@ class State:
                 checkin_message=data.get("message"),
                 progress=data.get("progress"),
                 stall_after=stall_after,
-                stalled=bool(stall_after) and (now - last) / 1000 > float(stall_after),
+                stalled=stall_after is not None and (now - last) / 1000 > float(stall_after),
                 stop_requested=bool(stop),
             ))
         return sorted(result, key=lambda b: b["started_at"])

@@ -13,8 +13,8 @@ from urllib.parse import urlsplit, urlunsplit
 broker_url = os.environ.get("CELERY_EXT_BROKER_URL", "celery-ext://127.0.0.1:6379/0")
 
 _parts = urlsplit(broker_url)
-result_backend = urlunsplit(
-    ("rediss" if _parts.scheme == "celery-exts" else "redis", _parts.netloc, "/1", _parts.query, ""))
+_scheme = "rediss" if _parts.scheme == "celery-exts" else "redis"
+result_backend = urlunsplit((_scheme, _parts.netloc, "/1", _parts.query, ""))
 
 # celery_ext settings (each also overridable by a CELERY_EXT_<NAME> environment variable).
 broker_transport_options = {

@@ -1,0 +1,78 @@
+"""Helpers for the dashboard, CLI, browser and Flower tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tests.workers import REPO_ROOT, ManagedProcess
+
+T = TypeVar("T")
+
+APP = "tests.proj_web"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def env_for(broker_url: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        CELERY_EXT_BROKER_URL=broker_url,
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", ""))
+                                   if p),
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+def celery_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "celery", "-A", APP, *args]
+
+
+def start_web(broker_url: str, log_dir: Path, *extra: str, port: int | None = None
+              ) -> tuple[ManagedProcess, str]:
+    """``celery -A tests.proj_web ext web`` on a free port; returns (process, base URL)."""
+    port = port or free_port()
+    proc = ManagedProcess(
+        celery_argv("ext", "web", "--port", str(port), *extra),
+        log_path=log_dir / f"web-{port}.log", env=env_for(broker_url),
+        ready_pattern=r"Uvicorn running on")
+    proc.start(timeout=30)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_for(check: Callable[[], T | None], timeout: float = 20.0, interval: float = 0.1,
+             what: str = "condition") -> T:
+    """Poll ``check`` until it returns something truthy; return that."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def run_cli(broker_url: str, *args: str, timeout: float = 60) -> Any:
+    """Run ``celery -A tests.proj_web ext ARGS`` and return the CompletedProcess."""
+    import subprocess
+
+    return subprocess.run(celery_argv("ext", *args), env=env_for(broker_url), cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def stop_all(procs: Sequence[ManagedProcess]) -> None:
+    for proc in procs:
+        if proc.started:
+            proc.stop(timeout=10)
