@@ -24,11 +24,13 @@ from .weights import all_weights, set_weights
 logger = logging.getLogger("celery_ext.bootsteps")
 
 _reapers: list[Reaper] = []
+_requeuers: list[Requeuer] = []
 
 
-def job_queues(app: Any) -> dict[str, int]:
+def job_queues(app: Any, finalize: bool = True) -> dict[str, int]:
     """Job queue name -> weight for every registered task (explicit ``queue=`` kept)."""
-    app.finalize(auto=True)
+    if finalize:
+        app.finalize(auto=True)
     result: dict[str, int] = {}
     for name, task in sorted(app.tasks.items()):
         queue = getattr(task, "queue", None) or name
@@ -42,11 +44,22 @@ def job_queues(app: Any) -> dict[str, int]:
     return result
 
 
+def declare_job_queues(app: Any) -> None:
+    """Make every job queue known to ``app.amqp.queues`` in every process (so that
+    ``celery purge``, ``-X`` and inspection see them); consuming them is decided in
+    the worker (:class:`JobQueues`)."""
+    queues = app.amqp.queues
+    for name in job_queues(app, finalize=False):
+        if name not in queues:
+            queues.add(Queue(name, routing_key=name))
+
+
 class JobQueues(bootsteps.Step):
     """Make a worker consume the job queue of every registered task.
 
     A worker started with ``-Q`` consumes only the queues it was given (their
-    weights still apply); ``-X`` exclusions are honoured.
+    weights still apply); ``-X`` exclusions are honoured by Celery itself, since every
+    job queue is declared when the app is finalized.
     """
 
     name = "celery_ext.JobQueues"
@@ -57,13 +70,12 @@ class JobQueues(bootsteps.Step):
         app = worker.app
         weights = job_queues(app)
         set_weights(weights)
+        declare_job_queues(app)
         queues = app.amqp.queues
-        if getattr(queues, "_consume_from", None) is not None:
-            return  # -Q given: the user chose the queues
-        excluded = set(getattr(worker, "exclude_queues", None) or ())
-        for name in weights:
-            if name not in queues and name not in excluded:
-                queues.select_add(Queue(name, routing_key=name))
+        if getattr(queues, "_consume_from", None) is None:  # no -Q/-X: consume them all
+            for name in weights:
+                if name not in queues.consume_from:
+                    queues.select_add(queues[name])
         if not str(app.conf.broker_url or "").startswith(("celery-ext", "celery-exts")) \
                 and "celery_ext" not in str(app.conf.broker_transport or ""):
             logger.warning(
@@ -141,16 +153,18 @@ def _on_shutdown(**kwargs: Any) -> None:
 
 
 class Sets(bootsteps.StartStopStep):
-    """Per pool: the requeuer (scheduled/retry promotion) and the job options of the
-    scheduled, retry and dead sets (backoff, unique, max_concurrency), checked at
-    start so a bad option stops the worker with a clear message."""
+    """Consumer step, per pool: the requeuer (scheduled/retry promotion) and the job
+    options of the scheduled, retry and dead sets (backoff, unique, max_concurrency),
+    checked when the worker is built so a bad option stops it with a clear message.
+
+    It starts once the consumer is connected (Celery retries the connection), and
+    runs until the worker shuts down: the requeuer rides out connection losses."""
 
     name = "celery_ext.Sets"
-    requires = ("celery.worker.components:Pool",)
+    requires = ("celery.worker.consumer.tasks:Tasks",)
 
-    def __init__(self, worker: Any, **kwargs: Any) -> None:
-        app = worker.app
-        self.requeuer: Requeuer | None = None
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        app = c.app
         try:
             settings = Settings.load(app.conf.broker_transport_options)
             self.limits = job_limits(app)
@@ -160,24 +174,22 @@ class Sets(bootsteps.StartStopStep):
         except (ConfigError, ValueError) as exc:
             raise SystemExit(str(exc)) from None
 
-    def start(self, worker: Any) -> None:
-        conn = worker.app.connection_for_write()
-        try:
-            channel = conn.default_channel
-            if not hasattr(channel, "settings"):
-                return  # not our transport
-            client, settings = channel._new_sync_client(), channel.settings
-        finally:
-            conn.release()
+    def start(self, c: Any) -> None:
+        channel = c.connection.default_channel
+        if _requeuers or not hasattr(channel, "settings"):
+            return  # already running, or not our transport
+        client, settings = channel._new_sync_client(), channel.settings
         write_limits(client, Keys(settings.namespace), self.limits,
-                     worker.app.amqp.queues.consume_from)
-        self.requeuer = Requeuer(client, settings)
-        self.requeuer.start()
+                     c.app.amqp.queues.consume_from)
+        requeuer = Requeuer(client, settings)
+        _requeuers.append(requeuer)
+        requeuer.start()
 
-    def stop(self, worker: Any) -> None:
-        if self.requeuer is not None:
-            self.requeuer.stop()
-            self.requeuer = None
+
+@worker_shutdown.connect(weak=False)
+def _stop_requeuers(**kwargs: Any) -> None:
+    while _requeuers:
+        _requeuers.pop().stop()
 
 
 class DeadLetters(bootsteps.Step):

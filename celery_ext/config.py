@@ -36,6 +36,22 @@ DEFAULT_DEAD_MAX_SIZE = 10_000
 DEFAULT_DEAD_MAX_AGE = 180 * 24 * 3600.0
 #: Most messages one fetch round trip may move into the in-flight record.
 DEFAULT_FETCH_BATCH = 16
+#: Longest an idle requeuer waits between two promote passes. It also wakes at the
+#: next due time and when a job is scheduled earlier (pub/sub): this is the safety net.
+DEFAULT_PROMOTE_INTERVAL = 5.0
+#: Shortest gap between two promote passes of one pool: jobs falling due within it
+#: are promoted together, so a dense schedule costs passes per second, not per job.
+DEFAULT_PROMOTE_MIN_INTERVAL = 0.02
+#: Most due jobs one promote script call moves from the scheduled/retry sets.
+DEFAULT_PROMOTE_BATCH = 100
+#: Seconds a unique job's lock lives past its due time if nobody releases it.
+DEFAULT_UNIQUE_TTL = 3600.0
+#: Opt-in retry backoff (task option ``backoff=True``): first delay in seconds...
+DEFAULT_RETRY_BACKOFF_BASE = 2.0
+#: ...doubled per attempt up to this many seconds...
+DEFAULT_RETRY_BACKOFF_MAX = 3600.0
+#: ...and shortened by up to this fraction at random, so retries of a burst spread out.
+DEFAULT_RETRY_BACKOFF_JITTER = 0.25
 
 _ENV_PREFIX = "CELERY_EXT_"
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -59,6 +75,13 @@ class Settings:
     fetch_batch: int = DEFAULT_FETCH_BATCH
     dead_max_size: int = DEFAULT_DEAD_MAX_SIZE
     dead_max_age: float = DEFAULT_DEAD_MAX_AGE
+    promote_interval: float = DEFAULT_PROMOTE_INTERVAL
+    promote_min_interval: float = DEFAULT_PROMOTE_MIN_INTERVAL
+    promote_batch: int = DEFAULT_PROMOTE_BATCH
+    unique_ttl: float = DEFAULT_UNIQUE_TTL
+    retry_backoff_base: float = DEFAULT_RETRY_BACKOFF_BASE
+    retry_backoff_max: float = DEFAULT_RETRY_BACKOFF_MAX
+    retry_backoff_jitter: float = DEFAULT_RETRY_BACKOFF_JITTER
 
     def __post_init__(self) -> None:
         if not _NAMESPACE_RE.match(self.namespace):
@@ -66,7 +89,9 @@ class Settings:
                 f"celery_ext: namespace {self.namespace!r} must be 1-64 characters of "
                 "letters, digits and _ . : - (no braces: it becomes the Redis hash tag)"
             )
-        for name in ("heartbeat_interval", "dead_after", "reap_interval", "idle_refresh_interval"):
+        for name in ("heartbeat_interval", "dead_after", "reap_interval", "idle_refresh_interval",
+                     "promote_interval", "unique_ttl", "retry_backoff_base",
+                     "retry_backoff_max"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"celery_ext: {name} must be > 0, got {getattr(self, name)!r}")
         if self.dead_after < 2 * self.heartbeat_interval:
@@ -80,6 +105,11 @@ class Settings:
             raise ConfigError(
                 "celery_ext: max_recoveries must be >= 0, default_weight >= 1 and fetch_batch >= 1"
             )
+        if self.promote_batch < 1 or not 0 <= self.retry_backoff_jitter <= 1 \
+                or not 0 <= self.promote_min_interval <= self.promote_interval:
+            raise ConfigError(
+                "celery_ext: promote_batch must be >= 1, retry_backoff_jitter in [0, 1] and "
+                "promote_min_interval between 0 and promote_interval")
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:

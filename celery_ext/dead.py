@@ -1,41 +1,135 @@
 """The dead set: jobs that will not run again unless a person says so, with why.
 
-Written by the worker side (undecodable or rejected messages, poison pills,
-exhausted retries); read and steered through ``celery_ext.client``.
+Written by the worker side (failures that will not be retried, expired jobs,
+unknown task names, undecodable or rejected messages, poison pills); read and
+steered through ``celery_ext.client``.
+
+A dead record is ``"<meta json>\\n<queue>\\n<payload>"`` under the job's id (its
+delivery tag) in ``{ns}:dead_jobs``, ordered by failed_at in ``{ns}:dead``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from .config import Settings
 from .keys import Keys
 from .scripts import Scripts
 
+logger = logging.getLogger("celery_ext.dead")
+
+#: Why a job is dead (the ``reason`` of its record).
+REASONS = {
+    "failed": "raised and will not be retried (no retries left, or not retried)",
+    "expired": "its expires time passed before it could start",
+    "unknown_task": "names a task the worker does not know",
+    "undecodable": "its message could not be decoded",
+    "invalid": "its message is not a valid task message",
+    "unknown_message": "its message is not a task message",
+    "rejected": "rejected by the consumer without requeue",
+    "worker_lost": "its worker died under it too often (a poison pill)",
+}
+
+#: Tracebacks are cut to their last this many characters (the frames nearest the error).
+MAX_TRACEBACK = 8000
+
 
 def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,
-                reason: str, error: str = "", **meta: Any) -> bool:
+                reason: str, error: str = "", fallback: str = "", **meta: Any) -> bool:
     """Move one in-flight job of ``pool_id`` to the dead set atomically.
 
-    Returns False when the job was no longer in flight (already moved elsewhere).
+    ``fallback`` (``"<queue>\\n<payload>"``) is recorded when the job is no longer in
+    flight because it was acked when it started (``acks_late`` off). Returns False
+    when nothing was recorded (the job had already been moved elsewhere).
     """
     keys = Keys(settings.namespace)
     record = json.dumps({"reason": reason, "error": error, "pool": pool_id, **meta},
                         default=repr, separators=(",", ":"))
     moved = Scripts(client)(
         "dead",
-        [keys.inflight(pool_id), keys.dead, keys.dead_jobs, keys.redelivery, keys.running],
-        [tag, record, settings.dead_max_size, int(settings.dead_max_age * 1000)],
+        [keys.inflight(pool_id), keys.dead, keys.dead_jobs, keys.redelivery, keys.running,
+         keys.limits, keys.ready],
+        [tag, record, settings.dead_max_size, int(settings.dead_max_age * 1000), fallback,
+         keys.wake_channel],
     )
     return bool(moved)
 
 
-def parse_dead_record(raw: bytes | str) -> dict[str, Any]:
-    """Split a ``dead_jobs`` value into its meta, queue and payload."""
+def split_record(raw: bytes | str) -> tuple[dict[str, Any], str, str]:
+    """Split a ``"<meta json>\\n<queue>\\n<payload>"`` record (dead or scheduled)."""
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
     meta_json, queue, payload = text.split("\n", 2)
-    record: dict[str, Any] = json.loads(meta_json)
+    try:
+        meta = json.loads(meta_json)
+    except ValueError:
+        meta = {"error": f"unreadable record meta: {meta_json[:200]!r}"}
+    return (meta if isinstance(meta, dict) else {}), queue, payload
+
+
+def parse_dead_record(raw: bytes | str) -> dict[str, Any]:
+    """Split a ``dead_jobs`` value into its meta, queue and payload."""
+    record, queue, payload = split_record(raw)
     record["queue"] = queue
     record["payload"] = payload
     return record
+
+
+def _message_fields(message: Any) -> dict[str, Any]:
+    headers = getattr(message, "headers", None)
+    if not isinstance(headers, dict):
+        return {}
+    return {k: headers[k] for k in ("task", "id") if isinstance(headers.get(k), str)}
+
+
+def wrap_consumer_handlers(consumer: Any) -> None:
+    """Make a Celery worker consumer dead-letter what it would log and drop.
+
+    Celery acks an undecodable message and rejects one naming an unknown task or
+    with an invalid body; here each is first moved to the dead set with its reason
+    (then Celery's handler runs as before: it logs, and its ack or reject finds the
+    job already gone).
+    """
+
+    def dead(message: Any, reason: str, error: str) -> None:
+        channel = getattr(message, "channel", None)
+        dead_letter_ = getattr(channel, "_dead_letter", None)
+        if dead_letter_ is None or getattr(message, "acknowledged", False):
+            return
+        fields = _message_fields(message)
+        try:
+            if dead_letter_(message.delivery_tag, reason, error, name=fields.get("task"),
+                            task_id=fields.get("id")):
+                logger.error("celery_ext: message %s moved to the dead set (%s: %s)",
+                             message.delivery_tag, reason, error)
+        except Exception as exc:
+            logger.error("celery_ext: could not dead-letter message %s: %s",
+                         message.delivery_tag, exc)
+
+    on_decode_error = consumer.on_decode_error
+    on_unknown_task = consumer.on_unknown_task
+    on_invalid_task = consumer.on_invalid_task
+    on_unknown_message = consumer.on_unknown_message
+
+    def decode_error(message: Any, exc: Exception) -> Any:
+        dead(message, "undecodable", f"{type(exc).__name__}: {exc}")
+        return on_decode_error(message, exc)
+
+    def unknown_task(body: Any, message: Any, exc: Exception) -> Any:
+        name = _message_fields(message).get("task", "?")
+        dead(message, "unknown_task", f"NotRegistered: {name!r}")
+        return on_unknown_task(body, message, exc)
+
+    def invalid_task(body: Any, message: Any, exc: Exception) -> Any:
+        dead(message, "invalid", f"{type(exc).__name__}: {exc}")
+        return on_invalid_task(body, message, exc)
+
+    def unknown_message(body: Any, message: Any) -> Any:
+        dead(message, "unknown_message", "not a task message (no task header)")
+        return on_unknown_message(body, message)
+
+    consumer.on_decode_error = decode_error
+    consumer.on_unknown_task = unknown_task
+    consumer.on_invalid_task = invalid_task
+    consumer.on_unknown_message = unknown_message

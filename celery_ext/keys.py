@@ -20,9 +20,19 @@ Layout (``ns`` = namespace)::
     {ns}:busy:<id>           hash    slot -> "<started ms>\n<job json>" jobs a pool runs now
     {ns}:checkins            hash    job id -> "<ms>\n<json>" last checkin of a running job
     {ns}:stop                set     job ids someone asked to stop (checkin returns True)
+    {ns}:stats               hash    "processed"/"failed"/"retried"[":<queue>"] -> count
     {ns}:reaper              string  lock held by the one reaper running a pass
     {ns}:dead                zset    dead job id -> failed_at (ms)
     {ns}:dead_jobs           hash    dead job id -> "<meta json>\n<queue>\n<payload>"
+    {ns}:scheduled           zset    job id (delivery tag) -> due time (ms): countdown/eta jobs
+    {ns}:retry               zset    job id -> due time (ms): retries of failed jobs (the retry set)
+    {ns}:scheduled_jobs      hash    job id -> "<meta json>\n<queue>\n<payload>" for both sets
+    {ns}:schedule            channel due time, published when a job is scheduled earlier
+                                     than every other (wakes sleeping requeuers)
+    {ns}:requeuer            string  id of the leading requeuer (a lease; see requeuer.py)
+    {ns}:paused              set     job queue names that fetch skips (jobs kept)
+    {ns}:limits              hash    queue name -> max jobs of it in flight at once
+    {ns}:unique:<digest>     string  id of the pending unique job with that key (TTL'd lock)
 """
 
 from __future__ import annotations
@@ -97,6 +107,10 @@ class Keys:
         return self.prefix + "stop"
 
     @property
+    def stats(self) -> str:
+        return self.prefix + "stats"
+
+    @property
     def running(self) -> str:
         return self.prefix + "running"
 
@@ -107,3 +121,34 @@ class Keys:
     @property
     def dead_jobs(self) -> str:
         return self.prefix + "dead_jobs"
+
+    @property
+    def scheduled(self) -> str:
+        return self.prefix + "scheduled"
+
+    @property
+    def retry(self) -> str:
+        return self.prefix + "retry"
+
+    @property
+    def scheduled_jobs(self) -> str:
+        return self.prefix + "scheduled_jobs"
+
+    @property
+    def schedule_channel(self) -> str:
+        return self.prefix + "schedule"
+
+    @property
+    def requeuer_lease(self) -> str:
+        return self.prefix + "requeuer"
+
+    @property
+    def paused(self) -> str:
+        return self.prefix + "paused"
+
+    @property
+    def limits(self) -> str:
+        return self.prefix + "limits"
+
+    def unique(self, digest: str) -> str:
+        return f"{self.prefix}unique:{digest}"

@@ -5,6 +5,8 @@ rejects the message with requeue. This class routes that one case through the
 ``recover`` script instead: the job goes back to the front of its queue at once
 with its recovery count incremented, or, past ``max_recoveries``, into the dead
 set as a poison pill, so one job that kills its worker cannot take the fleet down.
+Its base, :class:`celery_ext.retry.JobFateRequest`, sends failed and expired jobs to
+the dead set, ignores the ``eta`` of promoted jobs and releases unique-job locks.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
-from celery.worker.request import Request as CeleryRequest
+
+from .retry import JobFateRequest
 
 
-class Request(CeleryRequest):
+class Request(JobFateRequest):
     _ext_worker_lost = False
     acknowledged: bool
 

@@ -35,6 +35,7 @@ import redis
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
+from kombu.utils.eventio import READ
 from kombu.utils.json import dumps, loads
 
 from . import scripts as _scripts
@@ -158,6 +159,16 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
             chan_type[0].handlers["WAKE"]()
             return
         super().on_readable(fileno)
+
+    def handle_event(self, fileno: int, event: int) -> Any:
+        # Kombu's handle_event reports every readable socket as a delivery, so
+        # drain_events() (pidbox replies, kombu consumers) would return on a wake-up
+        # that delivered nothing. Read it and let drain_events() keep waiting.
+        chan_type = self._fd_to_chan.get(fileno)
+        if chan_type is not None and chan_type[1] == "WAKE" and event & READ:
+            self.on_readable(fileno)
+            return None
+        return super().handle_event(fileno, event)
 
     def maybe_refresh_ready(self) -> None:
         for channel in list(self._channels):

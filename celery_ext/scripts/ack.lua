@@ -2,17 +2,30 @@
 -- KEYS[1]  in-flight hash of the pool   {ns}:inflight:<pool id>
 -- KEYS[2]  redelivery hash              {ns}:redelivery
 -- KEYS[3]  running counts hash          {ns}:running
--- ARGV[1..] delivery tags
+-- KEYS[4]  concurrency limits hash      {ns}:limits
+-- KEYS[5]  ready set                    {ns}:ready
+-- ARGV[1]  wake channel                 {ns}:wake
+-- ARGV[2..] delivery tags
 -- A tag no longer in the record (its pool was reaped and the job requeued) is
 -- ignored, so a late ack from a pool that came back never touches the new copy.
+-- A job queue at its max_concurrency is skipped by fetch (and left in the ready
+-- set); when an ack brings it just below its limit, idle pools are woken.
 -- Returns how many tags were removed.
 local removed = 0
-for i = 1, #ARGV do
+local limited = redis.call('HLEN', KEYS[4]) > 0
+for i = 2, #ARGV do
   local rec = redis.call('HGET', KEYS[1], ARGV[i])
   if rec then
+    local qname = string.sub(rec, 1, string.find(rec, '\n', 1, true) - 1)
     redis.call('HDEL', KEYS[1], ARGV[i])
     redis.call('HDEL', KEYS[2], ARGV[i])
-    redis.call('HINCRBY', KEYS[3], string.sub(rec, 1, string.find(rec, '\n', 1, true) - 1), -1)
+    local n = redis.call('HINCRBY', KEYS[3], qname, -1)
+    if limited then
+      local limit = tonumber(redis.call('HGET', KEYS[4], qname))
+      if limit and n == limit - 1 and redis.call('SISMEMBER', KEYS[5], qname) == 1 then
+        redis.call('PUBLISH', ARGV[1], qname)
+      end
+    end
     removed = removed + 1
   end
 end

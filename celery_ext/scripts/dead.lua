@@ -4,20 +4,35 @@
 -- KEYS[3]  dead jobs hash               {ns}:dead_jobs
 -- KEYS[4]  redelivery hash              {ns}:redelivery
 -- KEYS[5]  running counts hash          {ns}:running
+-- KEYS[6]  concurrency limits hash      {ns}:limits
+-- KEYS[7]  ready set                    {ns}:ready
 -- ARGV[1]  delivery tag (becomes the dead job id)
 -- ARGV[2]  meta JSON (reason, error, pool, ...), one line
 -- ARGV[3]  max dead jobs kept
 -- ARGV[4]  max age of dead jobs, ms
--- Returns 1 if moved, 0 if the tag was not in flight (already moved: idempotent).
+-- ARGV[5]  optional "<queue>\n<payload>" to record when the tag is not in flight
+--          (a job acked when it started, acks_late off, that then failed)
+-- ARGV[6]  wake channel                 {ns}:wake (as in ack: a job queue at its
+--          max_concurrency that drops below it wakes idle pools)
+-- Returns 1 if moved, 0 if the tag was not in flight and no record was given
+-- (already moved: idempotent).
 local rec = redis.call('HGET', KEYS[1], ARGV[1])
-if not rec then
+if rec then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('HDEL', KEYS[4], ARGV[1])
+  local qname = string.sub(rec, 1, string.find(rec, '\n', 1, true) - 1)
+  local n = redis.call('HINCRBY', KEYS[5], qname, -1)
+  local limit = tonumber(redis.call('HGET', KEYS[6], qname))
+  if limit and n == limit - 1 and redis.call('SISMEMBER', KEYS[7], qname) == 1 then
+    redis.call('PUBLISH', ARGV[6], qname)
+  end
+elseif ARGV[5] and ARGV[5] ~= '' then
+  rec = ARGV[5]
+else
   return 0
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
-redis.call('HINCRBY', KEYS[5], string.sub(rec, 1, string.find(rec, '\n', 1, true) - 1), -1)
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[2] .. '\n' .. rec)
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 -- Trim: too old first, then too many; bounded work per call.

@@ -1,0 +1,481 @@
+"""The read/admin API of celery_ext: the one module the dashboard and the CLI use.
+
+    from celery_ext.client import Client
+    client = Client.from_app(app)              # or Client.from_url("celery-ext://...")
+    client.dead(limit=20, name="tasks.flaky")  # newest first
+    client.retry_dead(job_id)                  # back to the front of its job queue
+    client.pause("tasks.report")
+
+Job queues, worker pools and busy workers come from :class:`celery_ext.state.State`;
+this module adds the scheduled, retry and dead sets, pause/resume and concurrency
+limits. Every write is one script or one MULTI, and idempotent: two people pressing
+"retry" on the same dead job requeue it once. Times are seconds on the Redis clock.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypedDict, TypeVar
+
+import redis
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps
+
+from .config import Settings
+from .dead import split_record
+from .keys import Keys
+from .scripts import Scripts
+from .state import BusyWorker, PoolInfo, QueueInfo, State
+
+__all__ = ["Client", "DeadJob", "Page", "ScheduledJob", "SetCounts"]
+
+T = TypeVar("T")
+
+#: Jobs read (or moved) per round trip when listing with a filter or acting on all.
+CHUNK = 200
+#: Header counting how often a person retried a job from the dead set.
+MANUAL_RETRIES_HEADER = "celery_ext_manual_retries"
+
+
+class Page(TypedDict, Generic[T]):
+    items: list[T]
+    total: int  # matching jobs in the whole set
+    offset: int
+    limit: int
+
+
+class ScheduledJob(TypedDict):
+    id: str  # the job's id in the set (its delivery tag)
+    name: str
+    task_id: str | None
+    queue: str
+    args: Any
+    kwargs: Any
+    due_at: float  # when the requeuer moves it to its job queue
+    scheduled_at: float | None
+    retry: bool  # in the retry set (a retry of a failed attempt)
+    attempt: int  # retries so far (0 for a plain countdown/eta job)
+    error: str | None  # last error, for retries
+    exc_type: str | None
+    traceback: str | None
+    eta: str | None
+    expires: str | None
+
+
+class DeadJob(TypedDict):
+    id: str  # the job's id in the dead set (its delivery tag)
+    name: str
+    task_id: str | None
+    queue: str
+    reason: str  # see celery_ext.dead.REASONS
+    error: str
+    exc_type: str | None
+    exc_message: str | None
+    traceback: str | None
+    args: Any
+    kwargs: Any
+    attempts: int | None
+    pool: str | None
+    hostname: str | None
+    failed_at: float
+    manual_retries: int
+    payload: str | None  # the raw message (show one only)
+
+
+class SetCounts(TypedDict):
+    scheduled: int
+    retry: int
+    dead: int
+
+
+def _decode_message(payload: str) -> dict[str, Any]:
+    try:
+        message = json.loads(payload)
+    except ValueError:
+        return {}
+    return message if isinstance(message, dict) else {}
+
+
+def _headers(message: dict[str, Any]) -> dict[str, Any]:
+    headers = message.get("headers")
+    return headers if isinstance(headers, dict) else {}
+
+
+def _body_args(message: dict[str, Any]) -> tuple[Any, Any]:
+    """(args, kwargs) of a JSON task message (protocol 2); (None, None) otherwise."""
+    try:
+        if message.get("content-type") != "application/json":
+            return None, None
+        body = message["body"]
+        if message.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args, kwargs, *_ = json.loads(body)
+        return args, kwargs
+    except Exception:
+        return None, None
+
+
+def _job_name(meta: dict[str, Any], queue: str, message: dict[str, Any]) -> str:
+    return str(meta.get("name") or _headers(message).get("task") or queue)
+
+
+def _manual_retry_payload(payload: str) -> str:
+    """The message a manual retry enqueues: attempts reset, no eta or expiry left
+    over from the failed run, and one more manual retry counted."""
+    message = _decode_message(payload)
+    headers = message.get("headers")
+    if not isinstance(headers, dict):
+        return payload  # undecodable: requeued as it is
+    headers["retries"] = 0
+    headers["eta"] = None
+    headers["expires"] = None
+    headers[MANUAL_RETRIES_HEADER] = int(headers.get(MANUAL_RETRIES_HEADER) or 0) + 1
+    return str(dumps(message))  # kombu's separators: fetch finds the delivery tag by them
+
+
+class Client:
+    """Reads and steers one namespace of a celery_ext Redis."""
+
+    def __init__(self, client: redis.Redis, settings: Settings | None = None) -> None:
+        self.client = client
+        self.settings = settings or Settings()
+        self.keys = Keys(self.settings.namespace)
+        self.scripts = Scripts(client)
+        self.state = State(client, self.settings)
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Client:
+        """Connect to a ``celery-ext://`` (or ``redis://``) URL; ``options`` are the
+        transport options (``namespace=...``), overridden by ``CELERY_EXT_*``."""
+        scheme, sep, rest = url.partition("://")
+        scheme = {"celery-ext": "redis", "celery-exts": "rediss"}.get(scheme, scheme)
+        return cls(redis.Redis.from_url(f"{scheme}{sep}{rest}"), Settings.load(options))
+
+    @classmethod
+    def from_app(cls, app: Any) -> Client:
+        """Connect like ``app``'s broker does (URL, TLS, transport options)."""
+        with app.connection_for_write() as conn:
+            channel = conn.default_channel
+            if not hasattr(channel, "settings"):
+                raise ValueError(f"celery_ext: {app.main!r} does not use the celery-ext:// "
+                                 "broker transport")
+            return cls(channel._new_sync_client(), channel.settings)
+
+    # -- queues, pools, busy workers (celery_ext.state) ----------------------------------
+    def job_queues(self, offset: int = 0, limit: int | None = None,
+                   prefix: str | None = None) -> list[QueueInfo]:
+        return self.state.job_queues(offset, limit, prefix)
+
+    def worker_pools(self) -> list[PoolInfo]:
+        return self.state.worker_pools()
+
+    def busy_workers(self) -> list[BusyWorker]:
+        return self.state.busy_workers()
+
+    def request_stop(self, job_id: str) -> None:
+        self.state.request_stop(job_id)
+
+    def counts(self) -> SetCounts:
+        """Sizes of the scheduled, retry and dead sets."""
+        k = self.keys
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zcard(k.scheduled).zcard(k.retry).zcard(k.dead)
+            scheduled, retry, dead = pipe.execute()
+        return SetCounts(scheduled=int(scheduled), retry=int(retry), dead=int(dead))
+
+    # -- pause, resume, limits -----------------------------------------------------------
+    def pause(self, queue: str) -> bool:
+        """Stop fetching from a job queue; its jobs stay. False if already paused."""
+        return bool(self.client.sadd(self.keys.paused, queue))
+
+    def resume(self, queue: str) -> bool:
+        """Fetch from a paused job queue again (idle pools are woken). False if it
+        was not paused."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.srem(self.keys.paused, queue).publish(self.keys.wake_channel, queue)
+            removed, _ = pipe.execute()
+        return bool(removed)
+
+    def paused(self) -> list[str]:
+        return sorted(bytes_to_str(q) for q in self.client.smembers(self.keys.paused))
+
+    def set_max_concurrency(self, queue: str, limit: int | None) -> None:
+        """Cap (or, with None, uncap) how many jobs of a queue run at once in all
+        pools. Worker pools rewrite the limits of their queues from task options when
+        they start, so this lasts until the next pool starts."""
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"max_concurrency must be a whole number >= 1, got {limit!r}")
+        with self.client.pipeline(transaction=True) as pipe:
+            if limit is None:
+                pipe.hdel(self.keys.limits, queue)
+            else:
+                pipe.hset(self.keys.limits, queue, limit)
+            pipe.publish(self.keys.wake_channel, queue)
+            pipe.execute()
+
+    def limits(self) -> dict[str, int]:
+        return {bytes_to_str(q): int(n) for q, n in self.client.hgetall(self.keys.limits).items()}
+
+    # -- scheduled and retry sets ---------------------------------------------------------
+    def scheduled(self, offset: int = 0, limit: int = 50,
+                  name: str | None = None) -> Page[ScheduledJob]:
+        """Jobs waiting for their countdown/eta, soonest first."""
+        return self._page(self.keys.scheduled, self.keys.scheduled_jobs, offset, limit, name,
+                          newest_first=False, build=self._scheduled_job)
+
+    def retries(self, offset: int = 0, limit: int = 50,
+                name: str | None = None) -> Page[ScheduledJob]:
+        """The retry set: failed jobs waiting for their next attempt, soonest first,
+        with attempt number, last error and next run time (``due_at``)."""
+        return self._page(self.keys.retry, self.keys.scheduled_jobs, offset, limit, name,
+                          newest_first=False, build=self._scheduled_job)
+
+    def run_scheduled_now(self, job_id: str) -> bool:
+        """Make a scheduled job or retry due now (promoted within moments)."""
+        k = self.keys
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.zadd(k.scheduled, {job_id: 0}, xx=True, ch=True)
+            pipe.zadd(k.retry, {job_id: 0}, xx=True, ch=True)
+            pipe.publish(k.schedule_channel, "0")
+            a, b, _ = pipe.execute()
+        return bool(a or b)
+
+    def delete_scheduled(self, job_id: str) -> bool:
+        """Drop a job from the scheduled or retry set (it will not run)."""
+        k = self.keys
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.zrem(k.scheduled, job_id).zrem(k.retry, job_id).hdel(k.scheduled_jobs, job_id)
+            a, b, _ = pipe.execute()
+        return bool(a or b)
+
+    # -- dead set ------------------------------------------------------------------------
+    def dead(self, offset: int = 0, limit: int = 50, name: str | None = None) -> Page[DeadJob]:
+        """Dead jobs, newest first, optionally only those of one job name."""
+        return self._page(self.keys.dead, self.keys.dead_jobs, offset, limit, name,
+                          newest_first=True, build=self._dead_job)
+
+    def dead_job(self, job_id: str) -> DeadJob | None:
+        """One dead job with its raw message, or None if it is not (or no longer) dead."""
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zscore(self.keys.dead, job_id).hget(self.keys.dead_jobs, job_id)
+            score, raw = pipe.execute()
+        if score is None or raw is None:
+            return None
+        return self._dead_job(job_id, float(score), raw, with_payload=True)
+
+    def retry_dead(self, job_id: str) -> bool:
+        """Move one dead job to the front of its job queue, attempts reset and marked
+        as a manual retry. False if it was not dead (e.g. already retried)."""
+        return job_id in self._retry_dead_ids([job_id])
+
+    def retry_all_dead(self, name: str | None = None) -> int:
+        """Retry every dead job (of one job name); returns how many were requeued."""
+        done = 0
+        for chunk in self._dead_ids(name):
+            done += len(self._retry_dead_ids(chunk))
+        return done
+
+    def delete_dead(self, job_id: str) -> bool:
+        """Forget one dead job. False if it was not dead."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.zrem(self.keys.dead, job_id).hdel(self.keys.dead_jobs, job_id)
+            removed, _ = pipe.execute()
+        return bool(removed)
+
+    def delete_all_dead(self, name: str | None = None) -> int:
+        """Forget every dead job (of one job name); returns how many."""
+        k = self.keys
+        if name is None:
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.zcard(k.dead).delete(k.dead, k.dead_jobs)
+                count, _ = pipe.execute()
+            return int(count)
+        done = 0
+        for chunk in self._dead_ids(name):
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.zrem(k.dead, *chunk).hdel(k.dead_jobs, *chunk)
+                removed, _ = pipe.execute()
+            done += int(removed)
+        return done
+
+    # -- internals -----------------------------------------------------------------------
+    def _retry_dead_ids(self, ids: list[str]) -> set[str]:
+        k = self.keys
+        records = self.client.hmget(k.dead_jobs, ids)
+        keys: list[str] = []
+        args: list[Any] = []
+        for job_id, raw in zip(ids, records, strict=True):
+            if raw is None:
+                continue
+            _meta, queue, payload = split_record(raw)
+            keys.append(k.queue(queue))
+            args += [job_id, hashlib.sha1(raw).hexdigest(), _manual_retry_payload(payload)]
+        if not keys:
+            return set()
+        done = self.scripts("dead_retry", [k.dead, k.dead_jobs, k.ready, k.queues, *keys],
+                            [k.wake_channel, k.queue(""), *args])
+        return {bytes_to_str(d) for d in done}
+
+    def _dead_ids(self, name: str | None) -> Iterator[list[str]]:
+        """Ids of dead jobs (of one job name), oldest first, in chunks."""
+        ids = [bytes_to_str(i) for i in self.client.zrange(self.keys.dead, 0, -1)]
+        for i in range(0, len(ids), CHUNK):
+            chunk = ids[i:i + CHUNK]
+            if name is not None:
+                records = self.client.hmget(self.keys.dead_jobs, chunk)
+                chunk = [j for j, raw in zip(chunk, records, strict=True)
+                         if raw is not None and self._name_of(raw) == name]
+            if chunk:
+                yield chunk
+
+    @staticmethod
+    def _name_of(raw: bytes) -> str:
+        meta, queue, payload = split_record(raw)
+        if meta.get("name"):
+            return str(meta["name"])
+        return _job_name(meta, queue, _decode_message(payload))
+
+    def _page(self, zkey: str, hkey: str, offset: int, limit: int, name: str | None,
+              newest_first: bool, build: Callable[[str, float, bytes], T]) -> Page[T]:
+        offset, limit = max(0, offset), max(0, limit)
+        if not limit:
+            return Page(items=[], total=int(self.client.zcard(zkey)), offset=offset, limit=0)
+        if name is None:
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.zcard(zkey)
+                pipe.zrange(zkey, offset, offset + limit - 1, desc=newest_first,
+                            withscores=True)
+                total, entries = pipe.execute()
+            if not entries:
+                return Page(items=[], total=int(total), offset=offset, limit=limit)
+            ids = [bytes_to_str(i) for i, _ in entries]
+            records = self.client.hmget(hkey, ids)
+            items = [build(i, s, r) for (i, (_, s)), r in zip(zip(ids, entries, strict=True),
+                                                               records, strict=True)
+                     if r is not None]
+            return Page(items=items, total=int(total), offset=offset, limit=limit)
+        # Filtered: read the set in chunks, count every match, keep the page.
+        total, items, start = 0, [], 0
+        while True:
+            entries = self.client.zrange(zkey, start, start + CHUNK - 1, desc=newest_first,
+                                         withscores=True)
+            if not entries:
+                break
+            start += CHUNK
+            ids = [bytes_to_str(i) for i, _ in entries]
+            for job_id, (_, score), raw in zip(ids, entries, self.client.hmget(hkey, ids),
+                                              strict=True):
+                if raw is None or self._name_of(raw) != name:
+                    continue
+                if offset <= total < offset + limit:
+                    items.append(build(job_id, score, raw))
+                total += 1
+        return Page(items=items, total=total, offset=offset, limit=limit)
+
+    def _scheduled_job(self, job_id: str, score: float, raw: bytes) -> ScheduledJob:
+        meta, queue, payload = split_record(raw)
+        message = _decode_message(payload)
+        headers = _headers(message)
+        args, kwargs = _body_args(message)
+        scheduled_at = meta.get("scheduled_at")
+        return ScheduledJob(
+            id=job_id,
+            name=_job_name(meta, queue, message),
+            task_id=headers.get("id") or meta.get("task_id"),
+            queue=queue,
+            args=args,
+            kwargs=kwargs,
+            due_at=score / 1000,
+            scheduled_at=scheduled_at / 1000 if isinstance(scheduled_at, int | float) else None,
+            retry=bool(meta.get("retry")),
+            attempt=int(meta.get("attempt") or headers.get("retries") or 0),
+            error=meta.get("error"),
+            exc_type=meta.get("exc_type"),
+            traceback=meta.get("traceback"),
+            eta=headers.get("eta"),
+            expires=headers.get("expires"),
+        )
+
+    def _dead_job(self, job_id: str, score: float, raw: bytes,
+                  with_payload: bool = False) -> DeadJob:
+        meta, queue, payload = split_record(raw)
+        message = _decode_message(payload)
+        headers = _headers(message)
+        args, kwargs = (meta["args"], meta["kwargs"]) if "args" in meta else _body_args(message)
+        attempts = meta.get("attempts")
+        if attempts is None and "retries" in headers:
+            attempts = int(headers.get("retries") or 0) + 1
+        return DeadJob(
+            id=job_id,
+            name=_job_name(meta, queue, message),
+            task_id=meta.get("task_id") or headers.get("id"),
+            queue=queue,
+            reason=str(meta.get("reason", "")),
+            error=str(meta.get("error", "")),
+            exc_type=meta.get("exc_type"),
+            exc_message=meta.get("exc_message"),
+            traceback=meta.get("traceback"),
+            args=args,
+            kwargs=kwargs,
+            attempts=attempts,
+            pool=meta.get("pool"),
+            hostname=meta.get("hostname"),
+            failed_at=score / 1000,
+            manual_retries=int(headers.get(MANUAL_RETRIES_HEADER) or 0),
+            payload=payload if with_payload else None,
+        )
+
+    # --- dashboard/CLI facade ---
+    # What the dashboard (celery_ext.web) and `celery ext` need beyond the above.
+
+    #: The Celery app, when built with :meth:`for_app`: :meth:`job` reads finished jobs
+    #: from its result backend.
+    app: Any = None
+
+    @classmethod
+    def for_app(cls, app: Any) -> Client:
+        """Like :meth:`from_app`, keeping ``app`` for :meth:`job`; fails within seconds
+        (one connection retry) when Redis is down."""
+        with app.connection_for_write() as conn:
+            channel = conn.channel()
+            try:
+                if not hasattr(channel, "settings"):
+                    raise ValueError(f"celery_ext: {app.main!r} does not use the celery-ext:// "
+                                     "broker transport")
+                client = cls(channel._new_sync_client(), channel.settings)
+            finally:
+                channel.close()
+        client.app = app
+        return client
+
+    def ping(self) -> bool:
+        return bool(self.client.ping())
+
+    def server_time(self) -> float:
+        """Redis server time, seconds."""
+        return now_s(self.client)
+
+    def totals(self) -> dict[str, int]:
+        """Processed/failed/retried counters over all job queues."""
+        return self.state.totals()
+
+    def queue_count(self, prefix: str | None = None) -> int:
+        """How many job queues (whose name starts with ``prefix``) exist."""
+        return sum(1 for n in self.state.queue_names() if not prefix or n.startswith(prefix))
+
+    def job(self, job_id: str, deep: bool = True) -> JobStatus:
+        """One job's status by its id (see :mod:`celery_ext.status`)."""
+        return JobLookup(self.client, self.settings, self.app).status(job_id, deep)
+
+    def reap(self) -> ReapResult:
+        """One reaper pass now (requeue the jobs of dead worker pools)."""
+        return Reaper(self.client, self.settings).reap()
+
+
+# Imports of the dashboard/CLI facade above, kept with it so it stays one appended block.
+from .clock import now_s  # noqa: E402
+from .reaper import Reaper, ReapResult  # noqa: E402
+from .status import JobLookup, JobStatus  # noqa: E402

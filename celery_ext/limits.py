@@ -1,0 +1,54 @@
+"""Per-job concurrency limits (task option ``max_concurrency=N``).
+
+The fetch script skips a job queue whose in-flight count (``{ns}:running``, all
+pools) has reached its limit in ``{ns}:limits``. In-flight means fetched and not
+finished, so the limit needs ``acks_late`` (``install(app)``'s default): a job
+acked when it starts no longer counts while it runs. A dead pool's share is
+released by the reaper when it requeues the pool's jobs, so the count never drifts.
+
+Worker pools write the limits of the job queues they consume from their task
+options when they start; the most recently started pool wins. A queue whose tasks
+declare no limit has its limit removed, so the code stays the source of truth
+(``Client.set_max_concurrency`` changes it until the next pool starts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .keys import Keys
+
+
+def job_limits(app: Any) -> dict[str, int]:
+    """Job queue -> max_concurrency for every registered task that declares one
+    (tasks sharing a queue: the smallest limit)."""
+    app.finalize(auto=True)
+    limits: dict[str, int] = {}
+    for name, task in sorted(app.tasks.items()):
+        limit = getattr(task, "max_concurrency", None)
+        if limit is None:
+            continue
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ValueError(f"celery_ext: task {name!r} has max_concurrency={limit!r}; "
+                             "it must be a whole number >= 1 (or None for no limit)")
+        queue = getattr(task, "queue", None) or name
+        limits[queue] = min(limit, limits.get(queue, limit))
+    return limits
+
+
+def write_limits(client: Any, keys: Keys, limits: Mapping[str, int],
+                 consumed: Iterable[str]) -> None:
+    """Set the limits of the consumed queues (removing undeclared ones) and wake
+    pools that may have been waiting on a queue whose limit changed."""
+    consumed = set(consumed) | set(limits)
+    if not consumed:
+        return
+    with client.pipeline() as pipe:
+        for queue in sorted(consumed):
+            if queue in limits:
+                pipe.hset(keys.limits, queue, limits[queue])
+            else:
+                pipe.hdel(keys.limits, queue)
+            pipe.publish(keys.wake_channel, queue)
+        pipe.execute()

@@ -1,0 +1,188 @@
+"""The requeuer: moves due jobs from the scheduled and retry sets to their job queues.
+
+Every worker pool runs one (``start()``/``stop()`` around the one-shot
+``promote()``). Each promote call is one script that moves the due jobs found by
+the previous call and reports the next ones; ZREM inside the script decides who
+moves a job, so with many pools promoting at once each job is promoted exactly
+once. Promoted jobs wake idle pools like a fresh enqueue.
+
+Timing without polling, and without a herd:
+
+* One requeuer, the *leader* (holder of the ``{ns}:requeuer`` lease, renewed by
+  its passes), sleeps until the next due time (read from Redis, so host clocks do
+  not matter), but at least ``promote_min_interval`` (jobs falling due together
+  are promoted in one pass) and at most ``promote_interval``.
+* The others make one pass per ``promote_interval``: they promote whatever is
+  due if the leader is gone, and take the lease once it expires
+  (``promote_interval + 1 s`` after the leader's last pass; if leadership moves
+  while the leader is merely slow, both promote for a while, still exactly once).
+* A producer that schedules a job earlier than every other publishes
+  ``{ns}:schedule``; every requeuer wakes for it, as for a leader that stops and
+  hands over. An idle pool thus sends one command per ``promote_interval``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from kombu.utils.encoding import bytes_to_str
+
+from .config import Settings
+from .keys import Keys
+from .scripts import Scripts
+
+logger = logging.getLogger("celery_ext.requeuer")
+
+#: Slowest the thread reacts to stop() while waiting for the next pass.
+_STOP_POLL = 0.25
+#: Published on the schedule channel by a leader that stops (followers take over).
+HANDOVER = "handover"
+
+
+@dataclass
+class PromoteResult:
+    """What one ``promote()`` did."""
+
+    moved: int = 0
+    #: Seconds until the earliest job not yet due; None when both sets are empty.
+    next_due_in: float | None = None
+    #: Whether this requeuer holds the lease (wakes for every due time).
+    leader: bool = False
+    calls: int = 0
+
+
+class Requeuer:
+    """Promotes due scheduled jobs and retries of one namespace."""
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.client = client
+        self.settings = settings
+        self.keys = Keys(settings.namespace)
+        self.scripts = Scripts(client)
+        self.id = uuid.uuid4().hex
+        self.lease_ms = int((settings.promote_interval + 1) * 1000)
+        self.leader = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+        self.passes = 0
+        self.promoted = 0
+
+    # -- one pass ------------------------------------------------------------------------
+    def promote(self) -> PromoteResult:
+        """Move every job that is due now (in batches of ``promote_batch``)."""
+        k = self.keys
+        result = PromoteResult()
+        candidates: list[tuple[str, str, str]] = []
+        while True:
+            moved, found, next_due, leader = self.scripts(
+                "promote",
+                [k.scheduled, k.retry, k.scheduled_jobs, k.ready, k.queues, k.requeuer_lease,
+                 *(k.queue(q) for _, _, q in candidates)],
+                [k.wake_channel, k.queue(""), self.settings.promote_batch, self.id,
+                 self.lease_ms, *(v for which, job_id, _ in candidates for v in (which, job_id))],
+            )
+            result.calls += 1
+            result.moved += int(moved)
+            result.leader = bool(leader)
+            flat = [bytes_to_str(v) for v in found]
+            stuck = not int(moved) and candidates
+            previous = candidates
+            candidates = [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
+            next_due = int(next_due)
+            result.next_due_in = None if next_due < 0 else next_due / 1000
+            if not candidates:
+                break
+            result.next_due_in = 0.0
+            if stuck and candidates == previous:
+                # Not movable (a record changed under us?): leave them to the next pass.
+                result.next_due_in = self.settings.promote_min_interval
+                break
+        self.leader = result.leader
+        self.passes += 1
+        self.promoted += result.moved
+        return result
+
+    def release(self) -> None:
+        """Give up the lease (if held) and let the other requeuers know."""
+        if not self.leader:
+            return
+        self.leader = False
+        self.client.eval(
+            "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]); "
+            "redis.call('PUBLISH', ARGV[2], ARGV[3]) end return 0",
+            1, self.keys.requeuer_lease, self.id, self.keys.schedule_channel, HANDOVER)
+
+    # -- loop ----------------------------------------------------------------------------
+    def _subscribe(self) -> Any:
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(self.keys.schedule_channel)
+        return pubsub
+
+    def _run(self) -> None:
+        cap = self.settings.promote_interval
+        pubsub: Any = None
+        while not self._stop.is_set():
+            try:
+                if pubsub is None:
+                    # Subscribe before the pass: a job scheduled meanwhile still wakes us.
+                    pubsub = self._subscribe()
+                result = self.promote()
+                if self._failing:
+                    logger.info("celery_ext: requeuer reached Redis again")
+                    self._failing = False
+                wait = cap
+                if result.leader and result.next_due_in is not None:
+                    wait = max(min(result.next_due_in, cap), self.settings.promote_min_interval)
+                self._sleep(pubsub, wait)
+            except redis.RedisError as exc:
+                if not self._failing:
+                    logger.error("celery_ext: requeuer cannot promote due jobs: %s "
+                                 "(will retry)", exc)
+                    self._failing = True
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:
+                        logger.debug("celery_ext: closing the schedule listener failed",
+                                     exc_info=True)
+                    pubsub = None
+                self._stop.wait(min(cap, 0.5 + random.random()))
+        if pubsub is not None:
+            pubsub.close()
+
+    def _sleep(self, pubsub: Any, seconds: float) -> None:
+        """Wait ``seconds``, or until a job is scheduled earlier or the leader hands
+        over (pub/sub), or stop()."""
+        deadline = time.monotonic() + seconds
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if pubsub.get_message(timeout=min(left, _STOP_POLL)) is not None:
+                return
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="celery_ext-requeuer",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        try:
+            self.release()
+        except redis.RedisError as exc:
+            logger.warning("celery_ext: requeuer could not hand over its lease: %s", exc)

@@ -1,0 +1,36 @@
+-- dead_retry: move dead jobs back to the FRONT of their job queues (manual retry).
+-- KEYS[1]  dead zset                    {ns}:dead
+-- KEYS[2]  dead jobs hash               {ns}:dead_jobs
+-- KEYS[3]  ready set                    {ns}:ready
+-- KEYS[4]  known queues set             {ns}:queues
+-- KEYS[5..] job queue lists, one per job
+-- ARGV[1]  wake channel                 {ns}:wake
+-- ARGV[2]  job queue key prefix         {ns}:queue:
+-- ARGV[3..] three values per job, in the order of KEYS[5..]: dead job id, SHA1 of
+--          the dead record the caller read, payload to enqueue (the caller's
+--          rewrite of it: attempts reset, marked as a manual retry)
+-- A job whose record is gone (retried or deleted by someone else) or changed
+-- since the caller read it is skipped, so pressing "retry" twice requeues once.
+-- Returns the ids requeued.
+local done = {}
+for i = 5, #KEYS do
+  local j = 3 + (i - 5) * 3
+  local id = ARGV[j]
+  local rec = redis.call('HGET', KEYS[2], id)
+  if rec and redis.sha1hex(rec) == ARGV[j + 1] then
+    local nl1 = string.find(rec, '\n', 1, true)
+    local nl2 = string.find(rec, '\n', nl1 + 1, true)
+    local qname = string.sub(rec, nl1 + 1, nl2 - 1)
+    if KEYS[i] == ARGV[2] .. qname then
+      redis.call('ZREM', KEYS[1], id)
+      redis.call('HDEL', KEYS[2], id)
+      redis.call('RPUSH', KEYS[i], ARGV[j + 2])
+      redis.call('SADD', KEYS[4], qname)
+      if redis.call('SADD', KEYS[3], qname) == 1 then
+        redis.call('PUBLISH', ARGV[1], qname)
+      end
+      done[#done + 1] = id
+    end
+  end
+end
+return done

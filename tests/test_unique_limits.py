@@ -1,0 +1,143 @@
+"""Unique jobs, per-job concurrency limits, pause and resume (issue 4).
+
+Real server, real ``celery worker`` subprocesses running ``tests.proj_sets``.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from celery_ext.client import Client
+from celery_ext.keys import Keys
+from tests import proj
+from tests.test_scheduled import Factory, start_workers, wait_for
+
+K = Keys("celery_ext")
+FAST_REAPER = {
+    "CELERY_EXT_HEARTBEAT_INTERVAL": "0.25",
+    "CELERY_EXT_DEAD_AFTER": "1.5",
+    "CELERY_EXT_REAP_INTERVAL": "0.5",
+}
+
+
+@pytest.fixture
+def app(broker_url: str, redis_client: redis.Redis) -> Any:
+    proj.configure(broker_url)
+    from tests import proj_sets
+
+    return proj_sets
+
+
+@pytest.fixture
+def rec(redis_server: Any) -> redis.Redis:
+    return redis_server.client(db=2)
+
+
+@pytest.fixture
+def client(redis_client: redis.Redis) -> Client:
+    return Client(redis_client)
+
+
+def at_once(n: int, call: Callable[[], str]) -> list[str]:
+    """Run ``call`` in ``n`` threads released together; return what each got."""
+    barrier = threading.Barrier(n)
+    got: list[str] = []
+
+    def run() -> None:
+        barrier.wait()
+        got.append(call())
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got
+
+
+def pool_of(client: redis.Redis, worker: Any) -> str | None:
+    """The registered pool id of a worker process (ids are host:pid:random)."""
+    return next((p.decode() for p in client.zrange(K.pools, 0, -1)
+                 if f":{worker.pid}:" in p.decode()), None)
+
+
+def test_unique_job_enqueued_once_while_pending(
+        app: Any, client: Client, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    start_workers(worker_factory, 2)
+    queue = "tests.proj_sets.unique_job"
+
+    # 100 concurrent enqueues while the queue is paused: one job, one id for all.
+    assert client.pause(queue) is True and client.pause(queue) is False
+    ids = at_once(100, lambda: app.unique_job.delay("u").id)
+    assert len(set(ids)) == 1 and redis_client.llen(K.queue(queue)) == 1
+    time.sleep(0.7)
+    assert rec.llen("runs:u") == 0  # paused: skipped by fetch, job kept
+    assert client.job_queues(prefix=queue)[0]["paused"]
+    assert client.resume(queue) is True
+    wait_for(lambda: rec.llen("runs:u"), 1, "the job to run right after resume")
+
+    # Scheduled: 100 concurrent enqueues with a countdown, one runs.
+    ids = at_once(100, lambda: app.unique_job.apply_async(("s",), countdown=1).id)
+    assert len(set(ids)) == 1 and client.counts()["scheduled"] == 1
+    wait_for(lambda: rec.llen("runs:s"), 5, "the scheduled unique job")
+
+    # The lock is released when the job starts: the same job may be enqueued again.
+    again = app.unique_job.delay("u")
+    assert again.id != ids[0]
+    wait_for(lambda: rec.llen("runs:u") == 2, 5, "the second unique run")
+
+    # A key function: same key, other args, still the same pending job.
+    client.pause("tests.proj_sets.unique_by_key")
+    a1 = app.unique_by_key.delay("a", 1)
+    assert app.unique_by_key.delay("a", 2).id == a1.id
+    assert app.unique_by_key.delay("b", 1).id != a1.id
+    client.resume("tests.proj_sets.unique_by_key")
+    wait_for(lambda: rec.llen("runs:a") and rec.llen("runs:b"), 5, "the keyed jobs")
+    time.sleep(0.5)
+    assert [rec.llen(f"runs:{k}") for k in ("u", "s", "a", "b")] == [2, 1, 1, 1]
+    assert not list(redis_client.scan_iter(K.unique("*")))  # every lock released
+
+
+def test_max_concurrency_holds_across_four_pools(
+        app: Any, client: Client, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """``max_concurrency=2``, 4 pools x 4 slots: never more than 2 running at once,
+    observed from inside the task; the in-flight count returns to 0."""
+    start_workers(worker_factory, 4, pool="threads", concurrency=4)
+    queue = "tests.proj_sets.limited"
+    assert client.limits() == {queue: 2}
+    for _ in range(16):
+        app.limited.delay("m", 0.25)
+    wait_for(lambda: rec.llen("runs:m") >= 16, 20, "16 runs")
+    assert int(rec.get("max:m") or 0) == 2
+    assert len({r for r in rec.lrange("runs:m", 0, -1)}) >= 2  # spread over pools
+    wait_for(lambda: int(redis_client.hget(K.running, queue) or 0) == 0, 5, "running back to 0")
+
+
+def test_max_concurrency_count_returns_to_zero_after_killed_pools(
+        app: Any, redis_client: redis.Redis, rec: redis.Redis, worker_factory: Factory) -> None:
+    """Pools killed while they hold limited jobs: the reaper releases their share, so
+    the count never drifts and the surviving pool runs every job."""
+    queue = "tests.proj_sets.limited"
+    survivor, = start_workers(worker_factory, 1, pool="threads", concurrency=4, env=FAST_REAPER)
+    for _ in range(10):
+        app.limited.delay("k", 0.8)
+    for _ in range(2):
+        victim, = start_workers(worker_factory, 1, pool="threads", concurrency=4,
+                                env=FAST_REAPER)
+        pool_id = wait_for(lambda v=victim: pool_of(redis_client, v), 5, "the victim's pool")
+        wait_for(lambda p=pool_id: redis_client.hlen(K.inflight(p)), 10,
+                 "the victim holding a job")
+        victim.stop(signal.SIGKILL)
+        assert int(redis_client.hget(K.running, queue) or 0) <= 2
+    wait_for(lambda: rec.llen("runs:k") >= 10, 30, "every job to run")
+    wait_for(lambda: int(redis_client.hget(K.running, queue) or 0) == 0, 10, "running back to 0")
+    assert survivor.alive
