@@ -110,7 +110,7 @@ class WorkerPool(bootsteps.StartStopStep):
             started_at=int(time.time() * 1000),
             state="running",
         )
-        weights: dict[str | bytes, int] = {
+        weights: dict[Any, Any] = {
             q: w for q, w in all_weights().items() if q in c.app.amqp.queues.consume_from}
         if weights:
             hb.client.hset(hb.keys.weights, mapping=weights)

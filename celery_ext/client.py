@@ -140,7 +140,8 @@ class Client:
     """Reads and steers one namespace of a celery_ext Redis."""
 
     def __init__(self, client: redis.Redis, settings: Settings | None = None) -> None:
-        self.client = client
+        # redis-py types replies as sync/async unions; this is the sync client.
+        self.client: Any = client
         self.settings = settings or Settings()
         self.keys = Keys(self.settings.namespace)
         self.scripts = Scripts(client)

@@ -98,7 +98,7 @@ def _broker_class(base: type) -> type:
                     })
                 return result
             finally:
-                await self.redis.aclose()  # type: ignore[attr-defined]
+                await self.redis.aclose()
 
     return CeleryExtBroker
 

@@ -82,7 +82,7 @@ class State:
     """Reads the plugin's records for one namespace."""
 
     def __init__(self, client: redis.Redis, settings: Settings | None = None) -> None:
-        self.client = client
+        self.client: Any = client  # sync client (redis-py types replies as unions)
         self.settings = settings or Settings()
         self.keys = Keys(self.settings.namespace)
 

@@ -121,7 +121,7 @@ class JobLookup:
     """Finds one job's state in the plugin's records and the app's result backend."""
 
     def __init__(self, client: redis.Redis, settings: Settings, app: Any = None) -> None:
-        self.client = client
+        self.client: Any = client  # sync client (redis-py types replies as unions)
         self.settings = settings
         self.keys = Keys(settings.namespace)
         self.app = app
