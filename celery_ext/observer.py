@@ -16,7 +16,12 @@ import time
 from typing import Any
 
 from celery import current_task
-from celery.signals import task_postrun, task_prerun
+from celery.signals import (
+    task_postrun,
+    task_prerun,
+    worker_process_shutdown,
+    worker_shutdown,
+)
 
 from .config import Settings
 from .heartbeater import owning_pool_id
@@ -29,6 +34,12 @@ logger = logging.getLogger("celery_ext.observer")
 CHECKIN_MIN_INTERVAL = 1.0
 #: Characters of repr(args)/repr(kwargs) kept in a busy worker's record.
 ARGS_PREVIEW_CHARS = 200
+#: A job's busy record is written only once it has run this long (seconds): short
+#: jobs cost no round trip from the executing process, while the long jobs the busy
+#: view is for still show (profiled: per-job records were 40% of a worker's CPU).
+BUSY_RECORD_DELAY = 0.1
+#: Processed/failed/retried counters are summed in memory and written this often.
+STATS_FLUSH_INTERVAL = 1.0
 
 _observers: dict[int, Observer] = {}
 _observers_lock = threading.Lock()
@@ -56,8 +67,23 @@ class _CheckinState:
         self.pending: dict[str, Any] | None = None
 
 
+class _Running:
+    __slots__ = ("job_id", "record", "slot", "started", "written")
+
+    def __init__(self, job_id: str, record: str, slot: str) -> None:
+        self.job_id = job_id
+        self.record = record
+        self.slot = slot
+        self.started = time.monotonic()
+        self.written = False
+
+
 class Observer:
-    """Records this process's running jobs for its pool (one per process and app)."""
+    """Records this process's running jobs for its pool (one per process and app).
+
+    A background thread writes the busy record of a job once it has run
+    ``BUSY_RECORD_DELAY`` and flushes the counters every ``STATS_FLUSH_INTERVAL``;
+    ``flush()`` is the one-shot step (also run at process shutdown)."""
 
     def __init__(self, client: Any, settings: Settings, pool_id: str) -> None:
         self.client = client
@@ -66,6 +92,12 @@ class Observer:
         self.keys = Keys(settings.namespace)
         self.scripts = Scripts(client)
         self._checkins: dict[str, _CheckinState] = {}
+        self._running: dict[str, _Running] = {}
+        self._stats: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_stats = time.monotonic()
 
     @classmethod
     def for_app(cls, app: Any) -> Observer | None:
@@ -82,11 +114,11 @@ class Observer:
                                             owning_pool_id())
             return obs
 
-    def _busy(self, mode: str, job_id: str, record: str = "", queue: str = "",
-              outcome: str = "") -> None:
+    def _busy(self, mode: str, job_id: str, slot: str, record: str = "",
+              elapsed_ms: int = 0) -> None:
         self.scripts("busy", [self.keys.busy(self.pool_id), self.keys.checkins,
                               self.keys.stop_requests, self.keys.stats],
-                     [slot_id(), mode, job_id, record, queue, outcome])
+                     [slot, mode, job_id, record, "", "", elapsed_ms])
 
     def job_started(self, task: Any, job_id: str, args: Any, kwargs: Any) -> None:
         record = json.dumps({
@@ -96,11 +128,64 @@ class Observer:
             "stall_after": getattr(task, "stall_after", None),
             "pid": os.getpid(),
         }, default=repr, separators=(",", ":"))
-        self._busy("start", job_id, record)
+        with self._lock:
+            self._running[job_id] = _Running(job_id, record, slot_id())
+        self._ensure_thread()
+        self._wake.set()
 
     def job_finished(self, job_id: str, queue: str = "", outcome: str = "") -> None:
-        self._checkins.pop(job_id, None)
-        self._busy("end", job_id, queue=queue, outcome=outcome)
+        checked_in = self._checkins.pop(job_id, None) is not None
+        with self._lock:
+            running = self._running.pop(job_id, None)
+            if outcome:
+                for name in (outcome, f"{outcome}:{queue}"):
+                    self._stats[name] = self._stats.get(name, 0) + 1
+            if (running is not None and running.written) or checked_in:
+                # The record (or a checkin) is in Redis: clear it with the job.
+                self._busy("end", job_id, running.slot if running else slot_id())
+
+    def flush(self, force_stats: bool = False) -> float:
+        """Write busy records of jobs running past the delay and, when due, the
+        counters. Returns seconds until something is due (1e9: nothing pending)."""
+        now = time.monotonic()
+        wait = 1e9
+        with self._lock:
+            for running in list(self._running.values()):
+                if running.written:
+                    continue
+                age = now - running.started
+                if age >= BUSY_RECORD_DELAY:
+                    self._busy("start", running.job_id, running.slot, running.record,
+                               int(age * 1000))
+                    running.written = True
+                else:
+                    wait = min(wait, BUSY_RECORD_DELAY - age)
+            if self._stats and (force_stats or now - self._last_stats >= STATS_FLUSH_INTERVAL):
+                stats, self._stats = self._stats, {}
+                self._last_stats = now
+                with self.client.pipeline(transaction=False) as pipe:
+                    for name, n in stats.items():
+                        pipe.hincrby(self.keys.stats, name, n)
+                    pipe.execute()
+            if self._stats:
+                wait = min(wait, STATS_FLUSH_INTERVAL - (now - self._last_stats))
+        return max(wait, 0.005)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="celery_ext-observer",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                wait = self.flush()
+            except Exception as exc:
+                logger.warning("celery_ext: could not write busy records: %s", exc)
+                wait = 1.0
+            self._wake.wait(None if wait >= 1e9 else wait)
+            self._wake.clear()
 
     def checkin(self, job_id: str, message: str | None = None,
                 progress: float | None = None) -> tuple[bool, bool]:
@@ -177,5 +262,17 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
             info = task.request.delivery_info or {}
             queue = info.get("routing_key") or task.name
             obs.job_finished(task_id, queue=queue, outcome=OUTCOMES.get(state or "", ""))
+            obs._wake.set()
     except Exception as exc:
         logger.warning("celery_ext: could not clear busy worker for %s: %s", task_id, exc)
+
+
+@worker_process_shutdown.connect(weak=False)
+@worker_shutdown.connect(weak=False)
+def _flush_observers(**kwargs: Any) -> None:
+    """A prefork child or a worker exits: write the counters it still holds."""
+    for obs in list(_observers.values()):
+        try:
+            obs.flush(force_stats=True)
+        except Exception as exc:
+            logger.warning("celery_ext: could not write job counters: %s", exc)

@@ -163,9 +163,11 @@ def test_long_job_checks_in_and_is_never_duplicated(app: Any, worker_factory: An
     start_worker(worker_factory, pool="prefork", concurrency=2, hostname="b@%h")
     duration = SETTINGS.dead_after * 3
     result = app.long_checkin.delay("long", duration)
-    wait_for(lambda: redis_client.hlen(KEYS.checkins) > 0, 10, "a checkin")
     state = State(redis_client, SETTINGS)
-    (busy,) = [b for b in state.busy_workers() if b["job_id"] == result.id]
+    # The busy record appears once the job has run BUSY_RECORD_DELAY; checkins at once.
+    (busy,) = wait_for(lambda: [b for b in state.busy_workers()
+                                if b["job_id"] == result.id and b["checkin_message"]],
+                       10, "the busy record with a checkin")
     assert busy["job_name"] == "tests.proj_pools.long_checkin"
     assert busy["checkin_message"].startswith("step ")
     assert 0 < busy["progress"] <= 1 and busy["args"].startswith("'long'")
