@@ -1,0 +1,1 @@
+"""Benchmarks: celery-ext vs stock Celery-on-Redis on one server (``python -m bench``)."""

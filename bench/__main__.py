@@ -1,0 +1,147 @@
+"""``python -m bench``: stock Kombu ``redis://`` vs ``celery-ext://``, side by side.
+
+Starts one fresh server, runs each workload for both transports alternating A/B
+over ``--rounds``, prints medians and ours/stock, and writes
+``bench/results/results.json`` and ``bench/results/chart.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from bench.harness import REPO_ROOT, Bench, BenchError, stop_all
+from bench.report import Row, chart, markdown, table, targets, targets_text, write_json
+from bench.workloads import ACKS, FULL, POOLS, QUICK, WORKLOADS, restrict
+
+DEFAULT_OUT = REPO_ROOT / "bench" / "results"
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=None,
+                   help="A/B rounds per configuration (default 3; 1 with --quick)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for development and tests")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated subset of: {', '.join(WORKLOADS)}")
+    p.add_argument("--pools", default="", help=f"drain pools subset of {', '.join(POOLS)}")
+    p.add_argument("--acks", default="", help=f"drain ack modes subset of {', '.join(ACKS)}")
+    p.add_argument("--names", default="", help="many_queues job-name counts, e.g. 1,10,1000")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="override the job count of drain, enqueue and many_queues")
+    p.add_argument("--idle-seconds", type=float, default=None)
+    p.add_argument("--aof", choices=("no", "everysec", "always"), default="no",
+                   help="server persistence (default no: measure the transports, not the disk)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
+    p.add_argument("--no-chart", action="store_true", help="skip chart.png")
+    p.add_argument("--save-chart", action="store_true",
+                   help="also copy the chart to bench/chart.png (for the README)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    if rounds < 1:
+        print("--rounds must be >= 1", file=sys.stderr)
+        return 2
+    selected = _csv(args.workloads)
+    unknown = [w for w in selected if w not in WORKLOADS]
+    if unknown:
+        print(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}", file=sys.stderr)
+        return 2
+    sizes = restrict(QUICK if args.quick else FULL, _csv(args.pools) or None,
+                     _csv(args.acks) or None,
+                     [int(x) for x in _csv(args.names)] or None)
+    bad = [p for p in sizes.pools if p not in POOLS] + [a for a in sizes.acks if a not in ACKS]
+    if bad:
+        print(f"unknown pools/ack modes {bad}", file=sys.stderr)
+        return 2
+    if args.jobs:
+        from dataclasses import replace
+
+        sizes = replace(sizes, drain=args.jobs, enqueue=args.jobs, many_jobs=args.jobs)
+    if args.idle_seconds:
+        from dataclasses import replace
+
+        sizes = replace(sizes, idle_seconds=args.idle_seconds)
+
+    out: Path = args.out
+    log_dir = out / "logs"
+    shutil.rmtree(log_dir, ignore_errors=True)
+    json_path = out / "results.json"
+    meta: dict[str, Any] = {
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        "argv": list(argv if argv is not None else sys.argv[1:]),
+        "rounds": rounds, "quick": args.quick, "aof": args.aof,
+        "sizes": sizes.__dict__, "workloads": selected,
+        "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(),
+        "python": platform.python_version(),
+        "versions": {p: version(p) for p in ("celery", "kombu", "redis", "celery-ext")},
+    }
+    rows: list[Row] = []
+    details: dict[str, Any] = {}
+    if os.getloadavg()[0] > 1.0:
+        print(f"warning: load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs: "
+              "absolute numbers will be noisy (ratios of the same run still compare)",
+              file=sys.stderr)
+    t0 = time.monotonic()
+    try:
+        with Bench.open(log_dir, aof=args.aof) as bench:
+            meta["server"] = bench.server_version()
+            for name in selected:
+                w0 = time.monotonic()
+                rows += WORKLOADS[name](bench, sizes, rounds, details)
+                details.setdefault("seconds", {})[name] = round(time.monotonic() - w0, 1)
+                meta["loadavg_after"] = os.getloadavg()
+                write_json(json_path, meta, rows, details)
+    except BenchError as exc:
+        print(f"bench failed: {exc}", file=sys.stderr)
+        meta["error"] = str(exc)
+        write_json(json_path, meta, rows, details)
+        return 1
+    except KeyboardInterrupt:
+        stop_all()
+        print("interrupted", file=sys.stderr)
+        return 130
+    meta["seconds"] = round(time.monotonic() - t0, 1)
+    meta["loadavg_after"] = os.getloadavg()
+    checks = targets(rows)
+    details["targets"] = checks
+    write_json(json_path, meta, rows, details)
+    (out / "table.md").write_text(markdown(rows) + "\n")
+    print(table(rows))
+    print("\ntargets (ours vs stock, this run):\n" + targets_text(checks))
+    print(f"\nresults: {json_path} (table.md beside it); {meta['seconds']}s, "
+          f"load {meta['loadavg_before'][0]:.2f} -> {meta['loadavg_after'][0]:.2f}")
+    if not args.no_chart:
+        title = (f"celery-ext vs stock Kombu redis:// ({meta['server']}, {rounds} rounds, "
+                 f"{'quick' if args.quick else 'full'} sizes)")
+        png = out / "chart.png"
+        if chart(png, rows, title):
+            print(f"chart: {png}")
+            if args.save_chart:
+                shutil.copyfile(png, REPO_ROOT / "bench" / "chart.png")
+                print(f"chart copied to {REPO_ROOT / 'bench' / 'chart.png'}")
+        else:
+            print("chart skipped: matplotlib is not installed (pip install '.[bench]')",
+                  file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

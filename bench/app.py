@@ -1,0 +1,135 @@
+"""The Celery app benchmark workers and clients run (``celery -A bench.app worker``).
+
+Everything comes from environment variables, so one module serves both transports
+and every workload (the harness sets them for each subprocess):
+
+- ``BENCH_BROKER_URL``  broker URL; ``redis://`` = stock Kombu, ``celery-ext://`` = ours
+- ``BENCH_MODE``        ``stock`` or ``ours`` (``ours`` calls ``celery_ext.install(app)``)
+- ``BENCH_NAMES``       number of counting job names ``bench.job_0000``... (default 1)
+- ``BENCH_WEIGHTS``     comma-separated weights, one job name each (fairness workload)
+- ``BENCH_LATENCY``     ``1`` registers only ``bench.latency``
+- ``BENCH_ACKS_LATE``   ``1`` sets ``task_acks_late=True``, else ``False`` (set for both)
+- ``BENCH_COUNT_LIMIT`` fairness: only the first N completions are counted per name
+
+Jobs count their completions with one ``INCR`` on db 2 of the same server (the
+same cost for both transports); there is no result backend and no task events.
+Stock routes each job name to its own queue (``task_queues`` + ``task_routes``),
+so with many names it consumes as many queues as ours does.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from celery import Celery
+from celery.signals import worker_ready
+from kombu import Queue
+
+BROKER_URL = os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0")
+MODE = os.environ.get("BENCH_MODE", "stock")
+NAMES = int(os.environ.get("BENCH_NAMES", "1"))
+WEIGHTS = [int(w) for w in os.environ.get("BENCH_WEIGHTS", "").split(",") if w]
+LATENCY = os.environ.get("BENCH_LATENCY") == "1"
+ACKS_LATE = os.environ.get("BENCH_ACKS_LATE") == "1"
+COUNT_LIMIT = int(os.environ.get("BENCH_COUNT_LIMIT", "0"))
+
+#: Redis keys (db 2) the jobs and workers write for the harness.
+COUNTER_KEY = "bench:done"
+SHARE_KEY = "bench:share"
+LATENCY_KEY = "bench:latency"
+READY_KEY = "bench:ready"
+COUNTER_DB = 2
+
+if MODE == "ours":
+    import celery_ext  # registers the celery-ext:// scheme
+
+
+def counter_url(broker_url: str = BROKER_URL, db: int = COUNTER_DB) -> str:
+    """Plain ``redis://`` URL of another db on the broker's server."""
+    parts = urlsplit(broker_url)
+    return urlunsplit(("redis", parts.netloc, f"/{db}", parts.query, ""))
+
+
+app = Celery("bench", broker=BROKER_URL)
+app.conf.update(
+    task_ignore_result=True,
+    task_acks_late=ACKS_LATE,
+    worker_hijack_root_logger=False,
+    broker_connection_retry_on_startup=True,
+    worker_send_task_events=False,
+    task_send_sent_event=False,
+)
+
+_counter: redis.Redis | None = None
+_share_script: Any = None
+
+
+def counter() -> redis.Redis:
+    """This process's client for the counter db (made lazily: after a prefork fork)."""
+    global _counter
+    if _counter is None:
+        _counter = redis.Redis.from_url(counter_url())
+    return _counter
+
+
+# Fairness: count a completion for its job name only while fewer than the limit are done.
+_COUNT_SHARE = """
+local n = redis.call('INCR', KEYS[1])
+if n <= tonumber(ARGV[2]) then redis.call('HINCRBY', KEYS[2], ARGV[1], 1) end
+return n
+"""
+
+
+def job_name(i: int) -> str:
+    return f"bench.job_{i:04d}"
+
+
+def _make_job(i: int, weight: int | None = None) -> Any:
+    name = job_name(i)
+    if COUNT_LIMIT:
+        def job() -> None:
+            global _share_script
+            if _share_script is None:
+                _share_script = counter().register_script(_COUNT_SHARE)
+            _share_script(keys=[COUNTER_KEY, SHARE_KEY], args=[name, COUNT_LIMIT])
+    else:
+        def job() -> None:
+            counter().incr(COUNTER_KEY)
+
+    job.__name__ = job.__qualname__ = f"job_{i:04d}"
+    options: dict[str, Any] = {"name": name}
+    if weight is not None:
+        options["weight"] = weight
+    return app.task(**options)(job)
+
+
+def _latency(sent: float) -> None:
+    started = time.time()  # same host, same clock as the sender's stamp
+    counter().rpush(LATENCY_KEY, repr(started - sent))
+
+
+if LATENCY:
+    TASKS = [app.task(name="bench.latency")(_latency)]
+elif WEIGHTS:
+    TASKS = [_make_job(i, w) for i, w in enumerate(WEIGHTS)]
+else:
+    TASKS = [_make_job(i) for i in range(NAMES)]
+
+if MODE == "ours":
+    celery_ext.install(app)
+else:
+    # Stock: one queue per job name too, all consumed by a worker started without -Q.
+    names = [t.name for t in TASKS]
+    app.conf.task_queues = [Queue(n, routing_key=n) for n in names]
+    app.conf.task_routes = {n: {"queue": n} for n in names}
+
+
+@worker_ready.connect
+def _on_ready(sender: Any = None, **kwargs: Any) -> None:
+    """Tell the harness this worker consumes (it waits for this key)."""
+    counter().sadd(READY_KEY, str(os.getpid()))
+

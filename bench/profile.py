@@ -1,0 +1,246 @@
+"""Profile the drain workload: py-spy on the worker, commandstats and SLOWLOG on Redis.
+
+``python -m bench.profile [--modes ours,stock] [--jobs 20000] [--pool prefork]
+[--acks early]`` pre-fills the queue, starts a worker, samples it with
+``py-spy record`` (main process and prefork children, non-blocking) from its first
+completed job until the last, and prints, per mode:
+
+- the worker main process's and the children's hottest functions, inclusive and
+  self, as % of samples;
+- Redis ``INFO commandstats`` deltas per job (calls, µs) and the slowest entries of
+  ``SLOWLOG`` (threshold ``--slowlog-us``).
+
+Raw stacks and the report go to ``bench/results/profile/``. Needs ``py-spy``
+(``pip install py-spy``) and ptrace permission; ``--no-pyspy`` keeps the Redis side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.harness import MODES, REPO_ROOT, Bench, counts_delta
+from bench.workloads import POOLS, fill, log
+
+OUT = REPO_ROOT / "bench" / "results" / "profile"
+#: SLOWLOG ring size during a profile (the most recent entries are kept).
+SLOWLOG_LEN = 50_000
+_PROCESS = re.compile(r"^process (\d+):")
+
+
+def _pyspy() -> str | None:
+    found = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    return found if Path(found).exists() else None
+
+
+def parse_stacks(path: Path, main_pid: int) -> dict[str, dict[str, Counter[str]]]:
+    """py-spy raw output -> {"main"|"children": {"total", "self", "incl", "package"}}."""
+    out: dict[str, dict[str, Counter[str]]] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count_s = line.rpartition(" ")
+        if not stack or not count_s.isdigit():
+            continue
+        count = int(count_s)
+        frames = stack.split(";")
+        who = "main"
+        while frames and (m := _PROCESS.match(frames[0])):
+            who = "main" if int(m.group(1)) == main_pid else "children"
+            frames = frames[1:]
+        frames = [f for f in frames if not f.startswith("thread ")]
+        if not frames:
+            continue
+        bucket = out.setdefault(who, {"total": Counter(), "self": Counter(), "incl": Counter(),
+                                      "package": Counter()})
+        bucket["total"]["samples"] += count
+        bucket["self"][frames[-1]] += count
+        bucket["package"][_package(frames[-1])] += count
+        for frame in set(frames):
+            bucket["incl"][frame] += count
+    return out
+
+
+def _package(frame: str) -> str:
+    """Top-level package of a frame "name (pkg/mod.py:12)"; "stdlib" when it has no dir."""
+    m = re.search(r"\(([^)]*)\)$", frame)
+    path = m.group(1) if m else ""
+    path = re.sub(r"^.*/(site-packages|work/main)/", "", path)
+    return path.split("/", 1)[0] if "/" in path else "stdlib"
+
+
+def _short(frame: str) -> str:
+    # "name (path/to/site-packages/pkg/mod.py:12)" -> "name (pkg/mod.py:12)"
+    return re.sub(r"\((?:.*/site-packages/|.*/work/main/)?([^)]*)\)", r"(\1)", frame)
+
+
+def report_stacks(stacks: dict[str, dict[str, Counter[str]]], top: int) -> str:
+    """Top functions per process kind; inclusive leaves out frames on >= 90 % of samples
+    (the event loop and everything above it)."""
+    lines = []
+    for who in ("main", "children"):
+        bucket = stacks.get(who)
+        if not bucket:
+            continue
+        total = bucket["total"]["samples"]
+        lines.append(f"  {who} process{'es' if who == 'children' else ''}: {total} samples")
+        pkgs = ", ".join(f"{k} {100.0 * n / total:.0f}%"
+                         for k, n in bucket["package"].most_common(8))
+        lines.append(f"    self time by package: {pkgs}")
+        incl = [(f, n) for f, n in bucket["incl"].most_common() if n < 0.9 * total][:top]
+        lines.append("    top inclusive (below the event loop):")
+        lines += [f"      {100.0 * n / total:5.1f}%  {_short(f)}" for f, n in incl]
+        lines.append("    top self:")
+        lines += [f"      {100.0 * n / total:5.1f}%  {_short(f)}"
+                  for f, n in bucket["self"].most_common(top)]
+    return "\n".join(lines)
+
+
+def profile_mode(bench: Bench, mode: str, pool: str, conc: int, n: int, acks_late: bool,
+                 out: Path, rate: int, slowlog_us: int, pyspy: str | None,
+                 top: int) -> str:
+    """Drain ``n`` pre-filled jobs once under the profilers; returns the report text."""
+    bench.restore(mode)
+    admin = bench.client()
+    admin.config_set("slowlog-log-slower-than", slowlog_us)
+    admin.config_set("slowlog-max-len", SLOWLOG_LEN)
+    admin.slowlog_reset()
+    stats0 = dict(admin.info("commandstats"))
+    worker = bench.worker(mode, pool, conc, acks_late=int(acks_late))
+    raw = out / f"{mode}-{pool}-{'late' if acks_late else 'early'}.pyspy.txt"
+    spy: subprocess.Popen[bytes] | None = None
+    t0 = time.perf_counter()
+    worker.start()
+    try:
+        def on_first(done: int) -> None:
+            nonlocal spy
+            if pyspy:
+                spy = subprocess.Popen(
+                    [pyspy, "record", "--pid", str(worker.pid), "--subprocesses",
+                     "--nonblocking", "--function", "--format", "raw", "--rate", str(rate),
+                     "-o", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        first, t1 = bench.wait_count(worker, n, timeout=120 + n / 20, on_first=on_first)
+    finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            try:
+                spy.wait(30)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+                spy.wait()
+        worker.stop()
+    stats1 = dict(admin.info("commandstats"))
+    slow = admin.slowlog_get(SLOWLOG_LEN)
+    admin.config_set("slowlog-log-slower-than", 10_000)
+    admin.slowlog_reset()
+
+    lines = [f"== {mode}: {pool} -c {conc}, acks {'late' if acks_late else 'early'}, "
+             f"{n} jobs: {n / (t1 - t0):.0f} jobs/s from start "
+             f"(steady {n / max(t1 - first, 1e-6):.0f}/s, under the profiler)"]
+    if pyspy and raw.exists():
+        lines.append(report_stacks(parse_stacks(raw, worker.pid), top))
+    calls = counts_delta({k: v["calls"] for k, v in stats0.items()},
+                         {k: v["calls"] for k, v in stats1.items()},
+                         skip=("cmdstat_info", "cmdstat_get", "cmdstat_config",
+                               "cmdstat_slowlog"))
+    usec = {k: stats1[k]["usec"] - stats0.get(k, {}).get("usec", 0) for k in calls}
+    total_us = sum(usec.values()) or 1
+    lines.append(f"  Redis commandstats per job (total {total_us / n:.1f} us/job of command "
+                 "time; commands inside scripts are counted in their script's time too):")
+    for k in sorted(calls, key=lambda k: -usec[k]):
+        lines.append(f"    {k.removeprefix('cmdstat_'):<22} {calls[k] / n:6.2f} calls/job "
+                     f"{usec[k] / n:7.2f} us/job  {100.0 * usec[k] / total_us:5.1f}%")
+    lines.append(slowlog_report(
+        slow, {k.removeprefix("cmdstat_"): v / n for k, v in calls.items()}, slowlog_us))
+    return "\n".join(lines)
+
+
+def _script_names() -> dict[str, str]:
+    from celery_ext import scripts
+
+    return {scripts.sha(name): name for name in scripts.SCRIPT_NAMES}
+
+
+def slowlog_report(entries: list[dict[str, Any]], calls_per_job: dict[str, float],
+                   threshold_us: int) -> str:
+    """SLOWLOG entries (the most recent ones: it is a ring buffer) grouped by command,
+    EVALSHA by script name: share of the sampled calls and mean µs per call. Calls per
+    job come from commandstats (EVALSHA split by each script's share of the sample)."""
+    names = _script_names()
+    calls: Counter[str] = Counter()
+    usec: Counter[str] = Counter()
+    for entry in entries:
+        cmd = entry["command"]
+        text = cmd.decode(errors="replace") if isinstance(cmd, bytes) else str(cmd)
+        parts = text.split(" ")
+        name = parts[0].upper()
+        if name in ("INFO", "SLOWLOG", "CONFIG", "GET"):
+            continue  # the harness's own
+        if name == "EVALSHA" and len(parts) > 1:
+            name = f"EVALSHA {names.get(parts[1].lower(), parts[1][:12])}"
+        calls[name] += 1
+        usec[name] += int(entry["duration"])
+    evalsha = sum(n for k, n in calls.items() if k.startswith("EVALSHA")) or 1
+    lines = [f"  SLOWLOG (threshold {threshold_us} us, last {len(entries)} entries, commands "
+             "run by scripts included; per job = mean x calls/job):"]
+    rows = []
+    for name, n in calls.items():
+        if name.startswith("EVALSHA"):
+            per_job = calls_per_job.get("evalsha", 0.0) * n / evalsha
+        else:
+            per_job = calls_per_job.get(name.lower(), 0.0)
+        mean = usec[name] / n
+        rows.append((mean * per_job, name, per_job, mean))
+    total = sum(r[0] for r in rows) or 1.0
+    for us_job, name, per_job, mean in sorted(rows, reverse=True)[:12]:
+        lines.append(f"    {name:<24} {per_job:6.2f} calls/job  mean {mean:6.1f} us  "
+                     f"{us_job:6.1f} us/job  {100.0 * us_job / total:5.1f}%")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="ours,stock")
+    p.add_argument("--jobs", type=int, default=20_000)
+    p.add_argument("--pool", choices=list(POOLS), default="prefork")
+    p.add_argument("--acks", choices=("early", "late"), default="early")
+    p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    p.add_argument("--slowlog-us", type=int, default=0,
+                   help="SLOWLOG threshold (0 = every command, to time each script)")
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--no-pyspy", action="store_true")
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m in MODES]
+    pyspy = None if args.no_pyspy else _pyspy()
+    if not args.no_pyspy and pyspy is None:
+        print("py-spy not found: pip install py-spy (or --no-pyspy)", file=sys.stderr)
+        return 2
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    pool, conc = POOLS[args.pool]
+    reports: list[str] = []
+    extra: dict[str, Any] = {}
+    with Bench.open(out / "logs") as bench:
+        fill(bench, args.jobs, **extra)
+        for mode in modes:
+            log(f"[profile] {mode}")
+            reports.append(profile_mode(bench, mode, pool, conc, args.jobs, args.acks == "late",
+                                        out, args.rate, args.slowlog_us, pyspy, args.top))
+    text = "\n\n".join(reports)
+    (out / f"report-{args.pool}-{args.acks}.txt").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

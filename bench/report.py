@@ -1,0 +1,218 @@
+"""Result rows, the printed table, ``results.json`` and ``chart.png``."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.harness import median
+
+
+@dataclass
+class Row:
+    """One metric of one workload configuration, with every round's value per mode."""
+
+    workload: str
+    config: str
+    metric: str
+    higher_is_better: bool
+    stock: list[float] = field(default_factory=list)
+    ours: list[float] = field(default_factory=list)
+    #: Fairness rows have no stock value: the ratio is against this (the weight share).
+    expected: float | None = None
+    #: Shown in the chart (secondary rows, e.g. CPU per job, are table/JSON only).
+    primary: bool = True
+
+    def add(self, mode: str, value: float) -> None:
+        getattr(self, mode).append(float(value))
+
+    @property
+    def stock_median(self) -> float | None:
+        return median(self.stock) if self.stock else None
+
+    @property
+    def ours_median(self) -> float | None:
+        return median(self.ours) if self.ours else None
+
+    @property
+    def ratio(self) -> float | None:
+        """ours / stock (or ours / expected), from the medians."""
+        ours = self.ours_median
+        base = self.stock_median if self.stock else self.expected
+        if ours is None or base is None or base == 0:
+            return None
+        return ours / base
+
+    @property
+    def better(self) -> bool | None:
+        """Whether ours beats (or matches) stock; None when there is nothing to compare."""
+        r = self.ratio
+        if r is None or not self.stock:
+            return None
+        return r >= 1.0 if self.higher_is_better else r <= 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload, "config": self.config, "metric": self.metric,
+            "higher_is_better": self.higher_is_better, "primary": self.primary,
+            "stock": {"median": self.stock_median, "runs": self.stock},
+            "ours": {"median": self.ours_median, "runs": self.ours},
+            "expected": self.expected, "ratio": self.ratio,
+        }
+
+
+def _fmt(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    a = abs(value)
+    if a >= 1000:
+        return f"{value:,.0f}"
+    if a >= 100:
+        return f"{value:.0f}"
+    if a >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def table(rows: list[Row]) -> str:
+    """A fixed-width table: medians per mode and ours/stock."""
+    head = ("workload", "config", "metric", "stock", "ours", "ours/stock")
+    lines = []
+    for row in rows:
+        stock = _fmt(row.stock_median) if row.stock else (
+            f"exp {_fmt(row.expected)}" if row.expected is not None else "n/a")
+        ratio = "-" if row.ratio is None else f"{row.ratio:.2f}"
+        if row.better is not None:
+            ratio += "" if row.better else " (worse)"
+        lines.append((row.workload, row.config, row.metric, stock, _fmt(row.ours_median), ratio))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
+
+    def fmt_line(cells: tuple[str, ...]) -> str:
+        left = [c.ljust(w) for c, w in zip(cells[:3], widths[:3], strict=True)]
+        right = [c.rjust(w) for c, w in zip(cells[3:], widths[3:], strict=True)]
+        return "  ".join(left + right).rstrip()
+
+    out = [fmt_line(head), fmt_line(tuple("-" * w for w in widths))]
+    out += [fmt_line(line) for line in lines]
+    return "\n".join(out)
+
+
+def markdown(rows: list[Row]) -> str:
+    """The same table in Markdown, for bench/README.md."""
+    out = ["| workload | config | metric | stock | ours | ours/stock |",
+           "|---|---|---|---:|---:|---:|"]
+    for row in rows:
+        stock = _fmt(row.stock_median) if row.stock else (
+            f"expected {_fmt(row.expected)}" if row.expected is not None else "n/a")
+        ratio = "-" if row.ratio is None else f"{row.ratio:.2f}"
+        out.append(f"| {row.workload} | {row.config} | {row.metric} | {stock} | "
+                   f"{_fmt(row.ours_median)} | {ratio} |")
+    return "\n".join(out)
+
+
+def write_json(path: Path, meta: dict[str, Any], rows: list[Row],
+               details: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"meta": meta, "rows": [r.to_dict() for r in rows], "details": details}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+def chart(path: Path, rows: list[Row], title: str) -> bool:
+    """Ratios ours/stock of the primary metrics (and fairness shares) as a PNG.
+
+    Returns False (and writes nothing) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    compared = [r for r in rows if r.primary and r.stock and r.ratio is not None]
+    fair = [r for r in rows if r.workload == "fairness" and r.ours]
+    ncols = 2 if fair else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(13 if fair else 9, 0.38 * len(compared) + 2),
+                             gridspec_kw={"width_ratios": [3, 1]} if fair else None,
+                             squeeze=False)
+    ax = axes[0][0]
+    labels, values, colors = [], [], []
+    for row in reversed(compared):
+        assert row.ratio is not None
+        # Plot "how many times better": >1 is better whichever way the metric goes.
+        gain = row.ratio if row.higher_is_better else 1.0 / row.ratio
+        labels.append(f"{row.workload}: {row.config} ({row.metric})")
+        values.append(gain)
+        colors.append("#2a9d8f" if gain >= 1.0 else "#e76f51")
+    ax.barh(range(len(values)), values, color=colors)
+    ax.set_yticks(range(len(values)), labels, fontsize=8)
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("ours vs stock (x times better; >1 = ours better, log scale)")
+    for i, v in enumerate(values):
+        ax.text(v, i, f" {v:.2f}x", va="center", fontsize=7)
+    ax.set_title(title, fontsize=10)
+    if fair:
+        fax = axes[0][1]
+        xs = range(len(fair))
+        fax.bar([x - 0.2 for x in xs], [r.expected or 0 for r in fair], width=0.4,
+                label="weight share", color="#999999")
+        fax.bar([x + 0.2 for x in xs], [r.ours_median or 0 for r in fair], width=0.4,
+                label="measured", color="#2a9d8f")
+        fax.set_xticks(list(xs), [r.config for r in fair], fontsize=8, rotation=20)
+        fax.set_ylabel("% of fetches")
+        fax.set_title("weighted fairness (ours)", fontsize=10)
+        fax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def targets(rows: list[Row]) -> list[dict[str, Any]]:
+    """The issue's targets, checked against this run's medians (missing rows skipped)."""
+    out: list[dict[str, Any]] = []
+
+    def check(name: str, value: float | None, ok: bool | None) -> None:
+        if value is not None and ok is not None:
+            out.append({"target": name, "value": round(value, 3), "met": ok})
+
+    for r in rows:
+        if r.workload == "drain" and r.metric == "jobs/s":
+            check(f"drain {r.config}: ours/stock >= 1.0", r.ratio,
+                  r.ratio is not None and r.ratio >= 1.0)
+        elif r.workload == "enqueue" and r.metric == "jobs/s":
+            check("enqueue: ours/stock >= 1.0", r.ratio, r.ratio is not None and r.ratio >= 1.0)
+        elif r.workload == "latency" and r.metric == "p50 ms":
+            check("latency p50: ours/stock <= 1.0", r.ratio, r.ratio is not None and r.ratio <= 1)
+        elif r.workload == "latency" and r.metric == "p99 ms":
+            check("latency p99: ours/stock <= 2.0", r.ratio, r.ratio is not None and r.ratio <= 2)
+        elif r.workload == "idle" and r.metric == "commands sent/s":
+            v = r.ours_median
+            check("idle pool: ours <= 2 commands sent/s", v, v is not None and v <= 2.0)
+        elif r.workload == "memory" and r.metric == "Redis bytes/job":
+            check("memory per queued job: ours/stock <= 1.2", r.ratio,
+                  r.ratio is not None and r.ratio <= 1.2)
+    many = [r for r in rows if r.workload == "many_queues" and r.ours]
+    if len(many) > 1:
+        base, top = many[0], many[-1]
+        assert base.ours_median is not None and top.ours_median is not None
+        v = top.ours_median / base.ours_median
+        check(f"many queues: ours {top.config.split(',')[0]} >= 0.9 x ours "
+              f"{base.config.split(',')[0]}", v, v >= 0.9)
+    fair = [r for r in rows if r.workload == "fairness" and r.ours and r.expected]
+    if fair:
+        err = max(abs((r.ours_median or 0.0) - (r.expected or 0.0)) for r in fair)
+        check("fairness: every share within 1 point of its weight share", err, err <= 1.0)
+    return out
+
+
+def targets_text(checks: list[dict[str, Any]]) -> str:
+    return "\n".join(f"  [{'met' if c['met'] else 'MISSED'}] {c['target']}: {c['value']}"
+                     for c in checks)

@@ -1,0 +1,333 @@
+"""The seven workloads. Each runs stock and ours alternately (A/B, B/A, ...) per round
+on the same server and returns result rows plus details for ``results.json``."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from bench import app as bench_app
+from bench.harness import (
+    MODES,
+    Bench,
+    CommandCounter,
+    counts_delta,
+    median,
+    percentile,
+)
+from bench.report import Row
+
+#: (pool, concurrency) of the drain workload.
+POOLS = {"prefork": ("prefork", 2), "threads": ("threads", 8), "solo": ("solo", 1)}
+ACKS = ("early", "late")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each workload is; ``QUICK`` is for development and the smoke test."""
+
+    drain: int = 20_000
+    enqueue: int = 20_000
+    latency: int = 1_000
+    latency_warmup: int = 20
+    many_jobs: int = 20_000
+    names: tuple[int, ...] = (1, 10, 100, 1_000)
+    idle_seconds: float = 30.0
+    idle_settle: float = 3.0
+    memory_jobs: int = 100_000
+    rss_jobs: int = 2_000
+    fairness_fetches: int = 10_000
+    weights: tuple[int, ...] = (1, 2, 3, 4)
+    pools: tuple[str, ...] = ("prefork", "threads", "solo")
+    acks: tuple[str, ...] = ACKS
+
+
+FULL = Sizes()
+QUICK = Sizes(drain=200, enqueue=200, latency=50, latency_warmup=5, many_jobs=200,
+              names=(1, 10, 100), idle_seconds=3.0, idle_settle=1.0, memory_jobs=2_000,
+              rss_jobs=100, fairness_fetches=400)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def order(rnd: int, modes: tuple[str, ...] = MODES) -> tuple[str, ...]:
+    """A/B in even rounds, B/A in odd ones, so drift and warm-up hit both sides."""
+    return modes if rnd % 2 == 0 else tuple(reversed(modes))
+
+
+def fill(bench: Bench, n: int, timeout_per_job: float = 0.02, **extra: Any) -> None:
+    """Pre-queue ``n`` jobs with the real producer of each mode and snapshot them."""
+    for mode in MODES:
+        bench.flush()
+        t0 = time.perf_counter()
+        bench.run_client(mode, ["enqueue", "--n", str(n)], timeout=60 + n * timeout_per_job,
+                         **extra)
+        keys = bench.snapshot(mode)
+        log(f"  filled {n} jobs for {mode} in {time.perf_counter() - t0:.1f}s ({keys} keys)")
+
+
+def drain_once(bench: Bench, mode: str, pool: str, concurrency: int, n: int,
+               acks_late: bool, **extra: Any) -> dict[str, Any]:
+    """Restore the pre-filled queue, start a worker, time until ``n`` jobs are done."""
+    bench.restore(mode)
+    stats0 = bench.commandstats()
+    worker = bench.worker(mode, pool, concurrency, acks_late=int(acks_late), **extra)
+    at_first: dict[str, Any] = {}
+
+    def on_first(done: int) -> None:
+        at_first.update(done=done, usage=worker.usage(), redis_cpu=bench.redis_cpu())
+
+    t0 = time.perf_counter()
+    worker.start()
+    try:
+        first, t1 = bench.wait_count(worker, n, timeout=60 + n / 50, on_first=on_first)
+        usage = worker.usage()
+        redis_cpu = bench.redis_cpu()
+        stats1 = bench.commandstats()
+    finally:
+        worker.stop()
+    steady_jobs = max(1, n - at_first["done"])
+    return {
+        "jobs_per_s": n / (t1 - t0),
+        "startup_s": first - t0,
+        "steady_jobs_per_s": steady_jobs / max(t1 - first, 1e-6),
+        "worker_cpu_us": (usage["cpu_tree"] - at_first["usage"]["cpu_tree"]) / steady_jobs * 1e6,
+        "worker_main_cpu_us": (usage["cpu_main"] - at_first["usage"]["cpu_main"])
+        / steady_jobs * 1e6,
+        "redis_cpu_us": (redis_cpu - at_first["redis_cpu"]) / steady_jobs * 1e6,
+        "rss_main_mib": usage["rss_main"] / 2**20,
+        "rss_tree_mib": usage["rss_tree"] / 2**20,
+        "redis_calls_per_job": {k: round(v / n, 3) for k, v in
+                                counts_delta(stats0, stats1, skip=("info", "get", "copy",
+                                                                   "flushdb", "scan")).items()},
+    }
+
+
+def drain(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) -> list[Row]:
+    """1. Drain pre-queued no-op jobs: every pool type, early and late acks."""
+    n = sizes.drain
+    log(f"[drain] {n} jobs")
+    fill(bench, n)
+    rows: list[Row] = []
+    for pool_name in sizes.pools:
+        pool, conc = POOLS[pool_name]
+        for acks in sizes.acks:
+            config = f"{pool} -c {conc}, acks {acks}"
+            thr = Row("drain", config, "jobs/s", True)
+            wcpu = Row("drain", config, "worker CPU us/job", False, primary=False)
+            rcpu = Row("drain", config, "Redis CPU us/job", False, primary=False)
+            runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+            for rnd in range(rounds):
+                for mode in order(rnd):
+                    res = drain_once(bench, mode, pool, conc, n, acks == "late")
+                    runs[mode].append(res)
+                    thr.add(mode, res["jobs_per_s"])
+                    wcpu.add(mode, res["worker_cpu_us"])
+                    rcpu.add(mode, res["redis_cpu_us"])
+                    log(f"  {config} round {rnd + 1} {mode}: {res['jobs_per_s']:.0f} jobs/s "
+                        f"(steady {res['steady_jobs_per_s']:.0f}, worker "
+                        f"{res['worker_cpu_us']:.0f} us/job, redis {res['redis_cpu_us']:.0f})")
+            details.setdefault("drain", {})[config] = runs
+            rows += [thr, wcpu, rcpu]
+    return rows
+
+
+def enqueue(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) -> list[Row]:
+    """2. ``apply_async`` from one process."""
+    n = sizes.enqueue
+    log(f"[enqueue] {n} apply_async")
+    thr = Row("enqueue", "1 process", "jobs/s", True)
+    cpu = Row("enqueue", "1 process", "client CPU us/job", False, primary=False)
+    rcpu = Row("enqueue", "1 process", "Redis CPU us/job", False, primary=False)
+    for rnd in range(rounds):
+        for mode in order(rnd):
+            bench.flush()
+            r0 = bench.redis_cpu()
+            res = bench.run_client(mode, ["enqueue", "--n", str(n)], timeout=60 + n * 0.02)
+            r1 = bench.redis_cpu()
+            thr.add(mode, res["n"] / res["seconds"])
+            cpu.add(mode, res["cpu_seconds"] / res["n"] * 1e6)
+            rcpu.add(mode, (r1 - r0) / res["n"] * 1e6)
+            log(f"  round {rnd + 1} {mode}: {res['n'] / res['seconds']:.0f} jobs/s, "
+                f"{res['cpu_seconds'] / res['n'] * 1e6:.0f} us CPU/job")
+    details["enqueue"] = {"jobs": n}
+    return [thr, cpu, rcpu]
+
+
+def latency(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) -> list[Row]:
+    """3. One job at a time to an idle prefork worker: enqueue call to job start."""
+    n = sizes.latency
+    log(f"[latency] {n} jobs one at a time")
+    p50 = Row("latency", "prefork -c 2, idle", "p50 ms", False)
+    p99 = Row("latency", "prefork -c 2, idle", "p99 ms", False)
+    for rnd in range(rounds):
+        for mode in order(rnd):
+            bench.flush()
+            worker = bench.worker(mode, "prefork", 2, latency=1)
+            worker.start()
+            try:
+                bench.wait_ready(worker)
+                time.sleep(sizes.idle_settle)
+                res = bench.run_client(mode, ["latency", "--n", str(n), "--warmup",
+                                              str(sizes.latency_warmup)], timeout=60 + n * 0.5,
+                                       latency=1)
+            finally:
+                worker.stop()
+            lat = res["latencies_ms"]
+            p50.add(mode, percentile(lat, 50))
+            p99.add(mode, percentile(lat, 99))
+            log(f"  round {rnd + 1} {mode}: p50 {percentile(lat, 50):.2f} ms, "
+                f"p99 {percentile(lat, 99):.2f} ms")
+    return [p50, p99]
+
+
+def many_queues(bench: Bench, sizes: Sizes, rounds: int,
+                details: dict[str, Any]) -> list[Row]:
+    """4. The same jobs spread over 1..1,000 job names, each its own consumed queue."""
+    n = sizes.many_jobs
+    rows: list[Row] = []
+    for names in sizes.names:
+        log(f"[many_queues] {n} jobs over {names} job names")
+        fill(bench, n, names=names)
+        row = Row("many_queues", f"{names} job names, prefork -c 2", "jobs/s", True)
+        for rnd in range(rounds):
+            for mode in order(rnd):
+                res = drain_once(bench, mode, "prefork", 2, n, False, names=names)
+                row.add(mode, res["jobs_per_s"])
+                log(f"  round {rnd + 1} {mode}: {res['jobs_per_s']:.0f} jobs/s")
+        rows.append(row)
+    if rows and rows[0].ours:
+        base = median(rows[0].ours)
+        details["many_queues"] = {
+            "ours_vs_ours_1_name": {r.config: median(r.ours) / base for r in rows}}
+    return rows
+
+
+def idle(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) -> list[Row]:
+    """5. Commands one idle prefork pool sends (MONITOR) and causes (commandstats)."""
+    secs = sizes.idle_seconds
+    log(f"[idle] {secs:.0f}s per pool")
+    sent = Row("idle", "prefork -c 2, empty queues", "commands sent/s", False)
+    executed = Row("idle", "prefork -c 2, empty queues", "commands executed/s", False,
+                   primary=False)
+    out: dict[str, Any] = {}
+    for rnd in range(max(1, rounds // 3)):
+        for mode in order(rnd):
+            bench.flush()
+            worker = bench.worker(mode, "prefork", 2)
+            worker.start()
+            try:
+                bench.wait_ready(worker)
+                time.sleep(sizes.idle_settle)
+                stats0 = bench.commandstats()
+                with CommandCounter(bench.server) as cc:
+                    time.sleep(secs)
+                stats1 = bench.commandstats()
+            finally:
+                worker.stop()
+            calls = counts_delta(stats0, stats1, skip=("info", "monitor"))
+            by_client = {k: v for k, v in cc.sent.items() if k not in ("info", "monitor")}
+            sent.add(mode, max(sum(by_client.values()), 0.5) / secs)
+            executed.add(mode, max(sum(calls.values()), 0.5) / secs)
+            out[mode] = {"sent": by_client, "executed": calls, "seconds": secs}
+            log(f"  {mode}: sent {by_client}, executed {calls}")
+    details["idle"] = out
+    return [sent, executed]
+
+
+def memory(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) -> list[Row]:
+    """6. Redis bytes per queued job, and worker RSS while draining them."""
+    n = sizes.memory_jobs
+    log(f"[memory] {n} queued jobs")
+    per_job = Row("memory", f"{n:,} queued", "Redis bytes/job", False)
+    rss_main = Row("memory", "prefork -c 2, draining", "worker main RSS MiB", False)
+    rss_tree = Row("memory", "prefork -c 2, draining", "worker tree RSS MiB", False,
+                   primary=False)
+    out: dict[str, Any] = {}
+    for rnd in range(max(1, rounds // 3)):
+        for mode in order(rnd):
+            bench.flushall()
+            used0 = int(bench.info("memory")["used_memory"])
+            bench.run_client(mode, ["enqueue", "--n", str(n)], timeout=60 + n * 0.02)
+            used1 = int(bench.info("memory")["used_memory"])
+            per_job.add(mode, (used1 - used0) / n)
+            out[mode] = {"used_memory_delta_per_job": (used1 - used0) / n,
+                         "memory_usage_keys_per_job": bench.key_bytes() / n}
+            worker = bench.worker(mode, "prefork", 2)
+            worker.start()
+            try:
+                bench.wait_count(worker, sizes.rss_jobs, timeout=60 + sizes.rss_jobs / 50)
+                usage = worker.usage()
+            finally:
+                worker.stop()
+            rss_main.add(mode, usage["rss_main"] / 2**20)
+            rss_tree.add(mode, usage["rss_tree"] / 2**20)
+            log(f"  {mode}: {(used1 - used0) / n:.0f} B/job, worker RSS main "
+                f"{usage['rss_main'] / 2**20:.1f} MiB, tree {usage['rss_tree'] / 2**20:.1f} MiB")
+    bench.flushall()
+    details["memory"] = out
+    return [per_job, rss_main, rss_tree]
+
+
+def fairness(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) -> list[Row]:
+    """7. Share of fetches per job queue vs its weight share (ours only)."""
+    f, weights = sizes.fairness_fetches, sizes.weights
+    total = sum(weights)
+    log(f"[fairness] {f} fetches over weights {weights}")
+    # Enough jobs that no queue runs empty before f fetches (its share plus slack).
+    counts = [math.ceil(f * w / total * 1.2) + 50 for w in weights]
+    rows = [Row("fairness", f"weight {w}", "% of fetches", True,
+                expected=100.0 * w / total) for w in weights]
+    env = {"weights": ",".join(map(str, weights)), "count_limit": f}
+    errors = []
+    for rnd in range(rounds):
+        bench.flush()
+        bench.run_client("ours", ["enqueue", "--n", str(sum(counts)), "--per-task",
+                                  ",".join(map(str, counts))], timeout=60 + sum(counts) * 0.02,
+                         **env)
+        worker = bench.worker("ours", "prefork", 2, **env)
+        worker.start()
+        try:
+            bench.wait_count(worker, f, timeout=60 + f / 50)
+        finally:
+            worker.stop()
+        share = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in
+                 bench.counter.hgetall(bench_app.SHARE_KEY).items()}
+        got = [100.0 * share.get(bench_app.job_name(i), 0) / f for i in range(len(weights))]
+        for row, value in zip(rows, got, strict=True):
+            row.add("ours", value)
+        errors.append(max(abs(g - 100.0 * w / total) for g, w in zip(got, weights, strict=True)))
+        log(f"  round {rnd + 1}: shares {[round(g, 2) for g in got]} %")
+    details["fairness"] = {"weights": list(weights), "fetches": f,
+                           "max_abs_error_pp": errors}
+    return rows
+
+
+WORKLOADS: dict[str, Callable[[Bench, Sizes, int, dict[str, Any]], list[Row]]] = {
+    "drain": drain,
+    "enqueue": enqueue,
+    "latency": latency,
+    "many_queues": many_queues,
+    "idle": idle,
+    "memory": memory,
+    "fairness": fairness,
+}
+
+
+def restrict(sizes: Sizes, pools: Iterable[str] | None, acks: Iterable[str] | None,
+             names: Iterable[int] | None) -> Sizes:
+    """Sizes limited to the given pools, ack modes and name counts (None = keep)."""
+    out = sizes
+    if pools:
+        out = replace(out, pools=tuple(pools))
+    if acks:
+        out = replace(out, acks=tuple(acks))
+    if names:
+        out = replace(out, names=tuple(names))
+    return out

@@ -1,0 +1,46 @@
+"""The benchmark harness runs end to end on tiny sizes and writes sane results.
+
+Only the harness is checked here (every workload present, every number positive
+and finite); the figures themselves are not timed tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = ("drain", "enqueue", "latency", "many_queues", "idle", "memory", "fairness")
+
+
+@pytest.mark.timeout(120)
+def test_bench_quick_writes_every_workload(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "bench", "--quick", "--rounds", "1", "--jobs", "150",
+            "--pools", "solo", "--acks", "early", "--names", "1,10",
+            "--idle-seconds", "1", "--no-chart", "--out", str(tmp_path)]
+    done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=110,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ours/stock" in done.stdout  # the table was printed
+
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert "error" not in data["meta"]
+    rows = data["rows"]
+    assert {r["workload"] for r in rows} == set(WORKLOADS)
+    for row in rows:
+        sides = ("ours",) if row["workload"] == "fairness" else ("stock", "ours")
+        for side in sides:
+            runs = row[side]["runs"]
+            assert runs, (row["workload"], row["config"], row["metric"], side)
+            for value in [*runs, row[side]["median"]]:
+                assert math.isfinite(value) and value > 0, (row, side)
+        assert row["ratio"] is not None and math.isfinite(row["ratio"]) and row["ratio"] > 0
+    # Fairness: shares of the first N fetches add up to 100 %.
+    shares = [r["ours"]["median"] for r in rows if r["workload"] == "fairness"]
+    assert abs(sum(shares) - 100.0) < 1e-6
+    assert (tmp_path / "table.md").is_file()
