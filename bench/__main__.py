@@ -20,7 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import REPO_ROOT, Bench, BenchError, stop_all
-from bench.report import Row, chart, markdown, table, targets, targets_text, write_json
+from bench.report import (
+    Row,
+    chart,
+    load_rows,
+    markdown,
+    table,
+    targets,
+    targets_text,
+    write_json,
+)
 from bench.workloads import ACKS, FULL, POOLS, QUICK, WORKLOADS, restrict
 
 DEFAULT_OUT = REPO_ROOT / "bench" / "results"
@@ -50,6 +59,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-chart", action="store_true", help="skip chart.png")
     p.add_argument("--save-chart", action="store_true",
                    help="also copy the chart to bench/chart.png (for the README)")
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw chart.png (and table.md) from OUT/results.json")
     return p.parse_args(argv)
 
 
@@ -81,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes = replace(sizes, idle_seconds=args.idle_seconds)
 
     out: Path = args.out
+    if args.replot:
+        return replot(out, args.save_chart)
     log_dir = out / "logs"
     shutil.rmtree(log_dir, ignore_errors=True)
     json_path = out / "results.json"
@@ -129,17 +142,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nresults: {json_path} (table.md beside it); {meta['seconds']}s, "
           f"load {meta['loadavg_before'][0]:.2f} -> {meta['loadavg_after'][0]:.2f}")
     if not args.no_chart:
-        title = (f"celery-ext vs stock Kombu redis:// ({meta['server']}, {rounds} rounds, "
-                 f"{'quick' if args.quick else 'full'} sizes)")
-        png = out / "chart.png"
-        if chart(png, rows, title):
-            print(f"chart: {png}")
-            if args.save_chart:
-                shutil.copyfile(png, REPO_ROOT / "bench" / "chart.png")
-                print(f"chart copied to {REPO_ROOT / 'bench' / 'chart.png'}")
-        else:
-            print("chart skipped: matplotlib is not installed (pip install '.[bench]')",
-                  file=sys.stderr)
+        draw(out, rows, meta, args.save_chart)
+    return 0
+
+
+def draw(out: Path, rows: list[Row], meta: dict[str, Any], save_chart: bool) -> None:
+    """Write OUT/chart.png (and bench/chart.png with ``save_chart``)."""
+    title = (f"celery-ext vs stock Kombu redis:// (server {meta.get('server')}, "
+             f"{meta.get('rounds')} rounds, {'quick' if meta.get('quick') else 'full'} sizes)")
+    png = out / "chart.png"
+    if not chart(png, rows, title):
+        print("chart skipped: matplotlib is not installed (pip install '.[bench]')",
+              file=sys.stderr)
+        return
+    print(f"chart: {png}")
+    if save_chart:
+        shutil.copyfile(png, REPO_ROOT / "bench" / "chart.png")
+        print(f"chart copied to {REPO_ROOT / 'bench' / 'chart.png'}")
+
+
+def replot(out: Path, save_chart: bool) -> int:
+    """Redraw the chart and table.md of an earlier run."""
+    import json
+
+    path = out / "results.json"
+    if not path.is_file():
+        print(f"no {path}: run the benchmark first", file=sys.stderr)
+        return 2
+    rows = load_rows(path)
+    (out / "table.md").write_text(markdown(rows) + "\n")
+    print(table(rows))
+    draw(out, rows, json.loads(path.read_text())["meta"], save_chart)
     return 0
 
 

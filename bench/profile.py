@@ -105,7 +105,7 @@ def report_stacks(stacks: dict[str, dict[str, Counter[str]]], top: int) -> str:
 
 def profile_mode(bench: Bench, mode: str, pool: str, conc: int, n: int, acks_late: bool,
                  out: Path, rate: int, slowlog_us: int, pyspy: str | None,
-                 top: int) -> str:
+                 top: int, names: int = 1) -> str:
     """Drain ``n`` pre-filled jobs once under the profilers; returns the report text."""
     bench.restore(mode)
     admin = bench.client()
@@ -113,8 +113,8 @@ def profile_mode(bench: Bench, mode: str, pool: str, conc: int, n: int, acks_lat
     admin.config_set("slowlog-max-len", SLOWLOG_LEN)
     admin.slowlog_reset()
     stats0 = dict(admin.info("commandstats"))
-    worker = bench.worker(mode, pool, conc, acks_late=int(acks_late))
-    raw = out / f"{mode}-{pool}-{'late' if acks_late else 'early'}.pyspy.txt"
+    worker = bench.worker(mode, pool, conc, acks_late=int(acks_late), names=names)
+    raw = out / f"{mode}-{pool}-{'late' if acks_late else 'early'}-{names}.pyspy.txt"
     spy: subprocess.Popen[bytes] | None = None
     t0 = time.perf_counter()
     worker.start()
@@ -143,6 +143,7 @@ def profile_mode(bench: Bench, mode: str, pool: str, conc: int, n: int, acks_lat
     admin.slowlog_reset()
 
     lines = [f"== {mode}: {pool} -c {conc}, acks {'late' if acks_late else 'early'}, "
+             f"{names} job name{'s' if names > 1 else ''}, "
              f"{n} jobs: {n / (t1 - t0):.0f} jobs/s from start "
              f"(steady {n / max(t1 - first, 1e-6):.0f}/s, under the profiler)"]
     if pyspy and raw.exists():
@@ -213,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=20_000)
     p.add_argument("--pool", choices=list(POOLS), default="prefork")
     p.add_argument("--acks", choices=("early", "late"), default="early")
+    p.add_argument("--names", type=int, default=1, help="job names the jobs spread over")
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     p.add_argument("--slowlog-us", type=int, default=0,
                    help="SLOWLOG threshold (0 = every command, to time each script)")
@@ -229,15 +231,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     pool, conc = POOLS[args.pool]
     reports: list[str] = []
-    extra: dict[str, Any] = {}
     with Bench.open(out / "logs") as bench:
-        fill(bench, args.jobs, **extra)
+        fill(bench, args.jobs, names=args.names)
         for mode in modes:
             log(f"[profile] {mode}")
             reports.append(profile_mode(bench, mode, pool, conc, args.jobs, args.acks == "late",
-                                        out, args.rate, args.slowlog_us, pyspy, args.top))
+                                        out, args.rate, args.slowlog_us, pyspy, args.top,
+                                        args.names))
     text = "\n\n".join(reports)
-    (out / f"report-{args.pool}-{args.acks}.txt").write_text(text + "\n")
+    (out / f"report-{args.pool}-{args.acks}-{args.names}.txt").write_text(text + "\n")
     print(text)
     return 0
 

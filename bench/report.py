@@ -113,6 +113,14 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+def load_rows(path: Path) -> list[Row]:
+    """Rows back from a ``results.json`` (to redraw the chart without a new run)."""
+    data = json.loads(path.read_text())
+    return [Row(r["workload"], r["config"], r["metric"], r["higher_is_better"],
+                stock=r["stock"]["runs"], ours=r["ours"]["runs"], expected=r["expected"],
+                primary=r["primary"]) for r in data["rows"]]
+
+
 def write_json(path: Path, meta: dict[str, Any], rows: list[Row],
                details: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,13 +154,18 @@ def chart(path: Path, rows: list[Row], title: str) -> bool:
         assert row.ratio is not None
         # Plot "how many times better": >1 is better whichever way the metric goes.
         gain = row.ratio if row.higher_is_better else 1.0 / row.ratio
-        labels.append(f"{row.workload}: {row.config} ({row.metric})")
+        direction = "higher" if row.higher_is_better else "lower"
+        labels.append(f"{row.workload}: {row.config} ({row.metric}, {direction} is better)")
         values.append(gain)
         colors.append("#2a9d8f" if gain >= 1.0 else "#e76f51")
     ax.barh(range(len(values)), values, color=colors)
     ax.set_yticks(range(len(values)), labels, fontsize=8)
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_xscale("log")
+    ticks = [t for t in (0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20)
+             if min(values, default=1) / 1.5 <= t <= max(values, default=1) * 1.5]
+    ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("ours vs stock (x times better; >1 = ours better, log scale)")
     for i, v in enumerate(values):
         ax.text(v, i, f" {v:.2f}x", va="center", fontsize=7)
