@@ -174,25 +174,16 @@ def heartbeater_for(client_factory: Callable[[], redis.Redis], settings: Setting
                     server_id: str) -> Heartbeater:
     """The process's heartbeater for one server and namespace, started on first use."""
     key = (server_id, settings.namespace)
+    pool_id = current_pool_id()  # takes _lock itself, which is not reentrant
     with _lock:
         hb = _heartbeaters.get(key)
         if hb is None:
-            hb = _heartbeaters[key] = Heartbeater(client_factory(), settings, _pool_id_unlocked())
+            hb = _heartbeaters[key] = Heartbeater(client_factory(), settings, pool_id)
             atexit.register(hb.stop)
     hb.start()
     return hb
 
 
-def existing_heartbeater(server_id: str, namespace: str) -> Heartbeater | None:
-    return _heartbeaters.get((server_id, namespace))
-
-
 def all_heartbeaters() -> list[Heartbeater]:
     return list(_heartbeaters.values())
 
-
-def _pool_id_unlocked() -> str:
-    global _pool_id
-    if _pool_id is None:
-        _pool_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    return _pool_id

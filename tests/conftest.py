@@ -53,6 +53,12 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
+def rec(redis_server: RedisServer) -> redis.Redis:
+    """db 2 of the session server, where the test apps' tasks record their runs."""
+    return redis_server.client(db=2)
+
+
+@pytest.fixture
 def broker_url(redis_server: RedisServer) -> str:
     """The session server's URL with our transport's scheme (``import celery_ext`` registers it)."""
     return redis_server.url(scheme="celery-ext")

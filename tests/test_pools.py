@@ -42,12 +42,6 @@ def app(broker_url: str, redis_client: redis.Redis) -> Any:
     return proj_pools
 
 
-@pytest.fixture
-def rec(redis_server: Any) -> redis.Redis:
-    """db 2, where test tasks record their runs."""
-    return redis_server.client(db=2)
-
-
 def start_worker(factory: Callable[..., WorkerProcess], **kw: Any) -> WorkerProcess:
     env = {**FAST, **kw.pop("env", {})}
     return factory(APP, env=env, **kw).start()

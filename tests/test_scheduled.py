@@ -43,12 +43,6 @@ def app(broker_url: str, redis_client: redis.Redis) -> Any:
     return proj_sets
 
 
-@pytest.fixture
-def rec(redis_server: RedisServer) -> redis.Redis:
-    """db 2, where the test tasks record their runs."""
-    return redis_server.client(db=2)
-
-
 def wait_for(cond: Callable[[], Any], timeout: float, what: str, step: float = 0.02) -> Any:
     deadline = time.monotonic() + timeout
     while True:

@@ -116,12 +116,6 @@ def app(broker_url: str, redis_client: redis.Redis) -> Celery:
     return proj.app
 
 
-@pytest.fixture
-def rec(redis_server: RedisServer) -> redis.Redis:
-    """db 2, where the test tasks record their runs."""
-    return redis_server.client(db=2)
-
-
 # -- pools, results, remote control ------------------------------------------------------------
 
 

@@ -36,11 +36,6 @@ def app(broker_url: str, redis_client: redis.Redis) -> Any:
 
 
 @pytest.fixture
-def rec(redis_server: Any) -> redis.Redis:
-    return redis_server.client(db=2)
-
-
-@pytest.fixture
 def client(redis_client: redis.Redis) -> Client:
     return Client(redis_client)
 
