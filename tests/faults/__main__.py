@@ -1,0 +1,100 @@
+"""``python -m tests.faults``: every fault scenario, stock vs ours, side by side.
+
+Prints a table, writes ``results.json`` and ``table.md`` to ``--out``; logs and
+each run's append-only record stay there too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from tests.faults.harness import MODES, SCENARIOS, Options, Result, Run
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def _fmt_recovery(r: Result) -> str:
+    if not r.faults:
+        return "-"
+    text = f"{r.recovery_median:.1f}/{r.recovery_max:.1f}" if r.recovery_max is not None else ""
+    if r.unrecovered_faults:
+        text += f"{' +' if text else ''}{r.unrecovered_faults} never"
+    return text or "-"
+
+
+def table(results: list[Result]) -> str:
+    """Markdown table: one row per scenario, stock and ours side by side."""
+    by = {(r.scenario, r.mode): r for r in results}
+    names = list(dict.fromkeys(r.scenario for r in results))
+    head = ("| scenario | faults | stock lost | stock dup | stock recovery s (med/max) "
+            "| ours lost | ours dup (in flight) | ours recovery s (med/max) | refused (ours) |")
+    rows = [head, "|" + "---|" * 9]
+    for name in names:
+        s, o = by.get((name, "stock")), by.get((name, "ours"))
+        cells = [name, str(len((o or s).faults)) if (o or s) else "-"]  # type: ignore[union-attr]
+        for r, ours in ((s, False), (o, True)):
+            if r is None:
+                cells += ["-", "-", "-"]
+                continue
+            cells.append(f"{r.lost}/{r.accepted}")
+            cells.append(f"{r.duplicates} ({r.in_flight_at_faults})" if ours else str(r.duplicates))
+            cells.append(_fmt_recovery(r))
+        cells.append(str(o.refused) if o else "-")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    defaults = Options()
+    parser = argparse.ArgumentParser(prog="python -m tests.faults", description=__doc__)
+    parser.add_argument("--scenarios", default=",".join(n for n in SCENARIOS if n != "soak"),
+                        help=f"comma-separated, from: {', '.join(SCENARIOS)} (default: all "
+                             "but soak; 'soak' runs every fault kind in one long run)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    for f in fields(Options):
+        value = getattr(defaults, f.name)
+        if isinstance(value, tuple):
+            continue
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value)
+    args = parser.parse_args(argv)
+    opts = Options(**{f.name: getattr(args, f.name) for f in fields(Options)
+                      if hasattr(args, f.name)})
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    modes = [m for m in args.modes.split(",") if m]
+    for name in scenarios:
+        if name not in SCENARIOS:
+            parser.error(f"unknown scenario {name!r}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: list[Result] = []
+    t0 = time.monotonic()
+    for i, name in enumerate(scenarios):
+        # Alternate which transport goes first, as the benchmark does.
+        for mode in (modes if i % 2 == 0 else modes[::-1]):
+            print(f"{name} / {mode}: {SCENARIOS[name].title}", flush=True)
+            result = Run(SCENARIOS[name], mode, opts, args.out).run()
+            results.append(result)
+            print(f"  lost {result.lost}/{result.accepted}, duplicates {result.duplicates}, "
+                  f"in flight at faults {result.in_flight_at_faults}, refused {result.refused}, "
+                  f"recovery {_fmt_recovery(result)}, {result.seconds} s"
+                  + "".join(f"\n  note: {n}" for n in result.notes), flush=True)
+    text = table(results)
+    print()
+    print(text)
+    (args.out / "table.md").write_text(text + "\n")
+    (args.out / "results.json").write_text(json.dumps(
+        {"options": asdict(opts), "minutes": round((time.monotonic() - t0) / 60, 1),
+         "results": [r.as_dict() for r in results]}, indent=1))
+    broken = [r for r in results if r.mode == "ours" and SCENARIOS[r.scenario].promise_no_loss
+              and r.lost]
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The Celery app the chaos workers run (``celery -A tests.faults.app worker``).
+
+One module for both contenders, chosen by environment variables the harness sets:
+
+- ``CELERY_EXT_BROKER_URL``  the broker (``redis://`` = stock, ``celery-ext://`` = ours)
+- ``FAULTS_MODE``            ``stock`` or ``ours`` (``ours`` calls ``celery_ext.install``)
+- ``FAULTS_RECORD``          the append-only file every execution writes to
+
+Every execution appends ``S <job> <pid> <time>`` when it starts and ``D ...`` when
+it is done to ``FAULTS_RECORD``: a record outside the system under test, so a Redis
+crash cannot take the evidence with it. One ``write`` on an ``O_APPEND`` file is
+atomic with respect to the other processes' writes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from celery import Celery
+
+import celery_ext
+
+#: Job name of the one task the harness enqueues.
+JOB = "faults.job"
+
+
+def make_app(mode: str, broker_url: str) -> Celery:
+    """The app for ``mode``: stock gets ``acks_late`` and ``reject_on_worker_lost``
+    (its best settings against crashes), ours gets ``install()`` (same defaults)."""
+    app = Celery("faults", broker=broker_url, set_as_current=False)
+    app.conf.update(
+        task_ignore_result=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        worker_send_task_events=False,
+        task_send_sent_event=False,
+    )
+    app.task(name=JOB)(job)
+    if mode == "ours":
+        celery_ext.install(app)
+    elif mode != "stock":
+        raise ValueError(f"FAULTS_MODE must be stock or ours, got {mode!r}")
+    return app
+
+
+def _record(kind: str, job_id: str) -> None:
+    path = os.environ["FAULTS_RECORD"]
+    line = f"{kind} {job_id} {os.getpid()} {time.time():.6f}\n".encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def job(job_id: str, seconds: float) -> None:
+    """A job that takes ``seconds`` and records its start and its end."""
+    _record("S", job_id)
+    time.sleep(seconds)
+    _record("D", job_id)
+
+
+if "FAULTS_MODE" in os.environ:
+    app = make_app(os.environ["FAULTS_MODE"],
+                   os.environ.get("CELERY_EXT_BROKER_URL", "redis://127.0.0.1:6379/0"))

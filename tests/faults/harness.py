@@ -1,0 +1,502 @@
+"""One fault scenario against one transport: start, enqueue, break things, settle, count.
+
+A run starts a fresh server (AOF on, the scenario's ``appendfsync``), a TCP proxy in
+front of it, and ``pools`` real prefork worker pools (the last one reaches Redis
+through the proxy, so it can be cut off). A producer thread enqueues ``jobs`` jobs
+with unique ids (a ``backlog`` share at once, the rest paced over the fault
+window), while a fault thread injects the
+scenario's faults every ``interval`` seconds. Then the run settles: it waits until
+every accepted job is done, or until nothing has finished for ``settle`` seconds.
+
+Counting comes only from the append-only record the jobs write (``tests.faults.app``):
+
+- **accepted**: ``apply_async`` returned; **refused**: it raised (the caller knows)
+- **lost** = accepted jobs never done; **duplicates** = starts - distinct jobs started
+- **in flight at a fault**: jobs the hit pool owned then (ours: its in-flight record;
+  stock: ``unacked`` of the whole server for server faults, started-not-done for pools)
+- **recovery** per fault: from the fault until every job running on the hit pool (or
+  anywhere, for server faults) at that moment is done by somebody.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import redis
+
+from celery_ext.server import RedisServer
+from celery_ext.state import State
+from tests.faults.app import JOB, make_app
+from tests.faults.proxy import Proxy
+from tests.workers import WorkerProcess
+
+MODES = ("stock", "ours")
+SCHEMES = {"stock": "redis", "ours": "celery-ext"}
+
+#: Fault kinds; a scenario is a list of them, injected in turn.
+POOL_FAULTS = ("kill_main", "kill_child", "sigterm", "sigstop", "partition")
+SERVER_FAULTS = ("redis_kill", "debug_sleep", "client_pause", "oom")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    kinds: tuple[str, ...]
+    appendfsync: str = "always"
+    #: What ours must show: no job lost (everysec may lose the last second of writes).
+    promise_no_loss: bool = True
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("kill_main", "SIGKILL a pool's main process mid-job", ("kill_main",)),
+    Scenario("kill_child", "SIGKILL a prefork child mid-job", ("kill_child",)),
+    Scenario("sigterm", "SIGTERM (warm shutdown) with jobs reserved", ("sigterm",)),
+    Scenario("sigstop", "SIGSTOP a pool past dead_after, then SIGCONT", ("sigstop",)),
+    Scenario("redis_kill", "SIGKILL Redis, restart from AOF (appendfsync always)",
+             ("redis_kill",)),
+    Scenario("redis_kill_everysec", "SIGKILL Redis, restart from AOF (appendfsync everysec)",
+             ("redis_kill",), appendfsync="everysec", promise_no_loss=False),
+    Scenario("redis_stall", "Redis stalls (DEBUG SLEEP, CLIENT PAUSE) past dead_after",
+             ("debug_sleep", "client_pause")),
+    Scenario("oom", "maxmemory reached with noeviction, then lifted", ("oom",)),
+    Scenario("partition", "a pool cut off from Redis past dead_after, then reconnected",
+             ("partition",)),
+    Scenario("soak", "all of the above in turn, in one run",
+             ("kill_main", "sigstop", "kill_child", "redis_stall", "sigterm", "partition",
+              "redis_kill", "oom")),
+)}
+
+
+@dataclass
+class Options:
+    """Sizes and timings of a run; the CLI and the CI test shrink them."""
+
+    jobs: int = 5000
+    faults: int = 4               # faults injected per scenario (soak: per kind)
+    interval: float = 4.0         # seconds from one fault to the next
+    warmup: float = 1.5           # seconds of flow before the first fault
+    pools: int = 3
+    concurrency: int = 2
+    short_seconds: tuple[float, float] = (0.005, 0.03)
+    long_share: float = 0.02      # jobs that take long_seconds instead
+    long_seconds: tuple[float, float] = (0.5, 1.5)
+    backlog: float = 0.5          # share of the jobs enqueued at once, before the faults
+    countdown_share: float = 0.1  # jobs sent with a countdown of up to countdown_max
+    countdown_max: float = 2.0
+    settle: float = 20.0          # give up after this long without a job finishing
+    max_settle: float = 300.0     # and after this long in all
+    # Our pools' timings (CELERY_EXT_*): recovery is bounded by dead_after + reap.
+    heartbeat_interval: float = 0.5
+    dead_after: float = 3.0
+    reap_interval: float = 1.0
+    seed: int = 1
+
+
+@dataclass
+class Fault:
+    kind: str
+    at: float                      # time.time() when injected
+    pool: str | None               # hostname of the hit pool (pool faults)
+    in_flight: int                 # jobs the hit pool (or server) owned then
+    running: list[str] = field(default_factory=list)  # jobs running there then
+    recovery: float | None = None  # seconds until all of `running` were done
+
+
+@dataclass
+class Result:
+    scenario: str
+    mode: str
+    accepted: int = 0
+    refused: int = 0
+    refused_error: str = ""
+    done: int = 0
+    lost: int = 0
+    lost_sample: list[str] = field(default_factory=list)
+    starts: int = 0
+    duplicates: int = 0
+    in_flight_at_faults: int = 0
+    faults: list[Fault] = field(default_factory=list)
+    recovery_median: float | None = None
+    recovery_max: float | None = None
+    unrecovered_faults: int = 0
+    crashed_pools: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Record:
+    """The parsed append-only record: (kind, job, pid, time) per line."""
+
+    lines: list[tuple[str, str, int, float]]
+
+    @classmethod
+    def read(cls, path: Path) -> Record:
+        lines = []
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            text = ""
+        for raw in text.splitlines():
+            parts = raw.split()
+            if len(parts) == 4:
+                lines.append((parts[0], parts[1], int(parts[2]), float(parts[3])))
+        return cls(lines)
+
+    def done_ids(self) -> set[str]:
+        return {job for kind, job, _, _ in self.lines if kind == "D"}
+
+    def running_at(self, t: float, pids: set[int] | None) -> list[str]:
+        """Jobs started before ``t`` (by ``pids``, if given) and not done by then."""
+        open_: dict[tuple[str, int], int] = Counter()
+        for kind, job, pid, at in self.lines:
+            if at > t or (pids is not None and pid not in pids):
+                continue
+            open_[(job, pid)] += 1 if kind == "S" else -1
+        return sorted({job for (job, _), n in open_.items() if n > 0})
+
+
+class Run:
+    """One scenario, one mode. ``run()`` returns the :class:`Result`."""
+
+    def __init__(self, scenario: Scenario, mode: str, options: Options, workdir: Path,
+                 log: Callable[[str], None] = print) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        self.scenario = scenario
+        self.mode = mode
+        self.opt = options
+        self.dir = workdir / f"{scenario.name}-{mode}"
+        self.record_path = self.dir / "record.log"
+        self.log = log
+        self.rng = random.Random(options.seed)
+        self.result = Result(scenario.name, mode)
+        self.server = RedisServer(data_dir=self.dir / "redis",
+                                  appendfsync=scenario.appendfsync,
+                                  extra_args=["--enable-debug-command", "yes"])
+        self.proxy: Proxy | None = None
+        self.pools: list[WorkerProcess] = []
+        self._retired: list[WorkerProcess] = []  # stopped or killed on purpose
+        self._lock = threading.Lock()
+        self._producer_done = threading.Event()
+        self._accepted: list[str] = []
+        self._errors: list[str] = []
+
+    # -- set-up -----------------------------------------------------------------------
+    def _url(self, via_proxy: bool) -> str:
+        assert self.proxy is not None
+        port = self.proxy.port if via_proxy else self.server.port
+        return f"{SCHEMES[self.mode]}://127.0.0.1:{port}/0"
+
+    def _env(self) -> dict[str, str]:
+        return {
+            "FAULTS_MODE": self.mode,
+            "FAULTS_RECORD": str(self.record_path),
+            "CELERY_EXT_HEARTBEAT_INTERVAL": str(self.opt.heartbeat_interval),
+            "CELERY_EXT_DEAD_AFTER": str(self.opt.dead_after),
+            "CELERY_EXT_REAP_INTERVAL": str(self.opt.reap_interval),
+        }
+
+    def _new_pool(self, slot: int) -> WorkerProcess:
+        via_proxy = slot == self.opt.pools - 1
+        worker = WorkerProcess(
+            "tests.faults.app", self._url(via_proxy), pool="prefork",
+            concurrency=self.opt.concurrency, env=self._env(), log_dir=self.dir / "logs",
+            hostname=f"p{slot}-{len(self.pools) + len(self._retired)}@%h")
+        worker.slot = slot  # type: ignore[attr-defined]
+        return worker
+
+    def _start_pools(self, workers: list[WorkerProcess]) -> None:
+        for w in workers:
+            w.start(wait_ready=False)
+        for w in workers:
+            w.wait_for_log(w.ready_pattern or "", timeout=60)
+
+    # -- the run ----------------------------------------------------------------------
+    def run(self) -> Result:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.record_path.unlink(missing_ok=True)
+        started = time.monotonic()
+        self.server.start()
+        self.proxy = Proxy(("127.0.0.1", self.server.port)).start()
+        try:
+            self.pools = [self._new_pool(i) for i in range(self.opt.pools)]
+            self._start_pools(self.pools)
+            producer = threading.Thread(target=self._produce, name="producer", daemon=True)
+            producer.start()
+            time.sleep(self.opt.warmup)
+            self._inject_faults()
+            producer.join()
+            self._settle()
+            self._count()
+        finally:
+            self._teardown()
+        self.result.seconds = round(time.monotonic() - started, 1)
+        return self.result
+
+    def _fault_plan(self) -> list[str]:
+        kinds = list(self.scenario.kinds)
+        plan: list[str] = []
+        for kind in kinds:
+            if kind == "redis_stall":
+                plan += ["debug_sleep", "client_pause"]
+            else:
+                plan.append(kind)
+        if self.scenario.name == "soak":
+            return plan * self.opt.faults
+        return [plan[i % len(plan)] for i in range(self.opt.faults)]
+
+    def _produce(self) -> None:
+        """Enqueue every job, paced over the fault window, counting refusals."""
+        app = make_app(self.mode, self._url(via_proxy=False))
+        task = app.tasks[JOB]
+        window = self.opt.warmup + len(self._fault_plan()) * self.opt.interval
+        burst = int(self.opt.jobs * self.opt.backlog)
+        gap = window / max(1, self.opt.jobs - burst)
+        t0 = time.monotonic()
+        for i in range(self.opt.jobs):
+            job_id = f"job-{i:06d}"
+            if self.rng.random() < self.opt.long_share:
+                seconds = self.rng.uniform(*self.opt.long_seconds)
+            else:
+                seconds = self.rng.uniform(*self.opt.short_seconds)
+            options: dict[str, Any] = {"task_id": job_id}
+            if self.rng.random() < self.opt.countdown_share:
+                options["countdown"] = round(self.rng.uniform(0, self.opt.countdown_max), 3)
+            try:
+                task.apply_async((job_id, round(seconds, 4)), **options)
+            except Exception as exc:  # the caller learns: this job was never accepted
+                self._errors.append(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+            else:
+                self._accepted.append(job_id)
+            delay = t0 + (i + 1 - burst) * gap - time.monotonic()
+            if i >= burst and delay > 0:
+                time.sleep(delay)
+        app.close()
+        self._producer_done.set()
+
+    def _inject_faults(self) -> None:
+        for kind in self._fault_plan():
+            t_next = time.monotonic() + self.opt.interval
+            try:
+                fault = getattr(self, f"_fault_{kind}")()
+            except Exception as exc:
+                self.result.notes.append(f"{kind}: fault injection failed: {exc!r}")
+                fault = None
+            if fault is not None:
+                self.result.faults.append(fault)
+                self.log(f"  {self.scenario.name}/{self.mode}: {kind} "
+                         f"{fault.pool or 'server'} in flight {fault.in_flight}")
+            time.sleep(max(0.0, t_next - time.monotonic()))
+
+    def _settle(self) -> None:
+        """Wait until all accepted jobs are done, or nothing finishes for ``settle`` s."""
+        deadline = time.monotonic() + self.opt.max_settle
+        last_done, last_change = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            done = len(Record.read(self.record_path).done_ids() & set(self._accepted))
+            if done >= len(self._accepted):
+                return
+            if done != last_done:
+                last_done, last_change = done, time.monotonic()
+            elif time.monotonic() - last_change > self.opt.settle:
+                self.result.notes.append(
+                    f"gave up waiting: nothing finished for {self.opt.settle:.0f} s")
+                return
+            time.sleep(0.2)
+        self.result.notes.append(f"gave up waiting after {self.opt.max_settle:.0f} s")
+
+    def _count(self) -> None:
+        rec = Record.read(self.record_path)
+        r = self.result
+        accepted = set(self._accepted)
+        done = rec.done_ids()
+        starts = [job for kind, job, _, _ in rec.lines if kind == "S"]
+        r.accepted, r.refused = len(accepted), len(self._errors)
+        r.refused_error = self._errors[0] if self._errors else ""
+        r.done = len(done & accepted)
+        lost = sorted(accepted - done)
+        r.lost, r.lost_sample = len(lost), lost[:5]
+        r.starts = len(starts)
+        r.duplicates = len(starts) - len(set(starts))
+        r.in_flight_at_faults = sum(f.in_flight for f in r.faults)
+        for f in r.faults:
+            if not f.running:
+                f.recovery = 0.0
+                continue
+            ends = {}
+            for kind, job, _, at in rec.lines:
+                if kind == "D" and at >= f.at and job in f.running and job not in ends:
+                    ends[job] = at
+            if len(ends) == len(set(f.running)):
+                f.recovery = round(max(ends.values()) - f.at, 2)
+        recoveries = [f.recovery for f in r.faults if f.recovery is not None]
+        r.unrecovered_faults = sum(1 for f in r.faults if f.recovery is None)
+        if recoveries:
+            r.recovery_median = round(statistics.median(recoveries), 2)
+            r.recovery_max = round(max(recoveries), 2)
+        r.crashed_pools = sum(1 for w in self.pools if w.started and not w.alive)
+
+    def _teardown(self) -> None:
+        for w in self.pools + self._retired:
+            if w.started:
+                try:
+                    os.killpg(w.pid, signal.SIGCONT)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        threads = [threading.Thread(target=w.stop, args=(signal.SIGTERM, 10))
+                   for w in self.pools + self._retired if w.started]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self.proxy is not None:
+            self.proxy.stop()
+        self.server.stop()
+
+    # -- fault helpers --------------------------------------------------------------
+    def _admin(self) -> redis.Redis:
+        return self.server.client(socket_timeout=30)
+
+    def _pick_pool(self) -> WorkerProcess:
+        live = [w for w in self.pools if w.alive]
+        return self.rng.choice(live)
+
+    def _pids(self, worker: WorkerProcess) -> set[int]:
+        try:
+            main = psutil.Process(worker.pid)
+            return {worker.pid, *(c.pid for c in main.children(recursive=True))}
+        except psutil.NoSuchProcess:
+            return {worker.pid}
+
+    def _pool_in_flight(self, worker: WorkerProcess) -> int:
+        """Jobs ``worker`` owns now: ours from its in-flight record; stock from the
+        record (started, not done) since Kombu's unacked hash is not per worker."""
+        if self.mode == "ours":
+            with self._admin() as client:
+                for info in State(client).worker_pools():
+                    if info["pid"] == worker.pid:
+                        return info["in_flight"]
+            return 0
+        return len(Record.read(self.record_path).running_at(time.time(), self._pids(worker)))
+
+    def _server_in_flight(self) -> int:
+        with self._admin() as client:
+            if self.mode == "ours":
+                return sum(i["in_flight"] for i in State(client).worker_pools())
+            return int(client.hlen("unacked"))
+
+    def _pool_fault(self, kind: str, worker: WorkerProcess) -> Fault:
+        pids = self._pids(worker)
+        in_flight = self._pool_in_flight(worker)
+        now = time.time()
+        running = Record.read(self.record_path).running_at(now, pids)
+        return Fault(kind, now, worker.hostname.split("@")[0], in_flight, running)
+
+    def _server_fault(self, kind: str) -> Fault:
+        in_flight = self._server_in_flight()
+        now = time.time()
+        return Fault(kind, now, None, in_flight, Record.read(self.record_path).running_at(now, None))
+
+    def _replace(self, worker: WorkerProcess) -> None:
+        """Retire ``worker`` and start a new pool in its slot (same way to Redis)."""
+        self.pools.remove(worker)
+        self._retired.append(worker)
+        new = self._new_pool(worker.slot)  # type: ignore[attr-defined]
+        self.pools.append(new)
+        self._start_pools([new])
+
+    # -- the faults -------------------------------------------------------------------
+    def _fault_kill_main(self) -> Fault:
+        worker = self._pick_pool()
+        fault = self._pool_fault("kill_main", worker)
+        worker.kill()  # the main process only: its prefork children are orphaned
+        self._replace(worker)
+        return fault
+
+    def _fault_kill_child(self) -> Fault:
+        worker = self._pick_pool()
+        children = worker.child_pids()
+        rec = Record.read(self.record_path)
+        busy = [p for p in children if rec.running_at(time.time(), {p})] or children
+        if not busy:
+            raise RuntimeError(f"{worker.hostname} has no prefork children")
+        victim = self.rng.choice(busy)
+        in_flight = self._pool_in_flight(worker)
+        now = time.time()
+        fault = Fault("kill_child", now, worker.hostname.split("@")[0], in_flight,
+                      rec.running_at(now, {victim}))
+        os.kill(victim, signal.SIGKILL)
+        return fault
+
+    def _fault_sigterm(self) -> Fault:
+        worker = self._pick_pool()
+        fault = self._pool_fault("sigterm", worker)
+        worker.stop(signal.SIGTERM, timeout=30)
+        self._replace(worker)
+        return fault
+
+    def _fault_sigstop(self) -> Fault:
+        worker = self._pick_pool()
+        fault = self._pool_fault("sigstop", worker)
+        os.killpg(worker.pid, signal.SIGSTOP)
+        time.sleep(self.opt.dead_after * 2)
+        os.killpg(worker.pid, signal.SIGCONT)
+        return fault
+
+    def _fault_partition(self) -> Fault:
+        assert self.proxy is not None
+        worker = next(w for w in self.pools if w.slot == self.opt.pools - 1)  # type: ignore[attr-defined]
+        fault = self._pool_fault("partition", worker)
+        self.proxy.stop()
+        time.sleep(self.opt.dead_after * 2)
+        self.proxy.start()
+        return fault
+
+    def _fault_redis_kill(self) -> Fault:
+        fault = self._server_fault("redis_kill")
+        self.server.kill()
+        time.sleep(0.5)
+        self.server.start()
+        return fault
+
+    def _fault_debug_sleep(self) -> Fault:
+        fault = self._server_fault("debug_sleep")
+        with self._admin() as client:
+            client.execute_command("DEBUG", "SLEEP", str(self.opt.dead_after * 2))
+        return fault
+
+    def _fault_client_pause(self) -> Fault:
+        fault = self._server_fault("client_pause")
+        ms = int(self.opt.dead_after * 2 * 1000)
+        with self._admin() as client:
+            client.execute_command("CLIENT", "PAUSE", str(ms), "ALL")
+        time.sleep(ms / 1000)
+        return fault
+
+    def _fault_oom(self) -> Fault:
+        fault = self._server_fault("oom")
+        with self._admin() as client:
+            # Below what is used: every write that grows memory is refused at once.
+            used = int(client.info("memory")["used_memory"])
+            client.config_set("maxmemory", str(used // 2))
+            try:
+                time.sleep(self.opt.interval / 2)
+            finally:
+                client.config_set("maxmemory", "0")
+        return fault
