@@ -236,8 +236,13 @@ class Channel(kredis.Channel):
 
     @property
     def server_id(self) -> str:
-        c = self.connection.client
-        return f"{c.hostname}:{c.port}/{c.virtual_host}"
+        """Which server this channel talks to; kept after close, when Kombu has
+        dropped ``self.connection`` but acks of jobs still running must go on."""
+        sid = self.__dict__.get("_server_id")
+        if sid is None:
+            c = self.connection.client
+            sid = self.__dict__["_server_id"] = f"{c.hostname}:{c.port}/{c.virtual_host}"
+        return sid
 
     def _new_sync_client(self) -> redis.Redis:
         params = self._connparams(asynchronous=False)

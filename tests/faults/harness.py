@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import statistics
 import threading
@@ -229,8 +230,8 @@ class Run:
 
     # -- the run ----------------------------------------------------------------------
     def run(self) -> Result:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.record_path.unlink(missing_ok=True)
+        shutil.rmtree(self.dir, ignore_errors=True)  # no AOF or record of an earlier run
+        self.dir.mkdir(parents=True)
         started = time.monotonic()
         self.server.start()
         self.proxy = Proxy(("127.0.0.1", self.server.port)).start()
