@@ -10,11 +10,12 @@ from celery import bootsteps
 from celery.signals import celeryd_init, worker_shutdown, worker_shutting_down
 from kombu import Queue
 
-from .config import ConfigError, Settings
+from .config import ConfigError, Settings, check_broker_url
 from .dead import wrap_consumer_handlers
 from .heartbeater import Heartbeater, all_heartbeaters, current_pool_id
 from .keys import Keys
 from .limits import job_limits, write_limits
+from .memory import eviction_warning
 from .reaper import Reaper
 from .requeuer import Requeuer
 from .retry import apply_backoffs
@@ -25,10 +26,16 @@ logger = logging.getLogger("celery_ext.bootsteps")
 
 _reapers: list[Reaper] = []
 _requeuers: list[Requeuer] = []
+#: The broker's memory policy is checked once per worker process (not per reconnect).
+_memory_checked: list[bool] = []
 
 
-def job_queues(app: Any, finalize: bool = True) -> dict[str, int]:
-    """Job queue name -> weight for every registered task (explicit ``queue=`` kept)."""
+def job_queues(app: Any, finalize: bool = True, strict: bool = True) -> dict[str, int]:
+    """Job queue name -> weight for every registered task (explicit ``queue=`` kept).
+
+    A weight that is not a whole number >= 1 raises ValueError naming the task, or
+    counts as 1 with ``strict=False`` (producers: only workers use weights, and a
+    worker refuses to start with one)."""
     if finalize:
         app.finalize(auto=True)
     result: dict[str, int] = {}
@@ -37,9 +44,12 @@ def job_queues(app: Any, finalize: bool = True) -> dict[str, int]:
         weight = getattr(task, "weight", None)
         if weight is not None:
             if not isinstance(weight, int) or isinstance(weight, bool) or weight < 1:
-                raise ValueError(
-                    f"celery_ext: task {name!r} has weight={weight!r}; "
-                    "weight must be a whole number >= 1")
+                if not strict:
+                    weight = 1
+                else:
+                    raise ValueError(
+                        f"celery_ext: task {name!r} has weight={weight!r}; "
+                        "weight must be a whole number >= 1")
         result[queue] = max(result.get(queue, 1), weight or 1)
     return result
 
@@ -49,7 +59,7 @@ def declare_job_queues(app: Any) -> None:
     ``celery purge``, ``-X`` and inspection see them); consuming them is decided in
     the worker (:class:`JobQueues`)."""
     queues = app.amqp.queues
-    for name in job_queues(app, finalize=False):
+    for name in job_queues(app, finalize=False, strict=False):
         if name not in queues:
             queues.add(Queue(name, routing_key=name))
 
@@ -68,7 +78,10 @@ class JobQueues(bootsteps.Step):
         # Fix the pool id before the prefork pool forks, so children know their owner.
         current_pool_id()
         app = worker.app
-        weights = job_queues(app)
+        try:
+            weights = job_queues(app)
+        except ValueError as exc:  # a bad weight= stops the worker with one line
+            raise SystemExit(str(exc)) from None
         set_weights(weights)
         declare_job_queues(app)
         queues = app.amqp.queues
@@ -114,6 +127,15 @@ class WorkerPool(bootsteps.StartStopStep):
             q: w for q, w in all_weights().items() if q in c.app.amqp.queues.consume_from}
         if weights:
             hb.client.hset(hb.keys.weights, mapping=weights)
+        if not _memory_checked:
+            _memory_checked.append(True)
+            try:
+                warning = eviction_warning(hb.client)
+            except Exception as exc:  # INFO refused (ACL): not worth stopping for
+                logger.debug("celery_ext: could not read the broker's memory policy: %s", exc)
+            else:
+                if warning:
+                    logger.warning(warning)
         if not _reapers:
             reaper = Reaper(channel._new_sync_client(), channel.settings, own_pool_id=hb.pool_id)
             _reapers.append(reaper)
@@ -124,10 +146,18 @@ def validate_settings(sender: Any = None, instance: Any = None, **kwargs: Any) -
     """``celeryd_init``: check celery_ext settings before the worker connects, and exit
     with one clear line instead of a traceback from deep inside Kombu."""
     app = getattr(instance, "app", None)
-    if app is None or not getattr(app, "_celery_ext_installed", False):
+    if app is None:
+        return
+    conf = app.conf
+    urls = [u for u in (conf.broker_url, conf.broker_read_url, conf.broker_write_url)
+            if isinstance(u, str) and u]
+    ours = any(u.startswith(("celery-ext:", "celery-exts:")) for u in urls)
+    if not ours and not getattr(app, "_celery_ext_installed", False):
         return
     try:
-        Settings.load(app.conf.broker_transport_options)
+        for url in urls:  # a typo'd scheme or port: one line, not Kombu's traceback
+            check_broker_url(url, conf.broker_transport)
+        Settings.load(conf.broker_transport_options)
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
 
@@ -152,6 +182,15 @@ def _on_shutdown(**kwargs: Any) -> None:
         hb.stop(deregister=True)
 
 
+def validate_stall_after(task: Any) -> None:
+    """Raise ValueError for a ``stall_after`` option that is not a number of seconds > 0."""
+    value = getattr(task, "stall_after", None)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                              or value <= 0):
+        raise ValueError(f"celery_ext: task {task.name!r} has stall_after={value!r}; "
+                         "it must be a number of seconds > 0 (or None)")
+
+
 class Sets(bootsteps.StartStopStep):
     """Consumer step, per pool: the requeuer (scheduled/retry promotion) and the job
     options of the scheduled, retry and dead sets (backoff, unique, max_concurrency),
@@ -170,6 +209,7 @@ class Sets(bootsteps.StartStopStep):
             self.limits = job_limits(app)
             for task in app.tasks.values():
                 validate_unique_options(task)
+                validate_stall_after(task)
             apply_backoffs(app.tasks, settings)
         except (ConfigError, ValueError) as exc:
             raise SystemExit(str(exc)) from None

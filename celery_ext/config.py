@@ -52,6 +52,11 @@ DEFAULT_RETRY_BACKOFF_BASE = 2.0
 DEFAULT_RETRY_BACKOFF_MAX = 3600.0
 #: ...and shortened by up to this fraction at random, so retries of a burst spread out.
 DEFAULT_RETRY_BACKOFF_JITTER = 0.25
+#: Largest encoded job (bytes) a producer may enqueue; a bigger one raises
+#: ``PayloadTooLarge`` and writes nothing. 0 = no limit. Jobs sit in Redis memory and
+#: one fetch moves up to ``fetch_batch`` of them in one reply: pass references to
+#: large data, not the data.
+DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 
 _ENV_PREFIX = "CELERY_EXT_"
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -82,6 +87,7 @@ class Settings:
     retry_backoff_base: float = DEFAULT_RETRY_BACKOFF_BASE
     retry_backoff_max: float = DEFAULT_RETRY_BACKOFF_MAX
     retry_backoff_jitter: float = DEFAULT_RETRY_BACKOFF_JITTER
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
 
     def __post_init__(self) -> None:
         if not _NAMESPACE_RE.match(self.namespace):
@@ -110,6 +116,9 @@ class Settings:
             raise ConfigError(
                 "celery_ext: promote_batch must be >= 1, retry_backoff_jitter in [0, 1] and "
                 "promote_min_interval between 0 and promote_interval")
+        if self.max_payload_bytes < 0:
+            raise ConfigError(f"celery_ext: max_payload_bytes must be >= 0 (0 = no limit), "
+                              f"got {self.max_payload_bytes!r}")
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -145,3 +154,44 @@ class Settings:
 
     def with_(self, **changes: Any) -> Settings:
         return replace(self, **changes)
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password replaced by ``**`` (parses nothing, so it works on
+    URLs too broken for Kombu to mask)."""
+    return _PASSWORD_RE.sub(r"\1**@", url)
+
+
+# Up to the last "@": a password with an unescaped "/" or "@" is masked whole.
+_PASSWORD_RE = re.compile(r"(://[^:/@\s;]*:)[^\s;]*@")
+
+
+def check_broker_url(url: str, transport: str | None = None) -> None:
+    """Raise ConfigError (one line, password masked) for a broker URL Kombu cannot
+    use: unknown scheme, port or db that is not a number. ``transport`` is
+    ``broker_transport`` when set (it replaces the scheme)."""
+    from kombu.transport import resolve_transport
+    from kombu.utils.url import url_to_parts
+
+    for one in url.split(";"):
+        one = one.strip()
+        shown = mask_url(one)
+        if "://" not in one:
+            continue  # a bare transport name ("redis"): Kombu's defaults apply
+        try:
+            parts = url_to_parts(one)
+        except ValueError:
+            # Not Python's message: on a password with an unescaped "/" it quotes part of it.
+            raise ConfigError(
+                f"celery_ext: broker URL {shown}: cannot read host:port (the port must be a "
+                "whole number 0-65535; percent-encode / @ : in a password)") from None
+        try:
+            cls = resolve_transport(transport or parts.scheme)
+        except (KeyError, ImportError, AttributeError) as exc:
+            reason = exc.args[0] if exc.args else exc
+            raise ConfigError(f"celery_ext: broker URL {shown}: {reason}") from None
+        redis_like = cls is not None and getattr(cls, "driver_type", None) == "redis"
+        db = (parts.path or "").strip("/")
+        if redis_like and db and not db.isdigit():
+            raise ConfigError(f"celery_ext: broker URL {shown}: the db (path) must be a "
+                              f"number, got {db!r}")

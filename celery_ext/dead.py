@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
+from types import SimpleNamespace
 from typing import Any
+
+from celery import signals
+from celery.exceptions import NotRegistered
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .config import Settings
 from .keys import Keys
@@ -31,6 +37,9 @@ REASONS = {
     "rejected": "rejected by the consumer without requeue",
     "worker_lost": "its worker died under it too often (a poison pill)",
 }
+
+#: Errors of the connection, not of the message: they still restart the consumer.
+_IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 #: Tracebacks are cut to their last this many characters (the frames nearest the error).
 MAX_TRACEBACK = 8000
@@ -92,20 +101,29 @@ def wrap_consumer_handlers(consumer: Any) -> None:
     job already gone).
     """
 
-    def dead(message: Any, reason: str, error: str) -> None:
+    def dead(message: Any, reason: str, error: str) -> bool:
+        """Dead-letter ``message``; True if recorded (and logged, on one line)."""
         channel = getattr(message, "channel", None)
         dead_letter_ = getattr(channel, "_dead_letter", None)
         if dead_letter_ is None or getattr(message, "acknowledged", False):
-            return
+            return False
         fields = _message_fields(message)
         try:
             if dead_letter_(message.delivery_tag, reason, error, name=fields.get("task"),
                             task_id=fields.get("id")):
                 logger.error("celery_ext: message %s moved to the dead set (%s: %s)",
-                             message.delivery_tag, reason, error)
+                             message.delivery_tag, reason, " ".join(error.split())[:500])
+                return True
         except Exception as exc:
             logger.error("celery_ext: could not dead-letter message %s: %s",
                          message.delivery_tag, exc)
+        return False
+
+    def reject(message: Any, exc: Exception | None) -> None:
+        # What Celery's handler does after logging the whole message and a traceback:
+        # the dead set has the message and the line above says why.
+        message.reject_log_error(logger, consumer.connection_errors)
+        signals.task_rejected.send(sender=consumer, message=message, exc=exc)
 
     on_decode_error = consumer.on_decode_error
     on_unknown_task = consumer.on_unknown_task
@@ -113,23 +131,67 @@ def wrap_consumer_handlers(consumer: Any) -> None:
     on_unknown_message = consumer.on_unknown_message
 
     def decode_error(message: Any, exc: Exception) -> Any:
-        dead(message, "undecodable", f"{type(exc).__name__}: {exc}")
+        if dead(message, "undecodable", f"{type(exc).__name__}: {exc}"):
+            return message.ack()
         return on_decode_error(message, exc)
 
     def unknown_task(body: Any, message: Any, exc: Exception) -> Any:
-        name = _message_fields(message).get("task", "?")
-        dead(message, "unknown_task", f"NotRegistered: {name!r}")
-        return on_unknown_task(body, message, exc)
+        fields = _message_fields(message)
+        name = fields.get("task", "?")
+        if not dead(message, "unknown_task", f"NotRegistered: {name!r}"):
+            return on_unknown_task(body, message, exc)
+        reject(message, None)
+        # As Celery does: the caller's result fails with NotRegistered.
+        task_id, props = fields.get("id"), message.properties or {}
+        if task_id:
+            request = SimpleNamespace(
+                id=task_id, name=name, chord=None, errbacks=None, group=None,
+                root_id=(message.headers or {}).get("root_id"),
+                correlation_id=props.get("correlation_id"), reply_to=props.get("reply_to"))
+            try:
+                consumer.app.backend.mark_as_failure(task_id, NotRegistered(name),
+                                                     request=request)
+            except Exception as err:  # the result backend is not the broker
+                logger.warning("celery_ext: could not store the failure of %s: %s",
+                               task_id, err)
+            if consumer.event_dispatcher:
+                consumer.event_dispatcher.send("task-failed", uuid=task_id,
+                                               exception=f"NotRegistered({name!r})")
+        signals.task_unknown.send(sender=consumer, message=message, exc=exc, name=name,
+                                  id=task_id)
+        return None
 
     def invalid_task(body: Any, message: Any, exc: Exception) -> Any:
-        dead(message, "invalid", f"{type(exc).__name__}: {exc}")
+        if dead(message, "invalid", f"{type(exc).__name__}: {exc}"):
+            return reject(message, exc)
         return on_invalid_task(body, message, exc)
 
     def unknown_message(body: Any, message: Any) -> Any:
-        dead(message, "unknown_message", "not a task message (no task header)")
+        if dead(message, "unknown_message", "not a task message (no task header)"):
+            return reject(message, None)
         return on_unknown_message(body, message)
 
     consumer.on_decode_error = decode_error
     consumer.on_unknown_task = unknown_task
     consumer.on_invalid_task = invalid_task
     consumer.on_unknown_message = unknown_message
+
+    create_task_handler = consumer.create_task_handler
+
+    def guarded_task_handler(*args: Any, **kwargs: Any) -> Any:
+        handler = create_task_handler(*args, **kwargs)
+
+        def on_task_received(message: Any) -> Any:
+            try:
+                return handler(message)
+            except _IO_ERRORS:
+                raise  # the consumer reconnects, as before
+            except Exception as exc:
+                # Celery lets anything but InvalidTaskError and DecodeError escape here
+                # (a list as task name, a timelimit that is not a pair...), which stops
+                # the worker, and the job would stop the next one too: it is invalid.
+                return consumer.on_invalid_task(None, message, exc)
+
+        return on_task_received
+
+    consumer.create_task_handler = guarded_task_handler

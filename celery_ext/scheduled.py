@@ -24,6 +24,7 @@ from typing import Any
 from kombu.utils.json import dumps
 
 from .dead import MAX_TRACEBACK
+from .errors import check_payload_size
 from .keys import Keys
 from .scripts import Scripts
 
@@ -82,18 +83,21 @@ def schedule_meta(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def schedule_args(keys: Keys, queue: str, message: dict[str, Any], delay_ms: int,
-                  lock: tuple[str, str, int, bool] | None = None
+                  lock: tuple[str, str, int, bool] | None = None, max_payload: int = 0
                   ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of the ``schedule`` script for one message.
 
-    ``lock`` = (lock key, task id, TTL ms, force) makes it a unique job.
+    ``lock`` = (lock key, task id, TTL ms, force) makes it a unique job; a payload
+    over ``max_payload`` bytes (0 = no limit) raises ``PayloadTooLarge``.
     """
     retry = retries_of(message) > 0
     target, other = (keys.retry, keys.scheduled) if retry else (keys.scheduled, keys.retry)
     tag = message["properties"]["delivery_tag"]
     meta = dumps(schedule_meta(message))
+    payload = dumps(message)
+    check_payload_size(payload, message, queue, max_payload)
     script_keys = [target, keys.scheduled_jobs, other, keys.queues]
-    args: list[Any] = [tag, delay_ms, meta, queue, dumps(message), keys.schedule_channel]
+    args: list[Any] = [tag, delay_ms, meta, queue, payload, keys.schedule_channel]
     if lock is not None:
         lock_key, task_id, ttl_ms, force = lock
         script_keys.append(lock_key)
@@ -102,12 +106,13 @@ def schedule_args(keys: Keys, queue: str, message: dict[str, Any], delay_ms: int
 
 
 def schedule(scripts: Scripts, keys: Keys, queue: str, message: dict[str, Any], delay_ms: int,
-             client: Any, lock: tuple[str, str, int, bool] | None = None) -> tuple[bool, str]:
+             client: Any, lock: tuple[str, str, int, bool] | None = None,
+             max_payload: int = 0) -> tuple[bool, str]:
     """Store one message in the scheduled or retry set.
 
     Returns (stored, task id of the pending job): stored is False when ``lock`` was
     held by another pending unique job, whose task id is returned.
     """
-    script_keys, args = schedule_args(keys, queue, message, delay_ms, lock)
+    script_keys, args = schedule_args(keys, queue, message, delay_ms, lock, max_payload)
     ok, _due, holder = scripts("schedule", script_keys, args, client=client)
     return bool(ok), holder.decode() if isinstance(holder, bytes) else str(holder)

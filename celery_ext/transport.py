@@ -42,6 +42,8 @@ from . import scripts as _scripts
 from .clock import now_s
 from .config import Settings
 from .dead import dead_letter
+from .envelope import envelope_problem
+from .errors import BrokerOutOfMemory, check_payload_size, job_name
 from .heartbeater import Heartbeater, heartbeater_for
 from .keys import Keys
 from .sampler import WeightedRoundRobin
@@ -263,8 +265,26 @@ class Channel(kredis.Channel):
             # Queue latency (age of the oldest job) is read from this stamp.
             props.setdefault("enqueued_at", round(time.time() + self._clock_offset, 3))
         keys = [self.keys.queue(queue), self.keys.ready, self.keys.queues]
-        return keys, [dumps(message), queue, self.keys.wake_channel,
-                      self._expires.get(queue, 0)]
+        payload = dumps(message)
+        check_payload_size(payload, message, queue, self.settings.max_payload_bytes)
+        return keys, [payload, queue, self.keys.wake_channel, self._expires.get(queue, 0)]
+
+    def basic_publish(self, message: Any, exchange: str, routing_key: str,
+                      **kwargs: Any) -> Any:
+        try:
+            return super().basic_publish(message, exchange, routing_key, **kwargs)
+        except redis.exceptions.OutOfMemoryError as exc:
+            # Not retried as a connection error: Redis stays full until someone acts.
+            raise BrokerOutOfMemory(
+                f"job {job_name(message, routing_key)} was not enqueued", exc) from None
+
+    def queue_bind(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().queue_bind(queue, *args, **kwargs)
+        except redis.exceptions.OutOfMemoryError as exc:
+            # Producers declare the job queue before each first publish.
+            raise BrokerOutOfMemory(f"could not declare job queue {queue!r} (no job enqueued)",
+                                    exc) from None
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
         publish_batch = kwargs.pop("_publish_batch", None)
@@ -296,13 +316,14 @@ class Channel(kredis.Channel):
             lock = (self.keys.unique(uniq.digest), str(message["headers"].get("id")), ttl_ms,
                     retries_of(message) > 0)
         if delay is not None and lock is None and publish_batch is not None:
-            keys, args = schedule_args(self.keys, queue, message, delay)
+            keys, args = schedule_args(self.keys, queue, message, delay,
+                                       max_payload=self.settings.max_payload_bytes)
             publish_batch.add("evalsha", _scripts.sha("schedule"), len(keys), *keys, *args)
             return
         with self.conn_or_acquire() as client:
             if delay is not None:
                 _, holder = schedule(self._scripts, self.keys, queue, message, delay, client,
-                                     lock=lock)
+                                     lock=lock, max_payload=self.settings.max_payload_bytes)
             else:
                 assert lock is not None
                 lock_key, task_id, ttl_ms, force = lock
@@ -553,6 +574,9 @@ class Channel(kredis.Channel):
     def _owner_client(self) -> Any:
         """A client that outlives this channel: acks of jobs still running when the
         channel closed (connection loss) must reach Redis, not be lost with it."""
+            problem = envelope_problem(raw) or self._body_problem(raw)
+            if problem is not None:
+                raise ValueError(problem)
         if self._heartbeater is not None:
             return self._heartbeater.client
         return self._create_client()
@@ -568,6 +592,20 @@ class Channel(kredis.Channel):
         first fetched again. Tags no longer in the record are skipped."""
         return requeue_tags(self._scripts, self.keys, self.pool_id, list(tags),
                             client or self._owner_client())
+    def _body_problem(self, raw: dict[str, Any]) -> str | None:
+        """Kombu decodes the body while building the Message, where an exception stops
+        the worker: try it here first (truncated base64, unknown body_encoding)."""
+        body, encoding = raw.get("body"), raw["properties"].get("body_encoding")
+        if not body or not encoding or encoding.lower() == "utf-8":
+            return None
+        if encoding not in self.codecs:
+            return f"its body_encoding {encoding!r} is unknown"
+        try:
+            self.decode_body(body, encoding)
+        except Exception as exc:
+            return f"its body is not valid {encoding} ({type(exc).__name__}: {exc})"
+        return None
+
 
     def _dead_letter(self, tag: str, reason: str, error: str, queue: str | None = None,
                      **meta: Any) -> bool:

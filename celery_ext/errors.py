@@ -1,0 +1,53 @@
+"""Errors a producer gets back when celery_ext refuses to enqueue a job.
+
+Both are raised by the transport before (or instead of) writing anything, so a
+job is either fully enqueued or not at all. They are not connection errors:
+Kombu's publish retry does not loop on them, and ``apply_async`` raises them to
+the caller at once.
+"""
+
+from __future__ import annotations
+
+from kombu.exceptions import OperationalError
+
+
+class PayloadTooLarge(ValueError):
+    """The encoded job is larger than ``max_payload_bytes``; nothing was enqueued."""
+
+    def __init__(self, name: str, size: int, limit: int) -> None:
+        self.name, self.size, self.limit = name, size, limit
+        super().__init__(
+            f"celery_ext: job {name} is {size:,} bytes encoded, over max_payload_bytes "
+            f"({limit:,}); nothing was enqueued. Pass a reference (a key, a URL) instead of "
+            "the data, or raise the limit (broker_transport_options['max_payload_bytes'] or "
+            "CELERY_EXT_MAX_PAYLOAD_BYTES; 0 = no limit)")
+
+
+class BrokerOutOfMemory(OperationalError):
+    """Redis refused a write (``maxmemory`` reached under ``noeviction``); nothing
+    was written. An :class:`~kombu.exceptions.OperationalError`, like the other
+    broker failures ``apply_async`` raises."""
+
+    def __init__(self, what: str, error: Exception) -> None:
+        # A pipeline's error names its command (binary separators included): keep the reason.
+        detail = str(error).rsplit("caused error: ", 1)[-1].strip()
+        super().__init__(
+            f"celery_ext: {what}: the broker is out of memory ({detail}); nothing was "
+            "written. Free memory or raise maxmemory (drain or delete jobs)")
+
+
+def job_name(message: object, queue: str) -> str:
+    """The job name of a Kombu message dict (its ``task`` header), else its queue."""
+    headers = message.get("headers") if isinstance(message, dict) else None
+    task = headers.get("task") if isinstance(headers, dict) else None
+    return task if isinstance(task, str) and task else f"in queue {queue!r}"
+
+
+def check_payload_size(payload: str, message: object, queue: str, limit: int) -> None:
+    """Raise :class:`PayloadTooLarge` if ``payload`` (the JSON about to be written)
+    is over ``limit`` bytes; 0 = no limit. O(1) for jobs far below the limit."""
+    if not limit or len(payload) <= limit // 4:  # at most 4 bytes per character
+        return
+    size = len(payload) if payload.isascii() else len(payload.encode("utf-8"))
+    if size > limit:
+        raise PayloadTooLarge(job_name(message, queue), size, limit)
