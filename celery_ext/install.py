@@ -8,6 +8,7 @@ from typing import Any
 
 from celery import Celery
 from celery.app.amqp import AMQP as CeleryAMQP
+from kombu.connection import maybe_channel
 from kombu.utils.objects import cached_property
 
 from .bootsteps import DeadLetters, JobQueues, Sets, WorkerPool, declare_job_queues
@@ -61,6 +62,18 @@ class AMQP(CeleryAMQP):
         elif self.app.autofinalize:
             self.app.finalize(auto=True)  # its on_after_finalize hook declares them
         return queues
+
+    def TaskConsumer(self, channel: Any, queues: Any = None, accept: Any = None,
+                     **kw: Any) -> Any:
+        """Celery's task consumer, with every queue declared in one round trip on our
+        transport (Kombu declares them one by one: 2-3 s for 1,000 job queues)."""
+        queues = queues or list(self.queues.consume_from.values())
+        chan = maybe_channel(channel)
+        predeclared = getattr(chan, "predeclared", None)
+        if predeclared is None or kw.get("auto_declare") is False:
+            return super().TaskConsumer(channel, queues=queues, accept=accept, **kw)
+        with predeclared(queues):
+            return super().TaskConsumer(channel, queues=queues, accept=accept, **kw)
 
 
 def install(app: Celery, *, route_by_name: bool = True) -> Celery:

@@ -67,6 +67,11 @@ class WeightedRoundRobin:
             if name not in weights:
                 self.deactivate(name)
                 del self._weights[name]
+        self.add_queues(weights, activate)
+
+    def add_queues(self, weights: Mapping[str, int], activate: bool = True) -> None:
+        """Add (or re-weight) consumed queues and keep the others; costs O(len(weights)),
+        for a pool that starts consuming its queues one at a time."""
         for name, weight in weights.items():
             weight = int(weight)
             if weight < 1:

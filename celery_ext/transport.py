@@ -202,6 +202,8 @@ class Channel(kredis.Channel):
         self.keys = Keys(self.settings.namespace)
         self._sched = WeightedRoundRobin(default_weight=self.settings.default_weight)
         self._no_ack_queues: set[str] = set()
+        self._predeclared_sizes: dict[str, int] = {}
+        self._prebound: set[tuple[str, str, str, str]] = set()
         self._last_refresh = 0.0
         self._heartbeater: Heartbeater | None = None
         super().__init__(*args, **kwargs)
@@ -345,6 +347,9 @@ class Channel(kredis.Channel):
 
     # -- queue management --------------------------------------------------------------
     def _size(self, queue: str) -> int:
+        size = self._predeclared_sizes.pop(queue, None)
+        if size is not None:  # read by predeclared() a moment ago, in the same start-up
+            return size
         with self.conn_or_acquire() as client:
             return int(client.llen(self.keys.queue(queue)))
 
@@ -375,6 +380,58 @@ class Channel(kredis.Channel):
         if self._expires and queue in self._expires:
             client.pexpire(self.keys.queue(queue), self._expires[queue])
 
+    @contextmanager
+    def predeclared(self, queues: Iterable[Any]) -> Iterator[None]:
+        """Declare many queues in one round trip: a worker consuming 1,000 job queues
+        otherwise spends two round trips per queue at start (Kombu's ``queue_declare``
+        reads the size, ``queue_bind`` adds the binding). Inside the block, the
+        per-queue ``_size`` and ``_queue_bind`` of these queues use what this pipeline
+        did; only plain queues on a direct exchange (no expiry or extra bindings)
+        are handled here, the others go the usual way."""
+        binds: dict[str, list[str]] = {}
+        prebound: set[tuple[str, str, str, str]] = set()
+        names: list[str] = []
+        for q in queues:
+            ex = q.exchange
+            if (q.no_declare or q.bindings or q.expires is not None or q.queue_arguments
+                    or not q.name or (ex is not None and ex.name and ex.type != "direct")):
+                continue
+            if ex is not None and ex.name:  # Kombu binds only queues with a named exchange
+                rkey, pattern, _ = self.exchange_types["direct"].prepare_bind(
+                    q.name, ex.name, q.routing_key, q.binding_arguments)
+                binds.setdefault(ex.name, []).append(
+                    self.sep.join([rkey or "", pattern or "", q.name]))
+                prebound.add((ex.name, rkey, pattern, q.name))
+            names.append(q.name)
+        if len(names) > 1:
+            try:
+                with self.conn_or_acquire() as client, \
+                        client.pipeline(transaction=False) as pipe:
+                    for name in names:
+                        pipe.llen(self.keys.queue(name))
+                    for exchange, members in binds.items():
+                        pipe.sadd(self.keyprefix_queue % (exchange,), *members)
+                        pipe.sadd(self.keyprefix_binding_permanent % (exchange,), *members)
+                    sizes = pipe.execute()[:len(names)]
+            except redis.exceptions.ResponseError:
+                # e.g. out of memory: let the per-queue path report it on its queue.
+                logger.debug("celery_ext: batched queue declaration failed", exc_info=True)
+            else:
+                self._predeclared_sizes = dict(zip(names, map(int, sizes), strict=True))
+                self._prebound = prebound
+        try:
+            yield
+        finally:
+            self._predeclared_sizes = {}
+            self._prebound = set()
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        key = (exchange, routing_key, pattern, queue)
+        if key in self._prebound:
+            self._prebound.discard(key)  # written by predeclared()
+            return
+        super()._queue_bind(exchange, routing_key, pattern, queue)
+
     # -- consuming ---------------------------------------------------------------------
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
         if "\n" in queue:
@@ -390,8 +447,16 @@ class Channel(kredis.Channel):
     def _update_queue_cycle(self) -> None:
         from .weights import weight_of
 
-        self._sched.set_queues({q: weight_of(q, self.settings.default_weight)
-                                for q in self.active_queues})
+        # Kombu calls this after every basic_consume: rebuilding the whole weight map
+        # each time was quadratic in the number of job queues at worker start.
+        fanout = self.active_fanout_queues
+        consumed = [q for q in self._active_queues if q not in fanout]
+        known = self._sched.queues
+        default = self.settings.default_weight
+        if known.issubset(consumed):
+            self._sched.add_queues({q: weight_of(q, default) for q in consumed if q not in known})
+        else:
+            self._sched.set_queues({q: weight_of(q, default) for q in consumed})
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         jobs = self._fetch_sync([queue], track=not no_ack)
@@ -510,6 +575,9 @@ class Channel(kredis.Channel):
         queue, tag = bytes_to_str(qname), bytes_to_str(tag)
         try:
             raw = loads(bytes_to_str(payload))
+            problem = envelope_problem(raw) or self._body_problem(raw)
+            if problem is not None:
+                raise ValueError(problem)
             props = raw["properties"]
             props["delivery_tag"] = tag
             info = props.setdefault("delivery_info", {})
@@ -524,6 +592,20 @@ class Channel(kredis.Channel):
             if isinstance(headers, dict):
                 headers["redelivered"] = True
         return raw
+
+    def _body_problem(self, raw: dict[str, Any]) -> str | None:
+        """Kombu decodes the body while building the Message, where an exception stops
+        the worker: try it here first (truncated base64, unknown body_encoding)."""
+        body, encoding = raw.get("body"), raw["properties"].get("body_encoding")
+        if not body or not encoding or encoding.lower() == "utf-8":
+            return None
+        if encoding not in self.codecs:
+            return f"its body_encoding {encoding!r} is unknown"
+        try:
+            self.decode_body(body, encoding)
+        except Exception as exc:
+            return f"its body is not valid {encoding} ({type(exc).__name__}: {exc})"
+        return None
 
     # -- idle: wake-ups and refresh ---------------------------------------------------
     def _wake_subscribe(self) -> None:
@@ -574,9 +656,6 @@ class Channel(kredis.Channel):
     def _owner_client(self) -> Any:
         """A client that outlives this channel: acks of jobs still running when the
         channel closed (connection loss) must reach Redis, not be lost with it."""
-            problem = envelope_problem(raw) or self._body_problem(raw)
-            if problem is not None:
-                raise ValueError(problem)
         if self._heartbeater is not None:
             return self._heartbeater.client
         return self._create_client()
@@ -592,20 +671,6 @@ class Channel(kredis.Channel):
         first fetched again. Tags no longer in the record are skipped."""
         return requeue_tags(self._scripts, self.keys, self.pool_id, list(tags),
                             client or self._owner_client())
-    def _body_problem(self, raw: dict[str, Any]) -> str | None:
-        """Kombu decodes the body while building the Message, where an exception stops
-        the worker: try it here first (truncated base64, unknown body_encoding)."""
-        body, encoding = raw.get("body"), raw["properties"].get("body_encoding")
-        if not body or not encoding or encoding.lower() == "utf-8":
-            return None
-        if encoding not in self.codecs:
-            return f"its body_encoding {encoding!r} is unknown"
-        try:
-            self.decode_body(body, encoding)
-        except Exception as exc:
-            return f"its body is not valid {encoding} ({type(exc).__name__}: {exc})"
-        return None
-
 
     def _dead_letter(self, tag: str, reason: str, error: str, queue: str | None = None,
                      **meta: Any) -> bool:

@@ -227,6 +227,23 @@ def test_set_queues_without_activation_keeps_new_queues_idle() -> None:
     assert set(sampler.take(5)) == {"b"}
 
 
+def test_add_queues_keeps_the_others_and_equals_set_queues() -> None:
+    added = WeightedRoundRobin()
+    for name, weight in [("a", 1), ("b", 2), ("c", 1)]:
+        added.add_queues({name: weight})  # one at a time, as a consumer starts
+    added.deactivate("c")
+    added.add_queues({"a": 3})
+    replaced = WeightedRoundRobin()
+    replaced.set_queues({"a": 1, "b": 2, "c": 1})
+    replaced.deactivate("c")
+    replaced.set_queues({"a": 3, "b": 2, "c": 1})
+    assert added.queues == replaced.queues == {"a", "b", "c"}
+    assert added.active == replaced.active == {"a", "b"}
+    assert added.take(25) == replaced.take(25)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        added.add_queues({"d": 0})
+
+
 # -- why the bound is W - w_i and not W / w_i -----------------------------------------------
 
 

@@ -29,7 +29,7 @@ import psutil
 import pytest
 import redis
 from celery import Celery
-from kombu import Connection, Queue
+from kombu import Connection, Exchange, Queue
 
 from celery_ext import scripts
 from celery_ext.keys import Keys
@@ -413,6 +413,47 @@ def test_queue_length_matches_llen(app: Celery, redis_client: redis.Redis) -> No
         redis_client.rpop(K.queue("tests.proj.noop"))
         assert channel.queue_declare("tests.proj.noop", passive=True).message_count == 2
         assert channel._size("never.used") == 0
+
+
+def test_task_consumer_declares_job_queues_in_one_round_trip(
+        app: Celery, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's task consumer declares all its job queues in one pipeline: the
+    bindings are the ones Kombu writes queue by queue, sizes are read, and no per-queue
+    command is sent."""
+    for i in range(3):
+        proj.add.delay(i, i)
+    exchange = Exchange("celery", type="direct")  # Celery's default for its queues
+    queues = [Queue(name, exchange, routing_key=name)
+              for name in ("tests.proj.add", "tests.proj.noop")]
+    queues += [Queue(f"many.{i}", exchange, routing_key=f"many.{i}") for i in range(50)]
+    sizes: dict[str, int] = {}
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        for q in queues:
+            q.on_declared = lambda name, count, _consumers: sizes.__setitem__(name, count)
+        round_trips: list[str] = []
+        for cls, name in ((redis.Redis, "execute_command"), (redis.client.Pipeline, "execute")):
+            orig = getattr(cls, name)
+
+            def counted(self: Any, *args: Any, _orig: Any = orig, _name: str = name,
+                        **kwargs: Any) -> Any:
+                round_trips.append(_name)
+                return _orig(self, *args, **kwargs)
+
+            monkeypatch.setattr(cls, name, counted)
+        consumer = app.amqp.TaskConsumer(conn, queues=queues)
+        monkeypatch.undo()
+        consumer.consume()
+        assert round_trips == ["execute"]  # not LLEN + MULTI/SADD/EXEC per queue
+        assert sizes["tests.proj.add"] == 3 and sizes["many.7"] == 0
+        assert not channel._predeclared_sizes and not channel._prebound
+        assert channel._sched.queues == {q.name for q in queues}
+        member = "\x06\x16".join(["many.7", "", "many.7"]).encode()
+        for key in ("_kombu.binding.celery", "_kombu.binding_permanent.celery"):
+            assert redis_client.sismember(key, member)
+        # Outside the block sizes are read again.
+        proj.noop.delay()
+        assert channel.queue_declare("tests.proj.noop").message_count == 1
 
 
 def _enqueue_for_purge() -> int:
