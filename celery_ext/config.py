@@ -59,7 +59,7 @@ DEFAULT_RETRY_BACKOFF_JITTER = 0.25
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 
 _ENV_PREFIX = "CELERY_EXT_"
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_NAMESPACE_RE = re.compile(r"\A[A-Za-z0-9_.:-]{1,64}\Z")  # not "$": it accepts a trailing newline
 
 
 class ConfigError(ValueError):
