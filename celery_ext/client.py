@@ -118,6 +118,25 @@ def _body_args(message: dict[str, Any]) -> tuple[Any, Any]:
         return None, None
 
 
+def _int(value: Any) -> int:
+    """A count from a header that anyone could have written: 0 unless a whole number."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value == value and abs(value) < 2**63 else 0  # not NaN/inf
+    try:
+        return int(value) if isinstance(value, str) else 0
+    except ValueError:
+        return 0
+
+
+def _str_or_none(value: Any) -> str | None:
+    """A header meant to be a string (task id, eta); anything else is shown as None."""
+    return value if isinstance(value, str) else None
+
+
 def _job_name(meta: dict[str, Any], queue: str, message: dict[str, Any]) -> str:
     return str(meta.get("name") or _headers(message).get("task") or queue)
 
@@ -132,7 +151,7 @@ def _manual_retry_payload(payload: str) -> str:
     headers["retries"] = 0
     headers["eta"] = None
     headers["expires"] = None
-    headers[MANUAL_RETRIES_HEADER] = int(headers.get(MANUAL_RETRIES_HEADER) or 0) + 1
+    headers[MANUAL_RETRIES_HEADER] = _int(headers.get(MANUAL_RETRIES_HEADER)) + 1
     return str(dumps(message))  # kombu's separators: fetch finds the delivery tag by them
 
 
@@ -385,19 +404,19 @@ class Client:
         return ScheduledJob(
             id=job_id,
             name=_job_name(meta, queue, message),
-            task_id=headers.get("id") or meta.get("task_id"),
+            task_id=_str_or_none(headers.get("id")) or meta.get("task_id"),
             queue=queue,
             args=args,
             kwargs=kwargs,
             due_at=score / 1000,
             scheduled_at=scheduled_at / 1000 if isinstance(scheduled_at, int | float) else None,
             retry=bool(meta.get("retry")),
-            attempt=int(meta.get("attempt") or headers.get("retries") or 0),
+            attempt=_int(meta.get("attempt") or headers.get("retries")),
             error=meta.get("error"),
             exc_type=meta.get("exc_type"),
             traceback=meta.get("traceback"),
-            eta=headers.get("eta"),
-            expires=headers.get("expires"),
+            eta=_str_or_none(headers.get("eta")),
+            expires=_str_or_none(headers.get("expires")),
         )
 
     def _dead_job(self, job_id: str, score: float, raw: bytes,
@@ -408,11 +427,11 @@ class Client:
         args, kwargs = (meta["args"], meta["kwargs"]) if "args" in meta else _body_args(message)
         attempts = meta.get("attempts")
         if attempts is None and "retries" in headers:
-            attempts = int(headers.get("retries") or 0) + 1
+            attempts = _int(headers.get("retries")) + 1
         return DeadJob(
             id=job_id,
             name=_job_name(meta, queue, message),
-            task_id=meta.get("task_id") or headers.get("id"),
+            task_id=meta.get("task_id") or _str_or_none(headers.get("id")),
             queue=queue,
             reason=str(meta.get("reason", "")),
             error=str(meta.get("error", "")),
@@ -425,7 +444,7 @@ class Client:
             pool=meta.get("pool"),
             hostname=meta.get("hostname"),
             failed_at=score / 1000,
-            manual_retries=int(headers.get(MANUAL_RETRIES_HEADER) or 0),
+            manual_retries=_int(headers.get(MANUAL_RETRIES_HEADER)),
             payload=payload if with_payload else None,
         )
 

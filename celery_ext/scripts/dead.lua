@@ -15,7 +15,8 @@
 -- ARGV[6]  wake channel                 {ns}:wake (as in ack: a job queue at its
 --          max_concurrency that drops below it wakes idle pools)
 -- Returns 1 if moved, 0 if the tag was not in flight and no record was given
--- (already moved: idempotent).
+-- (already moved: idempotent). The dead job's id is the tag, with "~<n>" added
+-- if that id is already dead.
 local rec = redis.call('HGET', KEYS[1], ARGV[1])
 if rec then
   redis.call('HDEL', KEYS[1], ARGV[1])
@@ -33,8 +34,14 @@ else
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[2] .. '\n' .. rec)
-redis.call('ZADD', KEYS[2], now, ARGV[1])
+-- An id already dead (a duplicated message) gets a suffix: both stay listed.
+local id, n = ARGV[1], 0
+while redis.call('HEXISTS', KEYS[3], id) == 1 do
+  n = n + 1
+  id = ARGV[1] .. '~' .. n
+end
+redis.call('HSET', KEYS[3], id, ARGV[2] .. '\n' .. rec)
+redis.call('ZADD', KEYS[2], now, id)
 -- Trim: too old first, then too many; bounded work per call.
 local old = redis.call('ZRANGE', KEYS[2], '-inf', now - tonumber(ARGV[4]), 'BYSCORE', 'LIMIT', 0, 100)
 for _, id in ipairs(old) do

@@ -65,7 +65,13 @@ for i = 1, ncand do
         tag = 'undecodable-' .. now[1] .. now[2] .. '-' .. i
       end
       if string.sub(flags, i, i) == '1' then
-        redis.call('HSET', KEYS[1], tag, qname .. '\n' .. payload)
+        -- A tag this pool already owns (a duplicated or forged message) gets a
+        -- suffix: overwriting would silently drop the other job's record.
+        local base, n = tag, 0
+        while redis.call('HSETNX', KEYS[1], tag, qname .. '\n' .. payload) == 0 do
+          n = n + 1
+          tag = base .. '~' .. n
+        end
         redis.call('HINCRBY', KEYS[6], qname, 1)
         tracked = true
         if room[qname] then room[qname] = room[qname] - 1 end
