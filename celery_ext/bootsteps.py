@@ -160,6 +160,17 @@ def validate_settings(sender: Any = None, instance: Any = None, **kwargs: Any) -
         Settings.load(conf.broker_transport_options)
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
+    _one_line_connection_errors()
+
+
+def _one_line_connection_errors() -> None:
+    """Celery logs each failed connection attempt as "Cannot connect to <url>: <error>."
+    and "Trying again in N seconds..." on a second line; make it one line per attempt
+    (the URL is masked by Celery either way)."""
+    from celery.worker.consumer import consumer
+
+    if consumer.CONNECTION_ERROR.count("\n") > 1:
+        consumer.CONNECTION_ERROR = "consumer: Cannot connect to %s: %s. %s"
 
 
 celeryd_init.connect(validate_settings, weak=False)

@@ -424,5 +424,7 @@ def test_redis_down_at_start_retries_one_line_each_then_consumes_when_it_comes_u
     log = worker.log_text()
     assert PASSWORD not in log
     attempts = re.findall(attempt, log)
-    assert attempts and all("**" in a for a in attempts)
+    # One line per attempt: the error and when it tries again.
+    assert attempts and all("**" in a and "Trying again in" in a for a in attempts), attempts
+    assert "\nTrying again" not in log
     assert "Traceback" not in log and "Unrecoverable" not in log, worker.log_tail(60)
