@@ -161,9 +161,13 @@ def status(ctx: click.Context, as_json: bool) -> None:
         **sizes,
         **totals,
     }
+    warning = client.memory_warning()
     if as_json:
-        _emit_json({"summary": summary, "queues": queues, "pools": pools, "busy": busy})
+        _emit_json({"summary": summary, "queues": queues, "pools": pools, "busy": busy,
+                    "warnings": [warning] if warning else []})
         return
+    if warning:
+        click.echo(f"warning: {warning}")
     click.echo(f"queued {summary['queued']}  in flight {summary['in_flight']}  "
                f"busy {summary['busy']}  scheduled {sizes['scheduled']}  retry {sizes['retry']}  "
                f"dead {sizes['dead']}  processed {totals['processed']}  failed {totals['failed']}")

@@ -478,6 +478,16 @@ class Client:
         """Redis server time, seconds."""
         return now_s(self.client)
 
+    def memory_warning(self) -> str | None:
+        """Why the server's ``maxmemory-policy`` can lose jobs, or None (``noeviction``,
+        or INFO refused)."""
+        from .memory import eviction_warning
+
+        try:
+            return eviction_warning(self.client)
+        except redis.ResponseError:
+            return None
+
     def totals(self) -> dict[str, int]:
         """Processed/failed/retried counters over all job queues."""
         return self.state.totals()

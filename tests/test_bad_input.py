@@ -33,7 +33,7 @@ from celery_ext.keys import Keys
 from celery_ext.scripts import Scripts
 from celery_ext.server import RedisServer
 from tests import proj
-from tests.test_transport import free_port, only_pool, wait_until
+from tests.test_transport import celery_cli, free_port, only_pool, wait_until
 from tests.workers import READY_PATTERN, REPO_ROOT, WorkerProcess
 
 K = Keys("celery_ext")
@@ -306,15 +306,16 @@ def test_full_redis_refuses_enqueue_with_one_clear_error_and_loses_nothing(
     assert results == [0, 1, 2, 100]
 
 
-def test_evicting_memory_policy_is_one_warning_at_worker_start(
+def test_evicting_memory_policy_is_one_warning_at_worker_start_and_in_status(
         small_server: RedisServer, worker_factory: Factory) -> None:
     admin = small_server.client()
     admin.flushall()
+    url = small_server.url(scheme="celery-ext")
     admin.config_set("maxmemory-policy", "allkeys-lru")
     try:
-        worker = worker_factory("tests.proj", broker_url=small_server.url(scheme="celery-ext"),
-                                pool="solo", concurrency=1).start()
+        worker = worker_factory("tests.proj", broker_url=url, pool="solo", concurrency=1).start()
         line = worker.wait_for_log(r"(?m)^.*maxmemory-policy.*$", 15).group(0)
+        status = celery_cli("-A", "tests.proj", "ext", "status", broker_url=url)
     finally:
         admin.config_set("maxmemory-policy", "noeviction")
     assert "WARNING" in line and "maxmemory-policy is allkeys-lru" in line, line
@@ -322,6 +323,12 @@ def test_evicting_memory_policy_is_one_warning_at_worker_start(
     time.sleep(0.5)
     assert worker.log_text().count("maxmemory-policy is") == 1
     assert worker.alive  # a warning, not a refusal: the operator decides
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.splitlines()[0].startswith(
+        "warning: celery_ext: the broker's maxmemory-policy is allkeys-lru"), status.stdout
+    # Back to noeviction: no warning.
+    quiet = celery_cli("-A", "tests.proj", "ext", "status", "--json", broker_url=url)
+    assert json.loads(quiet.stdout)["warnings"] == [], quiet.stdout
 
 
 # -- bad task options --------------------------------------------------------------------------
