@@ -194,7 +194,8 @@ class Reaper:
             try:
                 self.tick()
             except redis.RedisError as exc:
-                logger.warning("celery_ext: reaper could not reach Redis: %s", exc)
+                logger.warning("celery_ext: reaper pass skipped (Redis unreachable or "
+                               "refusing writes): %s", exc)
             except Exception:
                 logger.exception("celery_ext: reaper pass failed")
             wait = interval * random.uniform(0.8, 1.2)

@@ -2,6 +2,13 @@
 
 Each ``.lua`` file starts with a header naming every ``KEYS[i]`` and ``ARGV[i]``;
 every key a script touches is passed in ``KEYS`` (Redis Cluster rule).
+
+The scripts by which a pool keeps the jobs it owns safe (fetch, ack, requeue, dead,
+recover, heartbeat, deregister, unique_release) start with ``#!lua flags=allow-oom``:
+when Redis reaches ``maxmemory`` a pool must still drain, finish, return and
+dead-letter jobs and stay alive (each is atomic: refused whole or run whole, never
+stopped half-way at its first growing write). New work (enqueue, schedule, promote)
+is refused, so memory cannot grow without bound. Flags need Redis 7.0+ / Valkey.
 """
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- ack: a pool is done with jobs; drop them from its in-flight record.
 -- KEYS[1]  in-flight hash of the pool   {ns}:inflight:<pool id>
 -- KEYS[2]  redelivery hash              {ns}:redelivery

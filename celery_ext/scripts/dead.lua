@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- dead: move one job from a pool's in-flight record into the dead set, with why.
 -- KEYS[1]  in-flight hash of the pool   {ns}:inflight:<pool id>
 -- KEYS[2]  dead zset                    {ns}:dead

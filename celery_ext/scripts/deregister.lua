@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- deregister: a pool leaves cleanly (warm shutdown), after returning its jobs.
 -- KEYS[1]  pools zset                   {ns}:pools
 -- KEYS[2]  pool hash                    {ns}:pool:<pool id>

@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- fetch: move jobs from job queues into a pool's in-flight record, one round trip.
 -- The pool's weighted round-robin picks the candidate queues; this script pops
 -- one job per candidate, atomically recording it as owned by the pool.

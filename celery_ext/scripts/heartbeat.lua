@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- heartbeat: stamp a pool as alive with Redis server time.
 -- KEYS[1]  pools zset                   {ns}:pools
 -- KEYS[2]  pool hash                    {ns}:pool:<pool id>

@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- recover: return a dead (or vanished) pool's in-flight jobs to the FRONT of their
 -- job queues, counting one recovery per job; a job recovered more than
 -- max_recoveries times goes to the dead set instead (a poison pill). Also used

@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- requeue: move jobs from a pool's in-flight record back to the FRONT of their
 -- job queues (reject with requeue, restore at shutdown).
 -- KEYS[1]  in-flight hash of the pool   {ns}:inflight:<pool id>

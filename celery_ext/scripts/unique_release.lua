@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- unique_release: a unique job started; let identical jobs be enqueued again.
 -- KEYS[1]  lock                         {ns}:unique:<digest>
 -- ARGV[1]  the job's task id
