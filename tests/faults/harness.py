@@ -412,7 +412,8 @@ class Run:
     def _server_fault(self, kind: str) -> Fault:
         in_flight = self._server_in_flight()
         now = time.time()
-        return Fault(kind, now, None, in_flight, Record.read(self.record_path).running_at(now, None))
+        running = Record.read(self.record_path).running_at(now, None)
+        return Fault(kind, now, None, in_flight, running)
 
     def _replace(self, worker: WorkerProcess) -> None:
         """Retire ``worker`` and start a new pool in its slot (same way to Redis)."""
