@@ -9,6 +9,7 @@ below.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -90,6 +91,11 @@ class Settings:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("float", float) and not (isinstance(value, int | float)
+                                                   and math.isfinite(value)):
+                raise ConfigError(f"celery_ext: {f.name} must be a finite number, got {value!r}")
         if not _NAMESPACE_RE.match(self.namespace):
             raise ConfigError(
                 f"celery_ext: namespace {self.namespace!r} must be 1-64 characters of "
@@ -140,15 +146,20 @@ class Settings:
         for name, raw in list(values.items()):
             kind = types[name]
             try:
+                if isinstance(raw, bool) and kind in ("float", float, "int", int):
+                    raise TypeError("a boolean is not a number")
                 if kind in ("float", float):
                     values[name] = float(raw)
                 elif kind in ("int", int):
+                    if isinstance(raw, float) and not raw.is_integer():
+                        raise ValueError("not a whole number")
                     values[name] = int(raw)
                 else:
                     values[name] = str(raw)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
+                what = "a whole number" if kind in ("int", int) else f"a {kind}"
                 raise ConfigError(
-                    f"celery_ext: setting {name} must be a {kind}, got {raw!r}"
+                    f"celery_ext: setting {name} must be {what}, got {raw!r}"
                 ) from None
         return cls(**values)
 

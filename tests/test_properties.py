@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections import Counter
 from typing import Any
@@ -119,6 +120,42 @@ def test_shares_over_whole_periods_equal_the_weights(weights: dict[str, int],
     sampler = WeightedRoundRobin(weights)
     total = sum(weights.values())
     assert Counter(sampler.take(rounds * total)) == {q: rounds * w for q, w in weights.items()}
+
+
+# -- settings ----------------------------------------------------------------------------------
+
+absurd = (st.integers(-10**12, 10**12) | st.floats(allow_nan=True, allow_infinity=True)
+          | st.booleans() | st.text(max_size=8) | st.none()
+          | st.sampled_from(["nan", "inf", "-1", "0", "1e9", "2.5", " 3 ", "", "soon"]))
+FLOAT_FIELDS = [f for f in Settings.option_names()
+                if isinstance(getattr(Settings(), f), float)]
+
+
+@settings(max_examples=500, deadline=None)
+@given(options=st.dictionaries(st.sampled_from([n for n in Settings.option_names()
+                                                if n != "namespace"]), absurd, max_size=4))
+def test_absurd_settings_are_refused_by_name_or_give_usable_settings(
+        options: dict[str, Any]) -> None:
+    """Negative or zero intervals, NaN, infinity, booleans, words: either one
+    ConfigError naming a setting it got, or settings every component can run on."""
+    try:
+        s = Settings.load(options, environ={})
+    except ValueError as exc:
+        assert "\n" not in str(exc)
+        assert any(name in str(exc) for name in [*options, "dead_after", "heartbeat_interval"])
+        return
+    for name in FLOAT_FIELDS:
+        assert math.isfinite(getattr(s, name)), name
+    for name in ("heartbeat_interval", "dead_after", "reap_interval", "idle_refresh_interval",
+                 "promote_interval", "unique_ttl", "retry_backoff_base", "retry_backoff_max",
+                 "dead_max_age"):
+        assert getattr(s, name) > 0, name
+    assert s.dead_after >= 2 * s.heartbeat_interval
+    assert s.fetch_batch >= 1 and s.default_weight >= 1 and s.dead_max_size >= 1
+    assert s.max_recoveries >= 0 and s.promote_batch >= 1 and s.max_payload_bytes >= 0
+    assert 0 <= s.retry_backoff_jitter <= 1
+    assert 0 <= s.promote_min_interval <= s.promote_interval
+    int(s.dead_max_age * 1000)  # as the dead script's argument: no overflow
 
 
 # -- key building ------------------------------------------------------------------------------
