@@ -120,6 +120,8 @@ GARBAGE: dict[str, tuple[bytes | str, str, str]] = {
     "expires garbage": (with_headers("g-expires", expires="garbage"), "invalid",
                         "invalid expires value"),
     "eta garbage": (with_headers("g-eta", eta="garbage"), "invalid", "invalid ETA value"),
+    "only a task header": (json.dumps(envelope("g-noid", headers={"task": QUEUE})), "invalid",
+                           "KeyError"),
     "unregistered task": (with_headers("g-unknown", task="tests.no_such_task"),
                           "unknown_task", "NotRegistered: 'tests.no_such_task'"),
 }
