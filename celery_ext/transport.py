@@ -60,6 +60,8 @@ TLS_SCHEME = "celery-exts"
 #: the only in-flight records of this pool that are legitimately outstanding.
 _live_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
 #: Set when a channel closed without returning its jobs (Redis unreachable); the
+#: Errors of the connection while delivering a job (not of the job): they propagate.
+_IO_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 #: next channel to fetch returns the leftovers first.
 _pending_recovery: set[tuple[str, str]] = set()
 
@@ -564,13 +566,33 @@ class Channel(kredis.Channel):
         for qname, tag, payload, rec in jobs:
             raw = self._decode(qname, tag, payload, rec)
             if raw is not None:
-                self.connection._deliver(raw, bytes_to_str(qname))
+                try:
+                    self.connection._deliver(raw, bytes_to_str(qname))
+                except _IO_ERRORS:
+                    raise
+                except Exception as exc:
+                    # The consumer failed on this job (a message Celery does not catch as
+                    # invalid, e.g. without an id header): as a KeyError it would restart
+                    # the consumer and refetch the job forever, as anything else stop the
+                    # worker, and the rest of this fetch would stay undelivered.
+                    self._dead_letter_broken(raw, bytes_to_str(qname), exc)
+                    continue
                 delivered = True
         if not delivered:
             raise Empty()
         return True
 
     def _decode(self, qname: Any, tag: Any, payload: Any, rec: Any) -> dict[str, Any] | None:
+    def _dead_letter_broken(self, raw: dict[str, Any], queue: str, exc: Exception) -> None:
+        tag = raw["properties"]["delivery_tag"]
+        error = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+        headers = raw.get("headers") or {}
+        name = headers.get("task") if isinstance(headers.get("task"), str) else None
+        if self._dead_letter(tag, "invalid", error, name=name):
+            logger.error("celery_ext: message %s in job queue %r moved to the dead set "
+                         "(invalid: %s)", tag, queue, error)
+        self.qos.forget(tag)
+
         """Parse a fetched job; an undecodable one goes to the dead set, not the floor."""
         queue, tag = bytes_to_str(qname), bytes_to_str(tag)
         try:

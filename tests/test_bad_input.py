@@ -195,6 +195,32 @@ def test_garbage_in_a_job_queue_is_dead_with_its_reason_and_the_worker_keeps_goi
     assert "maxmemory-policy" not in log  # the session server is noeviction: no warning
 
 
+def test_garbage_without_install_is_dead_too_and_the_consumer_does_not_restart(
+        app: Celery, redis_client: redis.Redis, worker_factory: Factory) -> None:
+    """Drop-in mode (only the broker URL changed, no ``install(app)``): a job Celery's
+    own handler chokes on is dead-lettered by the transport. Without that, a missing
+    ``id`` header (a KeyError, which Kombu's Redis transport counts as a connection
+    error) restarted the consumer, which refetched it, in a loop."""
+    worker = worker_factory("tests.proj", pool="solo", concurrency=1,
+                            env={"CELERY_EXT_NO_INSTALL": "1"}).start()
+    cases = {name: GARBAGE[name] for name in ("only a task header", "task name a list",
+                                              "headers a list", "raw bytes")}
+    for payload, _, _ in cases.values():
+        push(redis_client, "celery", payload)
+    assert app.send_task(QUEUE, (2, 3), queue="celery").get(timeout=15) == 5
+    client = Client(redis_client)
+    page = wait_until(lambda: (p := client.dead())["total"] >= len(cases) and p, 10,
+                      "the garbage in the dead set")
+    match_dead(page["items"], cases)
+    assert app.send_task(QUEUE, (4, 5), queue="celery").get(timeout=15) == 9
+    log = worker.log_text()
+    assert "Connection to broker lost" not in log and "Unrecoverable" not in log, \
+        worker.log_tail(60)
+    assert len(re.findall(READY_PATTERN, log)) == 1 and worker.alive
+    pool = only_pool(redis_client)
+    wait_until(lambda: redis_client.hlen(K.inflight(pool)) == 0, 5, "an empty in-flight record")
+
+
 # -- payload size ------------------------------------------------------------------------------
 
 
