@@ -582,7 +582,6 @@ class Channel(kredis.Channel):
             raise Empty()
         return True
 
-    def _decode(self, qname: Any, tag: Any, payload: Any, rec: Any) -> dict[str, Any] | None:
     def _dead_letter_broken(self, raw: dict[str, Any], queue: str, exc: Exception) -> None:
         tag = raw["properties"]["delivery_tag"]
         error = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
@@ -593,6 +592,7 @@ class Channel(kredis.Channel):
                          "(invalid: %s)", tag, queue, error)
         self.qos.forget(tag)
 
+    def _decode(self, qname: Any, tag: Any, payload: Any, rec: Any) -> dict[str, Any] | None:
         """Parse a fetched job; an undecodable one goes to the dead set, not the floor."""
         queue, tag = bytes_to_str(qname), bytes_to_str(tag)
         try:
