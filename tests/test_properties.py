@@ -17,10 +17,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import uuid
 from collections import Counter
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,15 +30,19 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from kombu.transport.virtual.base import Channel as VirtualChannel
+from kombu.transport.virtual.base import Message as KombuMessage
 from kombu.utils.json import dumps
 from redis.crc import key_slot
 
 from celery_ext.client import Client
 from celery_ext.config import Settings
 from celery_ext.dead import dead_letter, parse_dead_record, split_record
+from celery_ext.envelope import envelope_problem
 from celery_ext.keys import Keys
 from celery_ext.sampler import WeightedRoundRobin
 from celery_ext.scripts import Scripts
+from celery_ext.transport import Channel
 
 # -- the weighted scheduler --------------------------------------------------------------------
 
@@ -287,6 +293,42 @@ def test_envelope_inflight_and_dead_records_round_trip(
     assert redis_client.hlen(K.inflight(POOL)) == 0
     assert int(redis_client.hget(K.running, queue) or 0) == 0
     redis_client.flushdb()
+
+
+def _field(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """A field of a Kombu envelope: usually the right type, sometimes any JSON."""
+    return st.one_of(inner, json_values)
+
+
+envelopes = st.fixed_dictionaries({}, optional={
+    "body": _field(st.text(max_size=20) | st.binary(max_size=20).map(
+        lambda b: base64.b64encode(b).decode())),
+    "content-type": _field(st.just("application/json")),
+    "content-encoding": _field(st.just("utf-8")),
+    "headers": _field(st.dictionaries(st.sampled_from(["task", "id", "eta"]), json_values)),
+    "properties": _field(st.fixed_dictionaries({"delivery_tag": st.text(max_size=5)}, optional={
+        "body_encoding": _field(st.sampled_from(["base64", "utf-8", "rot13"])),
+        "delivery_info": _field(st.fixed_dictionaries({"routing_key": st.text(max_size=5)})),
+    })),
+}) | json_values
+
+
+@settings(max_examples=500, deadline=None)
+@given(raw=envelopes)
+def test_an_envelope_that_passes_the_checks_makes_a_kombu_message(raw: Any) -> None:
+    """The transport's shape and body checks are enough for Kombu: whatever passes them
+    becomes a Message without raising (what failed there stopped the worker)."""
+    channel = SimpleNamespace(codecs=VirtualChannel.codecs)
+    channel.decode_body = lambda body, enc=None: VirtualChannel.decode_body(channel, body, enc)
+    problem = envelope_problem(raw) or Channel._body_problem(channel, raw)
+    if problem is not None:
+        assert isinstance(problem, str) and "\n" not in problem
+        return
+    raw["properties"]["delivery_tag"] = "t"  # as _decode does (fetch's tag)
+    message = KombuMessage(raw, channel=channel)
+    assert message.headers is None or isinstance(message.headers, dict)
+    assert message.delivery_info is None or isinstance(message.delivery_info, dict)
+    assert message.body is None or isinstance(message.body, bytes | str)
 
 
 @settings(max_examples=300, deadline=None)
