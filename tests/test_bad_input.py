@@ -304,9 +304,11 @@ def test_full_redis_refuses_enqueue_with_one_clear_error_and_loses_nothing(
     try:
         fill(admin)
         queued = admin.llen(K.queue("tests.proj.record"))
-        for send in (lambda: proj.record.delay("full", 99),               # declares first
-                     lambda: proj.record.apply_async(("full", 99), declare=[]),  # enqueue
-                     lambda: proj.record.apply_async(("full", 99), countdown=30)):
+        # Even a publish retry policy that retries forever, 2 s apart, does not retry it.
+        forever = {"retry": True, "retry_policy": {"max_retries": None, "interval_start": 2}}
+        for send in (lambda: proj.record.apply_async(("full", 99), **forever),  # declares
+                     lambda: proj.record.apply_async(("full", 99), declare=[], **forever),
+                     lambda: proj.record.apply_async(("full", 99), countdown=30, **forever)):
             started = time.monotonic()
             with pytest.raises(BrokerOutOfMemory) as info:
                 send()
