@@ -7,7 +7,8 @@ says which job ran where. What ours must show (DESIGN.md promises 1-3):
 
 - no accepted job lost (with ``appendfsync everysec`` a Redis crash may lose the last
   second of writes: that scenario reports instead of asserting);
-- duplicates no more than the jobs the hit pools owned at the faults;
+- duplicates no more than the jobs the hit pools owned at the faults, and every job
+  run twice was one of them; no live pool reaped when Redis stalls or restarts;
 - no pool crashed by a fault it was not the target of; every fault recovered from.
 """
 
@@ -46,6 +47,9 @@ def test_ours_loses_nothing_and_duplicates_at_most_what_was_in_flight(
         assert r.lost == 0, f"lost {r.lost_sample}"
         assert r.unrecovered_faults == 0
     assert r.duplicates <= r.in_flight_at_faults
+    assert r.unexplained_duplicates == 0  # every job run twice was owned by a hit pool
+    if name in ("redis_stall", "redis_kill", "oom", "sigterm", "kill_child"):
+        assert r.pools_reaped == 0  # no live pool declared dead (stall guard, clean exits)
     if name == "oom":
         # The caller of apply_async was told, in one line; nothing it was told
         # succeeded went missing (checked above).

@@ -33,8 +33,9 @@ def table(results: list[Result]) -> str:
     by = {(r.scenario, r.mode): r for r in results}
     names = list(dict.fromkeys(r.scenario for r in results))
     head = ("| scenario | faults | stock lost | stock dup | stock recovery s (med/max) "
-            "| ours lost | ours dup (in flight) | ours recovery s (med/max) | refused (ours) |")
-    rows = [head, "|" + "---|" * 9]
+            "| ours lost | ours dup (in flight) | ours recovery s (med/max) | refused (ours) "
+            "| pools reaped (ours) |")
+    rows = [head, "|" + "---|" * 10]
     for name in names:
         s, o = by.get((name, "stock")), by.get((name, "ours"))
         cells = [name, str(len((o or s).faults)) if (o or s) else "-"]  # type: ignore[union-attr]
@@ -46,6 +47,7 @@ def table(results: list[Result]) -> str:
             cells.append(f"{r.duplicates} ({r.in_flight_at_faults})" if ours else str(r.duplicates))
             cells.append(_fmt_recovery(r))
         cells.append(str(o.refused) if o else "-")
+        cells.append(str(o.pools_reaped) if o else "-")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -82,7 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append(result)
             print(f"  lost {result.lost}/{result.accepted}, duplicates {result.duplicates}, "
                   f"in flight at faults {result.in_flight_at_faults}, refused {result.refused}, "
-                  f"recovery {_fmt_recovery(result)}, {result.seconds} s"
+                  f"recovery {_fmt_recovery(result)}, unexplained duplicates "
+                  f"{result.unexplained_duplicates}, pools reaped {result.pools_reaped}, "
+                  f"{result.seconds} s"
                   + "".join(f"\n  note: {n}" for n in result.notes), flush=True)
     text = table(results)
     print()
@@ -91,8 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "results.json").write_text(json.dumps(
         {"options": asdict(opts), "minutes": round((time.monotonic() - t0) / 60, 1),
          "results": [r.as_dict() for r in results]}, indent=1))
-    broken = [r for r in results if r.mode == "ours" and SCENARIOS[r.scenario].promise_no_loss
-              and r.lost]
+    broken = [r for r in results if r.mode == "ours" and (
+        (SCENARIOS[r.scenario].promise_no_loss and r.lost) or r.unexplained_duplicates)]
     return 1 if broken else 0
 
 

@@ -20,8 +20,10 @@ Counting comes only from the append-only record the jobs write (``tests.faults.a
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -36,6 +38,8 @@ from typing import Any
 import psutil
 import redis
 
+from celery_ext.config import DEFAULT_NAMESPACE
+from celery_ext.keys import Keys
 from celery_ext.server import RedisServer
 from celery_ext.state import State
 from tests.faults.app import JOB, make_app
@@ -43,6 +47,7 @@ from tests.faults.proxy import Proxy
 from tests.workers import WorkerProcess
 
 MODES = ("stock", "ours")
+KEYS = Keys(DEFAULT_NAMESPACE)
 SCHEMES = {"stock": "redis", "ours": "celery-ext"}
 
 #: Fault kinds; a scenario is a list of them, injected in turn.
@@ -112,6 +117,7 @@ class Fault:
     pool: str | None               # hostname of the hit pool (pool faults)
     in_flight: int                 # jobs the hit pool (or server) owned then
     running: list[str] = field(default_factory=list)  # jobs running there then
+    owned: list[str] = field(default_factory=list)    # ours: job ids in its in-flight record
     recovery: float | None = None  # seconds until all of `running` were done
 
 
@@ -128,6 +134,11 @@ class Result:
     starts: int = 0
     duplicates: int = 0
     in_flight_at_faults: int = 0
+    #: ours: jobs run twice that no hit pool (or, for server faults, no pool) owned at
+    #: a fault; promise 2 says there are none.
+    unexplained_duplicates: int | None = None
+    #: ours: dead pools the reapers declared (from the worker logs).
+    pools_reaped: int | None = None
     faults: list[Fault] = field(default_factory=list)
     recovery_median: float | None = None
     recovery_max: float | None = None
@@ -335,6 +346,13 @@ class Run:
         r.lost, r.lost_sample = len(lost), lost[:5]
         r.starts = len(starts)
         r.duplicates = len(starts) - len(set(starts))
+        if self.mode == "ours":
+            twice = {job for job, n in Counter(starts).items() if n > 1}
+            owned = {job for f in r.faults for job in f.owned}
+            r.unexplained_duplicates = len(twice - owned)
+            r.pools_reaped = sum(
+                int(m.group(1)) for w in self.pools + self._retired if w.started
+                for m in re.finditer(r"reaped (\d+) dead worker pool", w.log_text()))
         r.in_flight_at_faults = sum(f.in_flight for f in r.faults)
         for f in r.faults:
             if not f.running:
@@ -385,35 +403,51 @@ class Run:
         except psutil.NoSuchProcess:
             return {worker.pid}
 
-    def _pool_in_flight(self, worker: WorkerProcess) -> int:
+    def _owned(self, pid: int | None) -> list[str]:
+        """Ours: ids of the jobs in the in-flight record of the pool whose main process
+        is ``pid`` (every pool's if None)."""
+        owned: list[str] = []
+        with self._admin() as client:
+            for info in State(client).worker_pools():
+                if pid is not None and info["pid"] != pid:
+                    continue
+                for raw in client.hvals(KEYS.inflight(info["pool_id"])):
+                    payload = raw.decode("utf-8", "replace").split("\n", 1)[-1]
+                    try:
+                        owned.append(str(json.loads(payload)["headers"]["id"]))
+                    except (ValueError, KeyError, TypeError):
+                        continue
+        return owned
+
+    def _pool_in_flight(self, worker: WorkerProcess) -> tuple[int, list[str]]:
         """Jobs ``worker`` owns now: ours from its in-flight record; stock from the
         record (started, not done) since Kombu's unacked hash is not per worker."""
         if self.mode == "ours":
-            with self._admin() as client:
-                for info in State(client).worker_pools():
-                    if info["pid"] == worker.pid:
-                        return info["in_flight"]
-            return 0
-        return len(Record.read(self.record_path).running_at(time.time(), self._pids(worker)))
+            owned = self._owned(worker.pid)
+            return len(owned), owned
+        running = Record.read(self.record_path).running_at(time.time(), self._pids(worker))
+        return len(running), []
 
-    def _server_in_flight(self) -> int:
+    def _server_in_flight(self) -> tuple[int, list[str]]:
+        if self.mode == "ours":
+            owned = self._owned(None)
+            return len(owned), owned
         with self._admin() as client:
-            if self.mode == "ours":
-                return sum(i["in_flight"] for i in State(client).worker_pools())
-            return int(client.hlen("unacked"))
+            return int(client.hlen("unacked")), []
 
-    def _pool_fault(self, kind: str, worker: WorkerProcess) -> Fault:
-        pids = self._pids(worker)
-        in_flight = self._pool_in_flight(worker)
+    def _pool_fault(self, kind: str, worker: WorkerProcess,
+                    pids: set[int] | None = None) -> Fault:
+        pids = pids or self._pids(worker)
+        in_flight, owned = self._pool_in_flight(worker)
         now = time.time()
         running = Record.read(self.record_path).running_at(now, pids)
-        return Fault(kind, now, worker.hostname.split("@")[0], in_flight, running)
+        return Fault(kind, now, worker.hostname.split("@")[0], in_flight, running, owned)
 
     def _server_fault(self, kind: str) -> Fault:
-        in_flight = self._server_in_flight()
+        in_flight, owned = self._server_in_flight()
         now = time.time()
         running = Record.read(self.record_path).running_at(now, None)
-        return Fault(kind, now, None, in_flight, running)
+        return Fault(kind, now, None, in_flight, running, owned)
 
     def _replace(self, worker: WorkerProcess) -> None:
         """Retire ``worker`` and start a new pool in its slot (same way to Redis)."""
@@ -426,8 +460,9 @@ class Run:
     # -- the faults -------------------------------------------------------------------
     def _fault_kill_main(self) -> Fault:
         worker = self._pick_pool()
-        fault = self._pool_fault("kill_main", worker)
+        pids = self._pids(worker)
         worker.kill()  # the main process only: its prefork children are orphaned
+        fault = self._pool_fault("kill_main", worker, pids)  # its records are frozen now
         self._replace(worker)
         return fault
 
@@ -439,10 +474,10 @@ class Run:
         if not busy:
             raise RuntimeError(f"{worker.hostname} has no prefork children")
         victim = self.rng.choice(busy)
-        in_flight = self._pool_in_flight(worker)
+        in_flight, owned = self._pool_in_flight(worker)
         now = time.time()
         fault = Fault("kill_child", now, worker.hostname.split("@")[0], in_flight,
-                      rec.running_at(now, {victim}))
+                      Record.read(self.record_path).running_at(now, {victim}), owned)
         os.kill(victim, signal.SIGKILL)
         return fault
 
@@ -455,8 +490,8 @@ class Run:
 
     def _fault_sigstop(self) -> Fault:
         worker = self._pick_pool()
-        fault = self._pool_fault("sigstop", worker)
         os.killpg(worker.pid, signal.SIGSTOP)
+        fault = self._pool_fault("sigstop", worker)  # frozen: what it owns cannot change
         time.sleep(self.opt.dead_after * 2)
         os.killpg(worker.pid, signal.SIGCONT)
         return fault
@@ -464,8 +499,8 @@ class Run:
     def _fault_partition(self) -> Fault:
         assert self.proxy is not None
         worker = next(w for w in self.pools if w.slot == self.opt.pools - 1)  # type: ignore[attr-defined]
-        fault = self._pool_fault("partition", worker)
         self.proxy.stop()
+        fault = self._pool_fault("partition", worker)  # cut off: it can fetch no more
         time.sleep(self.opt.dead_after * 2)
         self.proxy.start()
         return fault
