@@ -22,14 +22,18 @@ import re
 import string
 import time
 import uuid
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 import redis
 
 from celery_ext.client import Client
 from celery_ext.keys import Keys
+from celery_ext.web import create_app
+from celery_ext.web.app import PAGE_MAX
 from tests import proj
 from tests.test_bad_input import push
 from tests.test_transport import only_pool, wait_until
@@ -156,6 +160,19 @@ def test_random_bytes_and_json_in_job_queues_all_end_in_the_dead_set(
     assert set(reasons) <= {"undecodable", "invalid", "unknown_task", "unknown_message"}, \
         (reasons, why)
     assert all(client.dead_job(j["id"]) for j in items), why
+    with warnings.catch_warnings():  # Starlette would rather use httpx2; httpx still works
+        warnings.simplefilter("ignore")
+        from starlette.testclient import TestClient
+    with TestClient(create_app(client, sample_interval=5)) as web:
+        pages = [web.get("/api/dead", params={"offset": o, "limit": PAGE_MAX})
+                 for o in range(0, len(payloads), PAGE_MAX)]
+        assert all(p.status_code == 200 for p in pages), why
+        assert sum(len(p.json()["items"]) for p in pages) == len(payloads), why
+        for job in items[::7]:  # ids come from the messages: "/" and newlines included
+            shown = web.get(f"/api/dead/{quote(job['id'], safe='')}")
+            assert shown.status_code == 200 and shown.json()["id"] == job["id"], (job["id"], why)
+            page = web.get(f"/dead/{quote(job['id'], safe='')}")
+            assert page.status_code == 200, (job["id"], why)
 
     assert proj.add.delay(40, 2).get(timeout=15) == 42, why  # and it still runs jobs
     wait_until(lambda: redis_client.hlen(K.inflight(pool)) == 0, 5,

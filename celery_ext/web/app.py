@@ -328,7 +328,8 @@ def create_app(client: Client, *, token: str | None = None, basic_auth: str | No
 
     routes = [
         *(Route(path, page(name)) for name, path, _ in PAGES),
-        Route("/dead/{dead_id}", dead_detail),
+        # ":path": ids come from messages anyone could have written, "/" included.
+        Route("/dead/{dead_id:path}", dead_detail),
         Route("/demo", page("demo", "demo.html")),
         Route("/api/overview", api_overview),
         Route("/api/queues", api_queues),
@@ -344,9 +345,9 @@ def create_app(client: Client, *, token: str | None = None, basic_auth: str | No
         Route("/api/dead", _set_listing("dead")),
         Route("/api/dead/retry", api_dead_retry, methods=["POST"]),
         Route("/api/dead/delete", api_dead_delete, methods=["POST"]),
-        Route("/api/dead/{dead_id}", api_dead_job),
-        Route("/api/jobs/{job_id}/events", api_job_events),
-        Route("/api/jobs/{job_id}", api_job),
+        Route("/api/dead/{dead_id:path}", api_dead_job),
+        Route("/api/jobs/{job_id:path}/events", api_job_events),
+        Route("/api/jobs/{job_id:path}", api_job),
         Route("/api/csrf", api_csrf),
         Route("/api/health", api_health),
         Mount("/static", app=StaticFiles(directory=str(_package.joinpath("static"))),
