@@ -21,6 +21,7 @@ from celery.bin.base import CeleryCommand, handle_preload_options
 from kombu.exceptions import OperationalError
 
 from .client import Client
+from .dead import one_line
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -82,8 +83,7 @@ def _cell(value: Any, width: int = 60) -> str:
         text = json.dumps(value, default=str)
     else:
         text = str(value)
-    text = text.replace("\n", " ")
-    return text if len(text) <= width else text[:width - 1] + "…"
+    return one_line(text, width)  # names, ids, errors come from messages: one row each
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], empty: str = "(none)") -> None:

@@ -45,6 +45,16 @@ _IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 MAX_TRACEBACK = 8000
 
 
+def one_line(text: str, limit: int = 500) -> str:
+    """``text`` fit for one log line: whitespace runs (newlines included) become one
+    space and other control characters "?" (it may come from a hostile message:
+    no forged log lines, no terminal escapes), cut to ``limit`` characters."""
+    text = " ".join(text.split())
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,
                 reason: str, error: str = "", fallback: str = "", **meta: Any) -> bool:
     """Move one in-flight job of ``pool_id`` to the dead set atomically.
@@ -112,7 +122,7 @@ def wrap_consumer_handlers(consumer: Any) -> None:
             if dead_letter_(message.delivery_tag, reason, error, name=fields.get("task"),
                             task_id=fields.get("id")):
                 logger.error("celery_ext: message %s moved to the dead set (%s: %s)",
-                             message.delivery_tag, reason, " ".join(error.split())[:500])
+                             one_line(str(message.delivery_tag)), reason, one_line(error))
                 return True
         except Exception as exc:
             logger.error("celery_ext: could not dead-letter message %s: %s",

@@ -41,7 +41,7 @@ from kombu.utils.json import dumps, loads
 from . import scripts as _scripts
 from .clock import now_s
 from .config import Settings
-from .dead import dead_letter
+from .dead import dead_letter, one_line
 from .envelope import envelope_problem
 from .errors import BrokerOutOfMemory, check_payload_size, job_name
 from .heartbeater import Heartbeater, heartbeater_for
@@ -584,12 +584,12 @@ class Channel(kredis.Channel):
 
     def _dead_letter_broken(self, raw: dict[str, Any], queue: str, exc: Exception) -> None:
         tag = raw["properties"]["delivery_tag"]
-        error = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+        error = one_line(f"{type(exc).__name__}: {exc}")
         headers = raw.get("headers") or {}
         name = headers.get("task") if isinstance(headers.get("task"), str) else None
         if self._dead_letter(tag, "invalid", error, name=name):
             logger.error("celery_ext: message %s in job queue %r moved to the dead set "
-                         "(invalid: %s)", tag, queue, error)
+                         "(invalid: %s)", one_line(str(tag)), queue, error)
         self.qos.forget(tag)
 
     def _decode(self, qname: Any, tag: Any, payload: Any, rec: Any) -> dict[str, Any] | None:

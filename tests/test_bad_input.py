@@ -102,6 +102,9 @@ GARBAGE: dict[str, tuple[bytes | str, str, str]] = {
         "invalid", "ContentDisallowed: Refusing to deserialize untrusted content of type pickle"),
     "text/plain content type": (json.dumps(envelope("g-text", **{"content-type": "text/plain"})),
                                 "invalid", "untrusted content of type text/plain"),
+    "content type forging log lines": (json.dumps(envelope(
+        "g-forge", **{"content-type": "text/x\r\nFORGED CRITICAL line\x1b[2J"})),
+        "invalid", "untrusted content of type text/x"),
     "content type a number": (json.dumps(envelope("g-ctnum", **{"content-type": 5})),
                               "undecodable", "content-type is a number"),
     "truncated base64": (json.dumps(envelope("g-b64", body=None) | {"body": "eyJ"}),
@@ -192,6 +195,7 @@ def test_garbage_in_a_job_queue_is_dead_with_its_reason_and_the_worker_keeps_goi
     dead_lines = [ln for ln in log.splitlines() if "moved to the dead set" in ln]
     assert len(dead_lines) == len(GARBAGE), dead_lines
     assert "The full contents of the message body" not in log
+    assert "\x1b" not in log and not re.search(r"(?m)^FORGED", log)
     assert "maxmemory-policy" not in log  # the session server is noeviction: no warning
 
 

@@ -36,7 +36,7 @@ from celery_ext.web import create_app
 from celery_ext.web.app import PAGE_MAX
 from tests import proj
 from tests.test_bad_input import push
-from tests.test_transport import only_pool, wait_until
+from tests.test_transport import celery_cli, only_pool, wait_until
 from tests.workers import READY_PATTERN, WorkerProcess
 
 K = Keys("celery_ext")
@@ -173,6 +173,13 @@ def test_random_bytes_and_json_in_job_queues_all_end_in_the_dead_set(
             assert shown.status_code == 200 and shown.json()["id"] == job["id"], (job["id"], why)
             page = web.get(f"/dead/{quote(job['id'], safe='')}")
             assert page.status_code == 200, (job["id"], why)
+    # And the CLI: one row per dead job, nothing a terminal would act on.
+    listing = celery_cli("-A", "tests.proj", "ext", "dead", "ls", "--limit", "1000",
+                         broker_url=broker_url)
+    assert listing.returncode == 0, (listing.stderr, why)
+    rows = listing.stdout.splitlines()
+    assert len(rows) == 1 + len(payloads), (len(rows), why)
+    assert all(row.isprintable() for row in rows), why
 
     assert proj.add.delay(40, 2).get(timeout=15) == 42, why  # and it still runs jobs
     wait_until(lambda: redis_client.hlen(K.inflight(pool)) == 0, 5,
