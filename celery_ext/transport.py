@@ -282,13 +282,26 @@ class Channel(kredis.Channel):
             raise BrokerOutOfMemory(
                 f"job {job_name(message, routing_key)} was not enqueued", exc) from None
 
-    def queue_bind(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+    def queue_bind(self, queue: str, exchange: str | None = None, routing_key: str = "",
+                   arguments: Any = None, **kwargs: Any) -> Any:
         try:
-            return super().queue_bind(queue, *args, **kwargs)
+            return super().queue_bind(queue, exchange, routing_key, arguments, **kwargs)
         except redis.exceptions.OutOfMemoryError as exc:
+            # Redis refuses even an SADD that adds nothing: a binding that exists (every
+            # job queue after its first declaration) needs no write, full or not.
+            if self._binding_exists(queue, exchange or "amq.direct", routing_key, arguments):
+                return None
             # Producers declare the job queue before each first publish.
             raise BrokerOutOfMemory(f"could not declare job queue {queue!r} (no job enqueued)",
                                     exc) from None
+
+    def _binding_exists(self, queue: str, exchange: str, routing_key: str,
+                        arguments: Any) -> bool:
+        rkey, pattern, _ = self.typeof(exchange).prepare_bind(queue, exchange, routing_key,
+                                                              arguments)
+        member = self.sep.join([rkey or "", pattern or "", queue or ""])
+        with self.conn_or_acquire() as client:
+            return bool(client.sismember(self.keyprefix_queue % (exchange,), member))
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
         publish_batch = kwargs.pop("_publish_batch", None)
