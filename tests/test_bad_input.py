@@ -310,19 +310,24 @@ def test_full_redis_refuses_enqueue_with_one_clear_error_and_loses_nothing(
         queued = admin.llen(K.queue("tests.proj.record"))
         # Even a publish retry policy that retries forever, 2 s apart, does not retry it.
         forever = {"retry": True, "retry_policy": {"max_retries": None, "interval_start": 2}}
-        for send in (lambda: proj.record.apply_async(("full", 99), **forever),  # declares
-                     lambda: proj.record.apply_async(("full", 99), declare=[], **forever),
-                     lambda: proj.record.apply_async(("full", 99), countdown=30, **forever)):
+        for send, what in (
+                (lambda: proj.record.apply_async(("full", 99), **forever),
+                 "job tests.proj.record was not enqueued"),  # its queue was declared before
+                (lambda: proj.record.apply_async(("full", 99), declare=[], **forever),
+                 "job tests.proj.record was not enqueued"),
+                (lambda: proj.record.apply_async(("full", 99), countdown=30, **forever),
+                 "job tests.proj.record was not enqueued"),
+                (lambda: proj.add.apply_async((1, 2), **forever),  # a queue never declared
+                 "could not declare job queue 'tests.proj.add' (no job enqueued)")):
             started = time.monotonic()
             with pytest.raises(BrokerOutOfMemory) as info:
                 send()
             assert time.monotonic() - started < 1.0  # no publish-retry loop
             message = str(info.value)
-            assert "\n" not in message and "out of memory" in message, message
+            assert "\n" not in message and message.startswith(f"celery_ext: {what}: the broker "
+                                                              "is out of memory"), message
             assert "maxmemory" in message and "nothing was written" in message
         assert isinstance(info.value, OperationalError)
-        assert "job tests.proj.record was not enqueued" in message or \
-            "could not declare" in message
         assert admin.llen(K.queue("tests.proj.record")) == queued == 3
         assert admin.zcard(K.scheduled) == 0
     finally:
