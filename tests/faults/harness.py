@@ -419,13 +419,15 @@ class Run:
                         continue
         return owned
 
-    def _pool_in_flight(self, worker: WorkerProcess) -> tuple[int, list[str]]:
+    def _pool_in_flight(self, worker: WorkerProcess,
+                        pids: set[int] | None = None) -> tuple[int, list[str]]:
         """Jobs ``worker`` owns now: ours from its in-flight record; stock from the
         record (started, not done) since Kombu's unacked hash is not per worker."""
         if self.mode == "ours":
             owned = self._owned(worker.pid)
             return len(owned), owned
-        running = Record.read(self.record_path).running_at(time.time(), self._pids(worker))
+        running = Record.read(self.record_path).running_at(time.time(),
+                                                           pids or self._pids(worker))
         return len(running), []
 
     def _server_in_flight(self) -> tuple[int, list[str]]:
@@ -438,7 +440,7 @@ class Run:
     def _pool_fault(self, kind: str, worker: WorkerProcess,
                     pids: set[int] | None = None) -> Fault:
         pids = pids or self._pids(worker)
-        in_flight, owned = self._pool_in_flight(worker)
+        in_flight, owned = self._pool_in_flight(worker, pids)
         now = time.time()
         running = Record.read(self.record_path).running_at(now, pids)
         return Fault(kind, now, worker.hostname.split("@")[0], in_flight, running, owned)
