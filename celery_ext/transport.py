@@ -39,6 +39,7 @@ from kombu.utils.eventio import READ
 from kombu.utils.json import dumps, loads
 
 from . import scripts as _scripts
+from .acks import AckSender
 from .clock import now_s
 from .config import Settings
 from .dead import dead_letter, one_line
@@ -59,9 +60,9 @@ TLS_SCHEME = "celery-exts"
 #: Channels of this process that consume from job queues: their unacked jobs are
 #: the only in-flight records of this pool that are legitimately outstanding.
 _live_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
-#: Set when a channel closed without returning its jobs (Redis unreachable); the
 #: Errors of the connection while delivering a job (not of the job): they propagate.
 _IO_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+#: Set when a channel closed without returning its jobs (Redis unreachable); the
 #: next channel to fetch returns the leftovers first.
 _pending_recovery: set[tuple[str, str]] = set()
 
@@ -77,7 +78,7 @@ class QoS(virtual.QoS):
         super().append(message, delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
-        self.channel._ack([delivery_tag])
+        self.channel._ack_nowait([delivery_tag])
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
@@ -540,6 +541,8 @@ class Channel(kredis.Channel):
         no_ack = self._no_ack_queues
         flags = "".join("0" if q in no_ack else "1" for q in picks)
         pool_id = self._ensure_pool().pool_id if "1" in flags else "-"
+        if pool_id != "-" and "_ack_sender" not in self.__dict__:
+            self._new_ack_sender().connect()  # connected before the first ack waits on it
         keys = self._fetch_keys(pool_id, picks)
         conn = self.client.connection
         self._in_poll = conn
@@ -701,6 +704,22 @@ class Channel(kredis.Channel):
         self._scripts("ack", [self._inflight_key(), k.redelivery, k.running, k.limits, k.ready],
                       [k.wake_channel, *tags], client=client)
 
+    def _new_ack_sender(self) -> AckSender:
+        sender = self.__dict__["_ack_sender"] = AckSender(
+            self._owner_client().connection_pool, self._ack)
+        return sender
+
+    def _ack_nowait(self, tags: list[str]) -> None:
+        """Like ``_ack`` without waiting for the reply (see ``acks.AckSender``); on the
+        pool's own connection settings, so it outlives this channel like ``_ack``."""
+        if self.closed:  # no close() left to read the reply: wait for it now
+            self._ack(tags)
+            return
+        sender = self.__dict__.get("_ack_sender") or self._new_ack_sender()
+        k = self.keys
+        sender.ack([self._inflight_key(), k.redelivery, k.running, k.limits, k.ready],
+                   [k.wake_channel, *tags], tags)
+
     def _requeue(self, tags: Iterable[str], client: Any = None) -> list[str]:
         """Put jobs of this pool back at the front of their queues, first delivered
         first fetched again. Tags no longer in the record are skipped."""
@@ -748,6 +767,14 @@ class Channel(kredis.Channel):
 
     def close(self) -> None:
         _live_channels.discard(self)
+        sender = self.__dict__.get("_ack_sender")
+        if sender is not None:
+            # Acks sent through it have their replies read. On a lost connection this
+            # fails; Kombu's close below must still run, or the unacked jobs of this
+            # channel are neither restored nor marked for recovery (found by
+            # tests/faults redis_kill: jobs stuck in a live pool's in-flight record).
+            with suppress(Exception):
+                sender.close()
         wake = self.__dict__.get("_wakeclient")
         if wake is not None:
             with suppress(Exception):
