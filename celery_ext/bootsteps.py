@@ -6,6 +6,7 @@ import logging
 import time
 from typing import Any
 
+import redis
 from celery import bootsteps
 from celery.signals import celeryd_init, worker_shutdown, worker_shutting_down
 from kombu import Queue
@@ -126,7 +127,12 @@ class WorkerPool(bootsteps.StartStopStep):
         weights: dict[Any, Any] = {
             q: w for q, w in all_weights().items() if q in c.app.amqp.queues.consume_from}
         if weights:
-            hb.client.hset(hb.keys.weights, mapping=weights)
+            try:
+                hb.client.hset(hb.keys.weights, mapping=weights)
+            except redis.exceptions.OutOfMemoryError:
+                # Only the dashboard reads them; the pool must start and drain a full Redis.
+                logger.warning("celery_ext: Redis is at maxmemory: job queue weights not "
+                               "published for the dashboard (the pool runs with them)")
         if not _memory_checked:
             _memory_checked.append(True)
             try:

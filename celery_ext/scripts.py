@@ -4,7 +4,8 @@ Each ``.lua`` file starts with a header naming every ``KEYS[i]`` and ``ARGV[i]``
 every key a script touches is passed in ``KEYS`` (Redis Cluster rule).
 
 The scripts by which a pool keeps the jobs it owns safe (fetch, ack, requeue, dead,
-recover, heartbeat, deregister, unique_release) start with ``#!lua flags=allow-oom``:
+recover, heartbeat, deregister, unique_release, and bind for a worker's queue
+bindings) start with ``#!lua flags=allow-oom``:
 when Redis reaches ``maxmemory`` a pool must still drain, finish, return and
 dead-letter jobs and stay alive (each is atomic: refused whole or run whole, never
 stopped half-way at its first growing write). New work (enqueue, schedule, promote)
@@ -23,6 +24,7 @@ from redis.commands.core import Script
 SCRIPT_NAMES = (
     "enqueue", "fetch", "ack", "requeue", "heartbeat", "deregister", "dead", "recover",
     "checkin", "busy", "schedule", "promote", "enqueue_unique", "unique_release", "dead_retry",
+    "bind",
 )
 
 

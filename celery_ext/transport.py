@@ -446,7 +446,37 @@ class Channel(kredis.Channel):
         if key in self._prebound:
             self._prebound.discard(key)  # written by predeclared()
             return
-        super()._queue_bind(exchange, routing_key, pattern, queue)
+        try:
+            super()._queue_bind(exchange, routing_key, pattern, queue)
+        except redis.exceptions.OutOfMemoryError:
+            # Redis is full: write the binding anyway (bind.lua may run at maxmemory), so
+            # a worker starts and drains it; an enqueue is still refused, at publish.
+            ttl = int(self._binding_ttl(queue)) if queue in self._expires else 0
+            keys = [self.keyprefix_queue % (exchange,),
+                    self._script_binding_deadlines if ttl
+                    else self.keyprefix_binding_permanent % (exchange,)]
+            member = self.sep.join([routing_key or "", pattern or "", queue or ""])
+            with self.conn_or_acquire() as client:
+                self._scripts("bind", keys, [member, exchange, ttl], client=client)
+
+    def _refresh_bindings(self, queues: Any) -> None:
+        """Kombu's periodic refresh of expiring bindings (the remote-control queue),
+        also at maxmemory: otherwise Kombu logs a traceback each time and, after the
+        binding TTL, ``celery inspect`` stops reaching a pool that is draining a full
+        Redis."""
+        try:
+            super()._refresh_bindings(queues)
+        except redis.exceptions.OutOfMemoryError:
+            with self.conn_or_acquire() as client:
+                for queue in queues:
+                    for exchange, routing_key, args in self.state.queue_bindings(queue):
+                        _, pattern, _ = self.typeof(exchange).prepare_bind(
+                            queue, exchange, routing_key, args)
+                        member = self.sep.join([routing_key or "", pattern or "", queue])
+                        self._scripts("bind", [self.keyprefix_queue % (exchange,),
+                                               self._script_binding_deadlines],
+                                      [member, exchange, int(self._binding_ttl(queue))],
+                                      client=client)
 
     # -- consuming ---------------------------------------------------------------------
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
