@@ -85,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  lost {result.lost}/{result.accepted}, duplicates {result.duplicates}, "
                   f"in flight at faults {result.in_flight_at_faults}, refused {result.refused}, "
                   f"recovery {_fmt_recovery(result)}, unexplained duplicates "
-                  f"{result.unexplained_duplicates}, pools reaped {result.pools_reaped}, "
+                  f"{result.unexplained_duplicates} (publish retried: "
+                  f"{result.publish_retry_duplicates}), "
+                  f"pools reaped {result.pools_reaped}, crashed pools {result.crashed_pools}, "
                   f"{result.seconds} s"
                   + "".join(f"\n  note: {n}" for n in result.notes), flush=True)
     text = table(results)
