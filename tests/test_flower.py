@@ -4,6 +4,7 @@ true job queue lengths on its broker page (``celery_ext.flower``)."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -54,7 +55,12 @@ def test_flower_shows_workers_tasks_progress_and_queue_lengths(
         job = proj_web.progress.delay(40, 0.1)
 
         def info() -> Any:
-            data = get(base, f"/api/task/info/{job.id}")
+            try:
+                data = get(base, f"/api/task/info/{job.id}")
+            except urllib.error.HTTPError as exc:
+                if exc.code == 404:  # Flower has not had the task's first event yet
+                    return None
+                raise
             return data if data.get("progress") else None
 
         running = wait_for(info, timeout=30, what="checkin progress in Flower")

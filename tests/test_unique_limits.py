@@ -79,10 +79,11 @@ def test_unique_job_enqueued_once_while_pending(
     assert client.resume(queue) is True
     wait_for(lambda: rec.llen("runs:u"), 1, "the job to run right after resume")
 
-    # Scheduled: 100 concurrent enqueues with a countdown, one runs.
-    ids = at_once(100, lambda: app.unique_job.apply_async(("s",), countdown=1).id)
+    # Scheduled: 100 concurrent enqueues with a countdown, one runs. (The countdown
+    # outlasts the enqueues on a loaded box: once the job starts, its lock is free.)
+    ids = at_once(100, lambda: app.unique_job.apply_async(("s",), countdown=3).id)
     assert len(set(ids)) == 1 and client.counts()["scheduled"] == 1
-    wait_for(lambda: rec.llen("runs:s"), 5, "the scheduled unique job")
+    wait_for(lambda: rec.llen("runs:s"), 8, "the scheduled unique job")
 
     # The lock is released when the job starts: the same job may be enqueued again.
     again = app.unique_job.delay("u")
@@ -120,12 +121,12 @@ def test_max_concurrency_holds_across_four_pools(
 def test_max_concurrency_count_returns_to_zero_after_killed_pools(
         app: Any, redis_client: redis.Redis, rec: redis.Redis, worker_factory: Factory) -> None:
     """Pools killed while they hold limited jobs: the reaper releases their share, so
-    the count never drifts and the surviving pool runs every job."""
+    the count never drifts and the pool started last runs every job."""
     queue = "tests.proj_sets.limited"
-    survivor, = start_workers(worker_factory, 1, pool="threads", concurrency=4, env=FAST_REAPER)
-    # Enough jobs that each victim, racing the survivor for every freed slot, wins one.
     for _ in range(20):
         app.limited.delay("k", 0.8)
+    # Each victim starts alone, so it (not a faster-acking rival) takes the free slots;
+    # the second one gets them only once its reaper has released the first one's share.
     for _ in range(2):
         victim, = start_workers(worker_factory, 1, pool="threads", concurrency=4,
                                 env=FAST_REAPER)
@@ -134,6 +135,7 @@ def test_max_concurrency_count_returns_to_zero_after_killed_pools(
                  "the victim holding a job")
         victim.stop(signal.SIGKILL)
         assert int(redis_client.hget(K.running, queue) or 0) <= 2
+    survivor, = start_workers(worker_factory, 1, pool="threads", concurrency=4, env=FAST_REAPER)
     wait_for(lambda: rec.llen("runs:k") >= 20, 30, "every job to run")
     wait_for(lambda: int(redis_client.hget(K.running, queue) or 0) == 0, 10, "running back to 0")
     assert survivor.alive
