@@ -283,27 +283,6 @@ class Channel(kredis.Channel):
             raise BrokerOutOfMemory(
                 f"job {job_name(message, routing_key)} was not enqueued", exc) from None
 
-    def queue_bind(self, queue: str, exchange: str | None = None, routing_key: str = "",
-                   arguments: Any = None, **kwargs: Any) -> Any:
-        try:
-            return super().queue_bind(queue, exchange, routing_key, arguments, **kwargs)
-        except redis.exceptions.OutOfMemoryError as exc:
-            # Redis refuses even an SADD that adds nothing: a binding that exists (every
-            # job queue after its first declaration) needs no write, full or not.
-            if self._binding_exists(queue, exchange or "amq.direct", routing_key, arguments):
-                return None
-            # Producers declare the job queue before each first publish.
-            raise BrokerOutOfMemory(f"could not declare job queue {queue!r} (no job enqueued)",
-                                    exc) from None
-
-    def _binding_exists(self, queue: str, exchange: str, routing_key: str,
-                        arguments: Any) -> bool:
-        rkey, pattern, _ = self.typeof(exchange).prepare_bind(queue, exchange, routing_key,
-                                                              arguments)
-        member = self.sep.join([rkey or "", pattern or "", queue or ""])
-        with self.conn_or_acquire() as client:
-            return bool(client.sismember(self.keyprefix_queue % (exchange,), member))
-
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
         publish_batch = kwargs.pop("_publish_batch", None)
         delay = eta_delay_ms(message)
@@ -449,15 +428,9 @@ class Channel(kredis.Channel):
         try:
             super()._queue_bind(exchange, routing_key, pattern, queue)
         except redis.exceptions.OutOfMemoryError:
-            # Redis is full: write the binding anyway (bind.lua may run at maxmemory), so
-            # a worker starts and drains it; an enqueue is still refused, at publish.
-            ttl = int(self._binding_ttl(queue)) if queue in self._expires else 0
-            keys = [self.keyprefix_queue % (exchange,),
-                    self._script_binding_deadlines if ttl
-                    else self.keyprefix_binding_permanent % (exchange,)]
-            member = self.sep.join([routing_key or "", pattern or "", queue or ""])
-            with self.conn_or_acquire() as client:
-                self._scripts("bind", keys, [member, exchange, ttl], client=client)
+            # Redis is full: write the binding anyway, so a worker starts and drains it;
+            # an enqueue is still refused, at publish.
+            self._bind_at_maxmemory(exchange, routing_key, pattern, queue)
 
     def _refresh_bindings(self, queues: Any) -> None:
         """Kombu's periodic refresh of expiring bindings (the remote-control queue),
@@ -467,16 +440,22 @@ class Channel(kredis.Channel):
         try:
             super()._refresh_bindings(queues)
         except redis.exceptions.OutOfMemoryError:
-            with self.conn_or_acquire() as client:
-                for queue in queues:
-                    for exchange, routing_key, args in self.state.queue_bindings(queue):
-                        _, pattern, _ = self.typeof(exchange).prepare_bind(
-                            queue, exchange, routing_key, args)
-                        member = self.sep.join([routing_key or "", pattern or "", queue])
-                        self._scripts("bind", [self.keyprefix_queue % (exchange,),
-                                               self._script_binding_deadlines],
-                                      [member, exchange, int(self._binding_ttl(queue))],
-                                      client=client)
+            for queue in queues:
+                for exchange, routing_key, args in self.state.queue_bindings(queue):
+                    _, pattern, _ = self.typeof(exchange).prepare_bind(
+                        queue, exchange, routing_key, args)
+                    self._bind_at_maxmemory(exchange, routing_key, pattern, queue)
+
+    def _bind_at_maxmemory(self, exchange: str, routing_key: str, pattern: str,
+                           queue: str) -> None:
+        """Kombu's binding writes through bind.lua, which may run at maxmemory."""
+        ttl = int(self._binding_ttl(queue)) if queue in self._expires else 0
+        keys = [self.keyprefix_queue % (exchange,),
+                self._script_binding_deadlines if ttl
+                else self.keyprefix_binding_permanent % (exchange,)]
+        member = self.sep.join([routing_key or "", pattern or "", queue or ""])
+        with self.conn_or_acquire() as client:
+            self._scripts("bind", keys, [member, exchange, ttl], client=client)
 
     # -- consuming ---------------------------------------------------------------------
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
