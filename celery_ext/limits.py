@@ -38,17 +38,31 @@ def job_limits(app: Any) -> dict[str, int]:
 
 
 def write_limits(client: Any, keys: Keys, limits: Mapping[str, int],
-                 consumed: Iterable[str]) -> None:
+                 consumed: Iterable[str]) -> list[str]:
     """Set the limits of the consumed queues (removing undeclared ones) and wake
-    pools that may have been waiting on a queue whose limit changed."""
+    pools that may have been waiting on a queue whose limit changed.
+
+    Only the changes are written and published (one read first): a pool consuming
+    1,000 job queues would otherwise send 2,000 commands at every start and wake
+    every idle pool 1,000 times. Returns the queues whose limit changed."""
     consumed = set(consumed) | set(limits)
     if not consumed:
-        return
+        return []
+    current = {_text(k): _text(v) for k, v in client.hgetall(keys.limits).items()}
+    changed = [queue for queue in sorted(consumed)
+               if current.get(queue) != (str(limits[queue]) if queue in limits else None)]
+    if not changed:
+        return []
     with client.pipeline() as pipe:
-        for queue in sorted(consumed):
+        for queue in changed:
             if queue in limits:
                 pipe.hset(keys.limits, queue, limits[queue])
             else:
                 pipe.hdel(keys.limits, queue)
             pipe.publish(keys.wake_channel, queue)
         pipe.execute()
+    return changed
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

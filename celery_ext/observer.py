@@ -178,10 +178,8 @@ class Observer:
             if self._stats and (force_stats or now - self._last_stats >= STATS_FLUSH_INTERVAL):
                 stats, self._stats = self._stats, {}
                 self._last_stats = now
-                with self.client.pipeline(transaction=False) as pipe:
-                    for name, n in stats.items():
-                        pipe.hincrby(self.keys.stats, name, n)
-                    pipe.execute()
+                self.scripts("stats", [self.keys.stats],
+                             [x for item in stats.items() for x in item])
             if self._stats:
                 wait = min(wait, STATS_FLUSH_INTERVAL - (now - self._last_stats))
             wait = max(wait, 0.005)

@@ -58,6 +58,10 @@ class WeightedRoundRobin:
     def has_active(self) -> bool:
         return bool(self._active)
 
+    def all_active(self) -> bool:
+        """Whether no consumed queue is believed empty (O(1), unlike ``active``)."""
+        return len(self._active) == len(self._weights)
+
     def weight(self, name: str) -> int:
         return self._weights.get(name, self.default_weight)
 

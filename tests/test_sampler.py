@@ -219,6 +219,22 @@ def test_set_queues_replaces_changes_weights_and_starts_new_queues_active() -> N
         sampler.set_queues({"c": 0})
 
 
+def test_all_active_follows_membership_and_emptiness() -> None:
+    sampler = WeightedRoundRobin()
+    assert sampler.all_active()  # nothing consumed: nothing believed empty
+    sampler.add_queues({"a": 1, "b": 2})
+    assert sampler.all_active()
+    sampler.deactivate("b")
+    assert not sampler.all_active()
+    sampler.add_queues({"c": 1}, activate=False)
+    sampler.activate("b")
+    assert not sampler.all_active()
+    sampler.activate("c")
+    assert sampler.all_active()
+    sampler.set_queues({"a": 1})
+    assert sampler.all_active() and sampler.queues == {"a"}
+
+
 def test_set_queues_without_activation_keeps_new_queues_idle() -> None:
     sampler = WeightedRoundRobin()
     sampler.set_queues({"a": 2, "b": 1}, activate=False)

@@ -16,6 +16,7 @@ import redis
 
 from celery_ext.client import Client
 from celery_ext.keys import Keys
+from celery_ext.limits import write_limits
 from tests import proj
 from tests.test_scheduled import Factory, start_workers, wait_for
 
@@ -100,6 +101,37 @@ def test_unique_job_enqueued_once_while_pending(
     time.sleep(0.5)
     assert [rec.llen(f"runs:{k}") for k in ("u", "s", "a", "b")] == [2, 1, 1, 1]
     assert not list(redis_client.scan_iter(K.unique("*")))  # every lock released
+
+
+def test_pool_start_writes_only_changed_limits_and_wakes_only_their_queues(
+        redis_client: redis.Redis) -> None:
+    """A pool's start sets its tasks' limits, removes undeclared ones, and leaves the
+    rest alone: unchanged limits are neither rewritten nor published to idle pools."""
+    sub = redis_client.pubsub()
+    sub.subscribe(K.wake_channel)
+    assert sub.get_message(timeout=1)["type"] == "subscribe"
+
+    def woken() -> list[str]:
+        names = []
+        while (msg := sub.get_message(timeout=0.2)) is not None:
+            names.append(msg["data"].decode())
+        return sorted(names)
+
+    redis_client.hset(K.limits, mapping={"stale": 3, "kept": 2, "changed": 1})
+    consumed = ["kept", "changed", "stale", "free"]
+    assert write_limits(redis_client, K, {"kept": 2, "changed": 4}, consumed) == \
+        ["changed", "stale"]
+    assert redis_client.hgetall(K.limits) == {b"kept": b"2", b"changed": b"4"}
+    assert woken() == ["changed", "stale"]
+    # The same pool starting again: nothing to write, nobody woken.
+    assert write_limits(redis_client, K, {"kept": 2, "changed": 4}, consumed) == []
+    assert woken() == []
+    # A limit set by hand (Client.set_max_concurrency) lasts until a pool starts.
+    Client(redis_client).set_max_concurrency("free", 5)
+    woken()
+    assert write_limits(redis_client, K, {}, ["free"]) == ["free"]
+    assert redis_client.hget(K.limits, "free") is None and woken() == ["free"]
+    sub.close()
 
 
 def test_max_concurrency_holds_across_four_pools(
