@@ -67,11 +67,15 @@ class WeightedRoundRobin:
 
     def set_queues(self, weights: Mapping[str, int], activate: bool = True) -> None:
         """Replace the consumed queues; new ones start active (their emptiness is unknown)."""
-        for name in list(self._weights):
-            if name not in weights:
+        self.remove_queues([name for name in self._weights if name not in weights])
+        self.add_queues(weights, activate)
+
+    def remove_queues(self, names: Iterable[str]) -> None:
+        """Stop consuming these queues (unknown names are ignored)."""
+        for name in names:
+            if name in self._weights:
                 self.deactivate(name)
                 del self._weights[name]
-        self.add_queues(weights, activate)
 
     def add_queues(self, weights: Mapping[str, int], activate: bool = True) -> None:
         """Add (or re-weight) consumed queues and keep the others; costs O(len(weights)),

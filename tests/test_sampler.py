@@ -233,6 +233,11 @@ def test_all_active_follows_membership_and_emptiness() -> None:
     assert sampler.all_active()
     sampler.set_queues({"a": 1})
     assert sampler.all_active() and sampler.queues == {"a"}
+    sampler.add_queues({"b": 2})
+    sampler.deactivate("b")
+    sampler.remove_queues(["b", "unknown"])
+    assert sampler.all_active() and sampler.queues == {"a"}
+    assert sampler.take(3) == ["a", "a", "a"]
 
 
 def test_set_queues_without_activation_keeps_new_queues_idle() -> None:

@@ -174,6 +174,44 @@ def test_drain_events_waits_for_a_message_not_a_wake_up(broker_url: str,
     assert redis_client.llen(K.queue("drain_q")) == 0
 
 
+
+def test_consume_and_cancel_keep_the_fetch_schedule_exact(
+        broker_url: str, redis_client: redis.Redis) -> None:
+    """Consuming or cancelling a queue changes just that queue in the pool's weighted
+    round-robin (Kombu rebuilds its whole cycle each time), and a cancelled queue is
+    no longer fetched from, even with jobs in it."""
+    names = [f"cycle.{i}" for i in range(5)]
+    got: list[str] = []
+    with Connection(broker_url) as conn:
+        channel = conn.default_channel
+        queues = [Queue(n, routing_key=n) for n in names]
+        producer = conn.Producer()
+        consumers = []
+        for q in queues:
+            consumer = conn.Consumer([q], no_ack=True,
+                                     callbacks=[lambda body, msg: got.append(body)])
+            consumer.consume()
+            consumers.append(consumer)
+        assert channel._sched.queues == set(names) and channel._sched.all_active()
+        consumers[1].cancel()
+        consumers[3].cancel()
+        assert channel._sched.queues == {"cycle.0", "cycle.2", "cycle.4"}
+        for n in names:
+            producer.publish(n, routing_key=n, declare=[Queue(n, routing_key=n)])
+        deadline = time.monotonic() + 5
+        while len(got) < 3 and time.monotonic() < deadline:
+            try:
+                conn.drain_events(timeout=0.5)
+            except TimeoutError:
+                pass
+        with pytest.raises(socket.timeout):
+            conn.drain_events(timeout=0.5)
+        assert sorted(got) == ["cycle.0", "cycle.2", "cycle.4"]
+        for consumer in (consumers[0], consumers[2], consumers[4]):
+            consumer.cancel()
+        assert channel._sched.queues == set()
+    assert [redis_client.llen(K.queue(n)) for n in names] == [0, 1, 0, 1, 0]
+
 # -- one job queue per job name ----------------------------------------------------------------
 
 
