@@ -50,6 +50,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--pools", default="", help=f"drain pools subset of {', '.join(POOLS)}")
     p.add_argument("--acks", default="", help=f"drain ack modes subset of {', '.join(ACKS)}")
     p.add_argument("--names", default="", help="many_queues job-name counts, e.g. 1,10,1000")
+    p.add_argument("--one-name-queues", default="",
+                   help="many_queues extras: one job name spread over N queues, e.g. 1000")
     p.add_argument("--jobs", type=int, default=None,
                    help="override the job count of drain, enqueue and many_queues")
     p.add_argument("--idle-seconds", type=float, default=None)
@@ -77,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     sizes = restrict(QUICK if args.quick else FULL, _csv(args.pools) or None,
                      _csv(args.acks) or None,
-                     [int(x) for x in _csv(args.names)] or None)
+                     [int(x) for x in _csv(args.names)] or None,
+                     [int(x) for x in _csv(args.one_name_queues)] or None)
     bad = [p for p in sizes.pools if p not in POOLS] + [a for a in sizes.acks if a not in ACKS]
     if bad:
         print(f"unknown pools/ack modes {bad}", file=sys.stderr)

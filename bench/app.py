@@ -10,6 +10,9 @@ and every workload (the harness sets them for each subprocess):
 - ``BENCH_LATENCY``     ``1`` registers only ``bench.latency``
 - ``BENCH_ACKS_LATE``   ``1`` sets ``task_acks_late=True``, else ``False`` (set for both)
 - ``BENCH_COUNT_LIMIT`` fairness: only the first N completions are counted per name
+- ``BENCH_QUEUES``      one job name spread over this many queues ``bench.q_0000``...
+  (many_queues' "1 job name over N queues": the queues' cost without Celery's
+  per-task-name cost); the client enqueues round-robin over them
 
 Jobs count their completions with one ``INCR`` on db 2 of the same server (the
 same cost for both transports); there is no result backend and no task events.
@@ -36,6 +39,9 @@ WEIGHTS = [int(w) for w in os.environ.get("BENCH_WEIGHTS", "").split(",") if w]
 LATENCY = os.environ.get("BENCH_LATENCY") == "1"
 ACKS_LATE = os.environ.get("BENCH_ACKS_LATE") == "1"
 COUNT_LIMIT = int(os.environ.get("BENCH_COUNT_LIMIT", "0"))
+QUEUES = int(os.environ.get("BENCH_QUEUES", "0"))
+#: The queues one job name is spread over (empty unless BENCH_QUEUES is set).
+QUEUE_NAMES = [f"bench.q_{i:04d}" for i in range(QUEUES)]
 
 #: Redis keys (db 2) the jobs and workers write for the harness.
 COUNTER_KEY = "bench:done"
@@ -116,12 +122,16 @@ if LATENCY:
     TASKS = [app.task(name="bench.latency")(_latency)]
 elif WEIGHTS:
     TASKS = [_make_job(i, w) for i, w in enumerate(WEIGHTS)]
+elif QUEUE_NAMES:
+    TASKS = [_make_job(0)]
+    # Both transports: a worker started without -Q consumes every one of these.
+    app.conf.task_queues = [Queue(q, routing_key=q) for q in QUEUE_NAMES]
 else:
     TASKS = [_make_job(i) for i in range(NAMES)]
 
 if MODE == "ours":
     celery_ext.install(app)
-else:
+elif not QUEUE_NAMES:
     # Stock: one queue per job name too, all consumed by a worker started without -Q.
     names = [t.name for t in TASKS]
     app.conf.task_queues = [Queue(n, routing_key=n) for n in names]

@@ -27,9 +27,14 @@ def enqueue(n: int, per_task: list[int] | None = None) -> dict[str, float]:
         random.Random(0).shuffle(order)
     else:
         order = [tasks[i % len(tasks)] for i in range(n)]
+    queues = bench_app.QUEUE_NAMES
     wall, cpu = time.perf_counter(), time.process_time()
-    for task in order:
-        task.apply_async()
+    if queues:
+        for i, task in enumerate(order):
+            task.apply_async(queue=queues[i % len(queues)])
+    else:
+        for task in order:
+            task.apply_async()
     return {"n": len(order), "seconds": time.perf_counter() - wall,
             "cpu_seconds": time.process_time() - cpu}
 

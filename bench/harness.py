@@ -36,8 +36,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MODES = ("stock", "ours")
 SCHEMES = {"stock": "redis", "ours": "celery-ext"}
 BROKER_DB = 0
-#: Spare databases that hold the pre-filled snapshots, one per mode.
-SNAPSHOT_DB = {"stock": 3, "ours": 4}
+#: Spare databases that hold pre-filled snapshots (db 2 is the jobs' counter db).
+SNAPSHOT_DBS = tuple(range(3, 16))
 #: Flags every benchmark worker gets, for both transports: no mingle/gossip/heartbeat
 #: events, and warnings only (INFO logs two lines per job).
 WORKER_FLAGS = ("--loglevel=WARNING", "--without-gossip", "--without-mingle",
@@ -149,6 +149,8 @@ class Bench:
     log_dir: Path
     env_base: dict[str, str] = field(default_factory=dict)
     _clients: dict[int, redis.Redis] = field(default_factory=dict)
+    #: Snapshot name -> the spare database holding it.
+    _snapshots: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     @contextmanager
@@ -205,6 +207,7 @@ class Bench:
     def flushall(self) -> None:
         """FLUSHALL SYNC, then wait until no lazily freed object is pending."""
         self.client().execute_command("FLUSHALL", "SYNC")
+        self._snapshots.clear()
         deadline = time.monotonic() + 30
         while int(self.info("memory").get("lazyfree_pending_objects", 0)) and \
                 time.monotonic() < deadline:
@@ -293,9 +296,16 @@ class Bench:
             time.sleep(poll)
 
     # -- snapshots --------------------------------------------------------------------
-    def snapshot(self, mode: str) -> int:
-        """Copy every key of the broker db into the mode's snapshot db; returns key count."""
-        src, dst = self.client(BROKER_DB), SNAPSHOT_DB[mode]
+    def snapshot(self, name: str) -> int:
+        """Copy every key of the broker db into snapshot ``name`` (a spare database of
+        its own, reused when the name is); returns the key count."""
+        dst = self._snapshots.get(name)
+        if dst is None:
+            free = [db for db in SNAPSHOT_DBS if db not in self._snapshots.values()]
+            if not free:
+                raise BenchError(f"no spare database left for snapshot {name!r}")
+            dst = self._snapshots[name] = free[0]
+        src = self.client(BROKER_DB)
         self.flush(dst)
         keys = list(src.scan_iter(count=1000))
         with src.pipeline(transaction=False) as pipe:
@@ -304,15 +314,21 @@ class Bench:
             pipe.execute()
         return len(keys)
 
-    def restore(self, mode: str) -> None:
-        """Empty the broker and counter dbs, then copy the mode's snapshot back."""
+    def restore(self, name: str) -> None:
+        """Empty the broker and counter dbs, then copy snapshot ``name`` back."""
         self.flush()
-        src = self.client(SNAPSHOT_DB[mode])
+        src = self.client(self._snapshots[name])
         keys = list(src.scan_iter(count=1000))
         with src.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.execute_command("COPY", key, key, "DB", BROKER_DB, "REPLACE")
             pipe.execute()
+
+    def drop_snapshots(self) -> None:
+        """Free every snapshot (before workloads that measure the server's memory)."""
+        if self._snapshots:
+            self.flush(*self._snapshots.values())
+            self._snapshots.clear()
 
 
 class CommandCounter:

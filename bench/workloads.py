@@ -36,6 +36,8 @@ class Sizes:
     latency_warmup: int = 20
     many_jobs: int = 20_000
     names: tuple[int, ...] = (1, 10, 100, 1_000)
+    #: many_queues extra configurations: one job name spread over this many queues.
+    one_name_queues: tuple[int, ...] = ()
     idle_seconds: float = 30.0
     idle_settle: float = 3.0
     memory_jobs: int = 100_000
@@ -61,21 +63,23 @@ def order(rnd: int, modes: tuple[str, ...] = MODES) -> tuple[str, ...]:
     return modes if rnd % 2 == 0 else tuple(reversed(modes))
 
 
-def fill(bench: Bench, n: int, timeout_per_job: float = 0.02, **extra: Any) -> None:
-    """Pre-queue ``n`` jobs with the real producer of each mode and snapshot them."""
+def fill(bench: Bench, n: int, timeout_per_job: float = 0.02, tag: str = "",
+         **extra: Any) -> None:
+    """Pre-queue ``n`` jobs with the real producer of each mode and snapshot them
+    (as snapshot ``mode + tag``)."""
     for mode in MODES:
         bench.flush()
         t0 = time.perf_counter()
         bench.run_client(mode, ["enqueue", "--n", str(n)], timeout=60 + n * timeout_per_job,
                          **extra)
-        keys = bench.snapshot(mode)
+        keys = bench.snapshot(mode + tag)
         log(f"  filled {n} jobs for {mode} in {time.perf_counter() - t0:.1f}s ({keys} keys)")
 
 
 def drain_once(bench: Bench, mode: str, pool: str, concurrency: int, n: int,
-               acks_late: bool, **extra: Any) -> dict[str, Any]:
+               acks_late: bool, tag: str = "", **extra: Any) -> dict[str, Any]:
     """Restore the pre-filled queue, start a worker, time until ``n`` jobs are done."""
-    bench.restore(mode)
+    bench.restore(mode + tag)
     stats0 = bench.commandstats()
     worker = bench.worker(mode, pool, concurrency, acks_late=int(acks_late), **extra)
     at_first: dict[str, Any] = {}
@@ -189,24 +193,56 @@ def latency(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) ->
 
 def many_queues(bench: Bench, sizes: Sizes, rounds: int,
                 details: dict[str, Any]) -> list[Row]:
-    """4. The same jobs spread over 1..1,000 job names, each its own consumed queue."""
+    """4. The same jobs spread over 1..1,000 job names, each its own consumed queue
+    (and, with ``--one-name-queues N``, one job name spread over N queues: the cost of
+    the queues alone, without Celery's per-task-name cost).
+
+    Every configuration runs in every round (in alternating order, and stock/ours
+    alternating inside), so our N-name rate is compared with our 1-name rate measured
+    minutes apart, not a quarter of an hour: on a shared machine the drift between
+    them was as large as the difference looked for. Besides the ratio of medians,
+    ``results.json`` keeps each round's own ratio (paired) and the start-up times."""
     n = sizes.many_jobs
-    rows: list[Row] = []
-    for names in sizes.names:
-        log(f"[many_queues] {n} jobs over {names} job names")
-        fill(bench, n, names=names)
-        row = Row("many_queues", f"{names} job names, prefork -c 2", "jobs/s", True)
-        for rnd in range(rounds):
+    configs = [(f"{k} job names", f"/{k}", {"names": k}) for k in sizes.names]
+    configs += [(f"1 job name over {q} queues", f"/1x{q}", {"queues": q})
+                for q in sizes.one_name_queues]
+    rows = {label: Row("many_queues", f"{label}, prefork -c 2", "jobs/s", True)
+            for label, _, _ in configs}
+    for label, tag, extra in configs:
+        log(f"[many_queues] {n} jobs over {label}")
+        fill(bench, n, tag=tag, **extra)
+    base = configs[0][0]
+    paired: dict[str, list[float]] = {label: [] for label in rows}
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label in rows}
+    for rnd in range(rounds):
+        ours: dict[str, float] = {}
+        for label, tag, extra in (configs if rnd % 2 == 0 else configs[::-1]):
             for mode in order(rnd):
-                res = drain_once(bench, mode, "prefork", 2, n, False, names=names)
-                row.add(mode, res["jobs_per_s"])
-                log(f"  round {rnd + 1} {mode}: {res['jobs_per_s']:.0f} jobs/s")
-        rows.append(row)
-    if rows and rows[0].ours:
-        base = median(rows[0].ours)
+                res = drain_once(bench, mode, "prefork", 2, n, False, tag=tag, **extra)
+                rows[label].add(mode, res["jobs_per_s"])
+                log(f"  {label} round {rnd + 1} {mode}: {res['jobs_per_s']:.0f} jobs/s "
+                    f"(start-up {res['startup_s']:.2f} s, steady "
+                    f"{res['steady_jobs_per_s']:.0f})")
+                if mode == "ours":
+                    ours[label] = res["jobs_per_s"]
+                    runs[label].append({k: res[k] for k in (
+                        "jobs_per_s", "startup_s", "steady_jobs_per_s", "worker_cpu_us",
+                        "redis_cpu_us")})
+        if base in ours:
+            for label, rate in ours.items():
+                paired[label].append(rate / ours[base])
+    bench.drop_snapshots()
+    if rows[base].ours:
+        base_median = median(rows[base].ours)
         details["many_queues"] = {
-            "ours_vs_ours_1_name": {r.config: median(r.ours) / base for r in rows}}
-    return rows
+            "ours_vs_ours_1_name": {r.config: median(r.ours) / base_median
+                                    for r in rows.values() if r.ours},
+            "ours_vs_ours_1_name_paired": {
+                rows[label].config: {"median": median(v), "rounds": v}
+                for label, v in paired.items() if v},
+            "ours_runs": {rows[label].config: v for label, v in runs.items()},
+        }
+    return list(rows.values())
 
 
 def idle(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) -> list[Row]:
@@ -321,9 +357,12 @@ WORKLOADS: dict[str, Callable[[Bench, Sizes, int, dict[str, Any]], list[Row]]] =
 
 
 def restrict(sizes: Sizes, pools: Iterable[str] | None, acks: Iterable[str] | None,
-             names: Iterable[int] | None) -> Sizes:
-    """Sizes limited to the given pools, ack modes and name counts (None = keep)."""
+             names: Iterable[int] | None, one_name_queues: Iterable[int] | None = None) -> Sizes:
+    """Sizes limited to the given pools, ack modes and name counts (None = keep),
+    plus many_queues' one-name-over-N-queues configurations."""
     out = sizes
+    if one_name_queues:
+        out = replace(out, one_name_queues=tuple(one_name_queues))
     if pools:
         out = replace(out, pools=tuple(pools))
     if acks:

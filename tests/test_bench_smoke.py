@@ -21,7 +21,7 @@ WORKLOADS = ("drain", "enqueue", "latency", "many_queues", "idle", "memory", "fa
 @pytest.mark.timeout(120)
 def test_bench_quick_writes_every_workload(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "bench", "--quick", "--rounds", "1", "--jobs", "150",
-            "--pools", "solo", "--acks", "early", "--names", "1,10",
+            "--pools", "solo", "--acks", "early", "--names", "1,10", "--one-name-queues", "10",
             "--idle-seconds", "1", "--no-chart", "--out", str(tmp_path)]
     done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=110,
                           check=False)
@@ -43,4 +43,9 @@ def test_bench_quick_writes_every_workload(tmp_path: Path) -> None:
     # Fairness: shares of the first N fetches add up to 100 %.
     shares = [r["ours"]["median"] for r in rows if r["workload"] == "fairness"]
     assert abs(sum(shares) - 100.0) < 1e-6
+    # many_queues: every configuration in every round, paired with the 1-name run.
+    many = data["details"]["many_queues"]["ours_vs_ours_1_name_paired"]
+    assert set(many) == {"1 job names, prefork -c 2", "10 job names, prefork -c 2",
+                         "1 job name over 10 queues, prefork -c 2"}
+    assert all(len(v["rounds"]) == 1 and v["median"] > 0 for v in many.values())
     assert (tmp_path / "table.md").is_file()
