@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kombu.utils.encoding import bytes_to_str
+
 from .keys import Keys
 
 
@@ -48,7 +50,8 @@ def write_limits(client: Any, keys: Keys, limits: Mapping[str, int],
     consumed = set(consumed) | set(limits)
     if not consumed:
         return []
-    current = {_text(k): _text(v) for k, v in client.hgetall(keys.limits).items()}
+    current = {bytes_to_str(k): bytes_to_str(v)
+               for k, v in client.hgetall(keys.limits).items()}
     changed = [queue for queue in sorted(consumed)
                if current.get(queue) != (str(limits[queue]) if queue in limits else None)]
     if not changed:
@@ -62,7 +65,3 @@ def write_limits(client: Any, keys: Keys, limits: Mapping[str, int],
             pipe.publish(keys.wake_channel, queue)
         pipe.execute()
     return changed
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -50,6 +50,7 @@ from .keys import Keys
 from .sampler import WeightedRoundRobin
 from .scheduled import eta_delay_ms, retries_of, schedule, schedule_args
 from .unique import UniqueRequest, take_pending
+from .weights import weight_of
 
 logger = logging.getLogger("celery_ext.transport")
 
@@ -198,9 +199,6 @@ class Channel(kredis.Channel):
     from_transport_options = kredis.Channel.from_transport_options + Settings.option_names()
 
     _in_wake: Any = False
-    #: (True, queue) while basic_consume adds a queue, (False, queue) while
-    #: basic_cancel removes one: Kombu then calls _update_queue_cycle.
-    _cycle_change: tuple[bool, str] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         conn = args[0] if args else kwargs["connection"]
@@ -468,42 +466,24 @@ class Channel(kredis.Channel):
             self._no_ack_queues.add(queue)
         else:
             self._no_ack_queues.discard(queue)
-        self._cycle_change = (True, queue)
-        try:
-            ret = super().basic_consume(queue, no_ack, *args, **kwargs)
-        finally:
-            self._cycle_change = None
+        ret = super().basic_consume(queue, no_ack, *args, **kwargs)
+        if queue not in self.active_fanout_queues:
+            self._sched.add_queues({queue: weight_of(queue, self.settings.default_weight)})
         _live_channels.add(self)
         return ret
 
     def _basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
-        self._cycle_change = None if queue is None else (False, queue)
-        try:
-            return super()._basic_cancel(consumer_tag)
-        finally:
-            self._cycle_change = None
+        ret = super()._basic_cancel(consumer_tag)
+        if queue is not None and queue not in self._active_queues:  # (may be consumed twice)
+            self._sched.remove_queues([queue])
+        return ret
 
     def _update_queue_cycle(self) -> None:
-        from .weights import weight_of
-
-        # Kombu calls this after every basic_consume and basic_cancel: looking at
-        # every consumed queue each time was quadratic in the number of job queues
-        # (0.1 s to start and 0.6 s to stop a pool with 1,000, profiled); apply just
-        # the one change.
-        default = self.settings.default_weight
-        change = self._cycle_change
-        if change is not None:
-            adding, queue = change
-            if adding:
-                if queue not in self.active_fanout_queues:
-                    self._sched.add_queues({queue: weight_of(queue, default)})
-            elif queue not in self._active_queues:  # (it may be consumed twice)
-                self._sched.remove_queues([queue])
-            return
-        fanout = self.active_fanout_queues
-        self._sched.set_queues({q: weight_of(q, default)
-                                for q in self._active_queues if q not in fanout})
+        """Unused: Kombu calls this after every basic_consume and basic_cancel to
+        rebuild its cycle from every consumed queue (quadratic in the number of job
+        queues: 0.1 s to start and 0.6 s to stop a pool with 1,000, profiled); those
+        two methods above change the one queue in the pool's scheduler instead."""
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         jobs = self._fetch_sync([queue], track=not no_ack)
