@@ -209,6 +209,9 @@ class Channel(kredis.Channel):
         self._predeclared_sizes: dict[str, int] = {}
         self._prebound: set[tuple[str, str, str, str]] = set()
         self._last_refresh = 0.0
+        # Queues found non-empty (wake-up, ready refresh) while a fetch is on the wire;
+        # None stands for all of them (a resubscription). See _activate.
+        self._woken_in_fetch: set[str] | None = set()
         self._heartbeater: Heartbeater | None = None
         super().__init__(*args, **kwargs)
         self.handlers["WAKE"] = self._wake_read
@@ -557,6 +560,7 @@ class Channel(kredis.Channel):
         keys = self._fetch_keys(pool_id, picks)
         conn = self.client.connection
         self._in_poll = conn
+        self._woken_in_fetch = set()
         self._brpop_sent_at = monotonic()
         conn.send_command("EVALSHA", _scripts.sha("fetch"), len(keys), *keys,
                           pool_id, flags, *picks)
@@ -582,9 +586,15 @@ class Channel(kredis.Channel):
             raise Empty()
         status, jobs, empties, blocked = reply
         # Empty queues wait for a wake-up; paused ones and those at their
-        # max_concurrency too (resume and ack publish one).
-        for name in (*empties, *blocked):
-            self._sched.deactivate(bytes_to_str(name))
+        # max_concurrency too (resume and ack publish one). A wake-up read while this
+        # fetch was on the wire may be newer than its "empty": it wins.
+        woken = self._woken_in_fetch
+        if woken is not None:
+            for name in (*empties, *blocked):
+                name = bytes_to_str(name)
+                if name not in woken:
+                    self._sched.deactivate(name)
+        self._woken_in_fetch = set()
         if not status:
             # A reaper declared this pool dead while it was stopped; register again.
             self._ensure_pool().register()
@@ -680,10 +690,28 @@ class Channel(kredis.Channel):
             return
         kind = bytes_to_str(response[0])
         if kind == "message":
-            self._sched.activate(bytes_to_str(response[2]))
+            self._activate((bytes_to_str(response[2]),))
         elif kind == "subscribe":
             # (Re)subscribed: notifications may have been missed meanwhile.
-            self._sched.activate_many(self._sched.queues)
+            self._activate(None)
+
+    def _activate(self, names: Iterable[str] | None) -> None:
+        """Mark queues (None: all) as worth fetching from.
+
+        Remembered while a fetch is on the wire: Redis may have run that fetch (and
+        found the queue empty) just before the push that sent this wake-up, and its
+        reply, read after the wake-up, must not mark the queue empty again -- nothing
+        would wake it before the next ready refresh (a lost wake-up)."""
+        sched = self._sched
+        if names is None:
+            sched.activate_many(sched.queues)
+            if self._in_poll:
+                self._woken_in_fetch = None
+            return
+        names = list(names)
+        sched.activate_many(names)
+        if self._in_poll and self._woken_in_fetch is not None:
+            self._woken_in_fetch.update(names)
 
     def maybe_refresh_ready(self) -> None:
         """Re-read the ready set if some consumed queue is believed empty (1 command)."""
@@ -696,7 +724,7 @@ class Channel(kredis.Channel):
         self._last_refresh = now
         with self.conn_or_acquire() as client:
             ready = client.smembers(self.keys.ready)
-        sched.activate_many(bytes_to_str(name) for name in ready)
+        self._activate(bytes_to_str(name) for name in ready)
 
     # -- ack, requeue, dead ------------------------------------------------------------
     def _inflight_key(self) -> str:
