@@ -12,7 +12,8 @@ over PUB/SUB included, is inherited unchanged, and ``driver_type`` stays ``redis
 * Idle: when every consumed queue is empty, nothing is polled. The channel listens
   on the ``wake`` pub/sub channel (announced by ``enqueue`` when a queue becomes
   non-empty) and re-reads the ``ready`` set once per ``idle_refresh_interval`` in
-  case a notification was missed.
+  case a notification was missed. A wake-up read while a fetch is on the wire
+  outlives that fetch's "empty" reply (``Channel._activate``).
 * Ack removes the job from the in-flight hash (O(1)); reject-with-requeue and the
   restore at shutdown put jobs back at the *front* of their queue. There is no
   visibility timeout: a job leaves the in-flight record only when its pool acks it,

@@ -213,6 +213,7 @@ def test_consume_and_cancel_keep_the_fetch_schedule_exact(
         assert channel._sched.queues == set()
     assert [redis_client.llen(K.queue(n)) for n in names] == [0, 1, 0, 1, 0]
 
+
 def test_a_wake_up_read_before_a_fetchs_empty_reply_is_not_lost(broker_url: str) -> None:
     """A job pushed into a queue while the pool's fetch of it (found empty) is on the
     wire: the wake-up may be read before that fetch's reply. The reply's "empty" must
