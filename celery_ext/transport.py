@@ -210,9 +210,10 @@ class Channel(kredis.Channel):
         self._predeclared_sizes: dict[str, int] = {}
         self._prebound: set[tuple[str, str, str, str]] = set()
         self._last_refresh = 0.0
-        # Queues found non-empty (wake-up, ready refresh) while a fetch is on the wire;
-        # None stands for all of them (a resubscription). See _activate.
-        self._woken_in_fetch: set[str] | None = set()
+        # Queues found non-empty (wake-up, ready refresh) while a fetch is on the wire,
+        # and whether the wake-up channel was (re)subscribed meanwhile. See _activate.
+        self._woken_in_fetch: set[str] = set()
+        self._resubscribed_in_fetch = False
         self._heartbeater: Heartbeater | None = None
         super().__init__(*args, **kwargs)
         self.handlers["WAKE"] = self._wake_read
@@ -562,6 +563,7 @@ class Channel(kredis.Channel):
         conn = self.client.connection
         self._in_poll = conn
         self._woken_in_fetch = set()
+        self._resubscribed_in_fetch = False
         self._brpop_sent_at = monotonic()
         conn.send_command("EVALSHA", _scripts.sha("fetch"), len(keys), *keys,
                           pool_id, flags, *picks)
@@ -590,12 +592,16 @@ class Channel(kredis.Channel):
         # max_concurrency too (resume and ack publish one). A wake-up read while this
         # fetch was on the wire may be newer than its "empty": it wins.
         woken = self._woken_in_fetch
-        if woken is not None:
-            for name in (*empties, *blocked):
-                name = bytes_to_str(name)
-                if name not in woken:
-                    self._sched.deactivate(name)
+        for name in (*empties, *blocked):
+            name = bytes_to_str(name)
+            if name not in woken:
+                self._sched.deactivate(name)
         self._woken_in_fetch = set()
+        if self._resubscribed_in_fetch:
+            # Which of these "empty" replies predate the subscription is unknown: the
+            # ready set, read now that we are subscribed, says which queues hold jobs.
+            self._resubscribed_in_fetch = False
+            self._refresh_ready()
         if not status:
             # A reaper declared this pool dead while it was stopped; register again.
             self._ensure_pool().register()
@@ -697,21 +703,22 @@ class Channel(kredis.Channel):
             self._activate(None)
 
     def _activate(self, names: Iterable[str] | None) -> None:
-        """Mark queues (None: all) as worth fetching from.
+        """Mark queues (None: all, after (re)subscribing) as worth fetching from.
 
         Remembered while a fetch is on the wire: Redis may have run that fetch (and
         found the queue empty) just before the push that sent this wake-up, and its
         reply, read after the wake-up, must not mark the queue empty again -- nothing
-        would wake it before the next ready refresh (a lost wake-up)."""
+        would wake it before the next ready refresh (a lost wake-up). A subscription
+        confirmed meanwhile makes that reply re-read the ready set instead."""
         sched = self._sched
         if names is None:
             sched.activate_many(sched.queues)
             if self._in_poll:
-                self._woken_in_fetch = None
+                self._resubscribed_in_fetch = True
             return
         names = list(names)
         sched.activate_many(names)
-        if self._in_poll and self._woken_in_fetch is not None:
+        if self._in_poll:
             self._woken_in_fetch.update(names)
 
     def maybe_refresh_ready(self) -> None:
@@ -723,6 +730,10 @@ class Channel(kredis.Channel):
         if now - self._last_refresh < self.settings.idle_refresh_interval * 0.9:
             return
         self._last_refresh = now
+        self._refresh_ready()
+
+    def _refresh_ready(self) -> None:
+        """Mark every consumed queue in the ``ready`` set active (1 command)."""
         with self.conn_or_acquire() as client:
             ready = client.smembers(self.keys.ready)
         self._activate(bytes_to_str(name) for name in ready)

@@ -250,6 +250,39 @@ def test_a_wake_up_read_before_a_fetchs_empty_reply_is_not_lost(broker_url: str)
         consumer.cancel()
 
 
+def test_a_subscription_confirmed_during_a_fetch_rereads_the_ready_set(
+        broker_url: str) -> None:
+    """The wake-up channel is subscribed while a fetch is on the wire (a pool starting,
+    or reconnecting): a job pushed between that fetch and the subscription sent no
+    wake-up we could hear, so the fetch's "empty" cannot be trusted -- nor ignored,
+    or every empty queue would stay in the rotation. The ready set decides."""
+    got: list[str] = []
+    options = {"idle_refresh_interval": 3600}
+    with Connection(broker_url, transport_options=options) as conn, \
+            Connection(broker_url) as other:
+        channel = conn.default_channel
+        queues = [Queue(n, routing_key=n) for n in ("sub.empty", "sub.pushed")]
+        consumer = conn.Consumer(queues, no_ack=True,
+                                 callbacks=[lambda body, msg: got.append(body)])
+        consumer.consume()
+        cycle = conn.transport.cycle
+        cycle._register_BRPOP(channel)  # fetch: both queues empty
+        assert channel.client.connection.can_read(timeout=5)
+        other.Producer().publish("hello", routing_key="sub.pushed", declare=[queues[1]])
+        cycle._register_WAKE(channel)  # subscribed after that push
+        assert channel.wakeclient.connection.can_read(timeout=5)
+        channel._wake_read()  # the subscribe confirmation, during the fetch
+        with pytest.raises(Empty):
+            channel._brpop_read()
+        assert channel._sched.active == {"sub.pushed"}
+
+        cycle._register_BRPOP(channel)
+        assert channel.client.connection.can_read(timeout=5)
+        assert channel._brpop_read()
+        assert got == ["hello"]
+        consumer.cancel()
+
+
 # -- one job queue per job name ----------------------------------------------------------------
 
 
