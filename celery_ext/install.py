@@ -17,6 +17,9 @@ from .unique import patch_send_task
 
 logger = logging.getLogger("celery_ext")
 
+#: Celery's own task strategy; install() replaces it (only it) with celery_ext.strategy.
+CELERY_DEFAULT_STRATEGY = "celery.worker.strategy:default"
+
 #: Celery settings install() changes unless the user set them: a job is acked when
 #: it *finishes* (so it stays in its pool's in-flight record while running), and a
 #: job whose prefork child died is returned to its queue instead of dropped.
@@ -121,5 +124,8 @@ def install(app: Celery, *, route_by_name: bool = True) -> Celery:
     patch_send_task(app)
     # Every task of the app gets the counting Request class and a checkin() method.
     app.Task.Request = "celery_ext.request:Request"
+    # ...and shares it between tasks with the same settings (1,000 job names, 1 class).
+    if app.Task.Strategy == CELERY_DEFAULT_STRATEGY:
+        app.Task.Strategy = "celery_ext.strategy:default"
     app.Task.checkin = _task_checkin
     return app
