@@ -601,7 +601,13 @@ class Channel(kredis.Channel):
             # Which of these "empty" replies predate the subscription is unknown: the
             # ready set, read now that we are subscribed, says which queues hold jobs.
             self._resubscribed_in_fetch = False
-            self._refresh_ready()
+            try:
+                self._refresh_ready()
+            except self.connection_errors:
+                # The jobs of this reply are ours already: deliver them; fetch from
+                # every queue until the next refresh.
+                logger.debug("celery_ext: ready refresh failed, will retry", exc_info=True)
+                self._sched.activate_many(self._sched.queues)
         if not status:
             # A reaper declared this pool dead while it was stopped; register again.
             self._ensure_pool().register()
