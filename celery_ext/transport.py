@@ -562,7 +562,8 @@ class Channel(kredis.Channel):
         keys = self._fetch_keys(pool_id, picks)
         conn = self.client.connection
         self._in_poll = conn
-        self._woken_in_fetch = set()
+        if self._woken_in_fetch:  # (only wake-ups during this fetch count)
+            self._woken_in_fetch.clear()
         self._resubscribed_in_fetch = False
         self._brpop_sent_at = monotonic()
         conn.send_command("EVALSHA", _scripts.sha("fetch"), len(keys), *keys,
@@ -596,7 +597,6 @@ class Channel(kredis.Channel):
             name = bytes_to_str(name)
             if name not in woken:
                 self._sched.deactivate(name)
-        self._woken_in_fetch = set()
         if self._resubscribed_in_fetch:
             # Which of these "empty" replies predate the subscription is unknown: the
             # ready set, read now that we are subscribed, says which queues hold jobs.
@@ -703,12 +703,12 @@ class Channel(kredis.Channel):
             return
         kind = bytes_to_str(response[0])
         if kind == "message":
-            self._activate((bytes_to_str(response[2]),))
+            self._activate([bytes_to_str(response[2])])
         elif kind == "subscribe":
             # (Re)subscribed: notifications may have been missed meanwhile.
             self._activate(None)
 
-    def _activate(self, names: Iterable[str] | None) -> None:
+    def _activate(self, names: list[str] | None) -> None:
         """Mark queues (None: all, after (re)subscribing) as worth fetching from.
 
         Remembered while a fetch is on the wire: Redis may have run that fetch (and
@@ -722,7 +722,6 @@ class Channel(kredis.Channel):
             if self._in_poll:
                 self._resubscribed_in_fetch = True
             return
-        names = list(names)
         sched.activate_many(names)
         if self._in_poll:
             self._woken_in_fetch.update(names)
@@ -742,7 +741,7 @@ class Channel(kredis.Channel):
         """Mark every consumed queue in the ``ready`` set active (1 command)."""
         with self.conn_or_acquire() as client:
             ready = client.smembers(self.keys.ready)
-        self._activate(bytes_to_str(name) for name in ready)
+        self._activate([bytes_to_str(name) for name in ready])
 
     # -- ack, requeue, dead ------------------------------------------------------------
     def _inflight_key(self) -> str:
