@@ -111,6 +111,12 @@ class Heartbeater:
         ok, _ = self._call("beat")
         if ok:
             return True
+        self.revive()
+        return False
+
+    def revive(self) -> None:
+        """The pool was found declared dead (by a heartbeat or a fetch): say so once and
+        register again."""
         self.reregistrations += 1
         logger.warning(
             "celery_ext: worker pool %s was declared dead (no heartbeat for %.0fs); "
@@ -120,7 +126,6 @@ class Heartbeater:
         self.register()
         for callback in self.on_reregistered:
             callback()
-        return False
 
     def _run(self) -> None:
         interval = self.settings.heartbeat_interval

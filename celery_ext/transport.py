@@ -541,7 +541,7 @@ class Channel(kredis.Channel):
                     client=client)
                 if status:
                     return list(jobs)
-                self._ensure_pool().register()
+                self._ensure_pool().revive()
         return []
 
     def _brpop_start(self, timeout: Any = None) -> None:
@@ -610,7 +610,7 @@ class Channel(kredis.Channel):
                 self._sched.activate_many(self._sched.queues)
         if not status:
             # A reaper declared this pool dead while it was stopped; register again.
-            self._ensure_pool().register()
+            self._ensure_pool().revive()
             raise Empty()
         delivered = False
         for qname, tag, payload, rec in jobs:
