@@ -7,7 +7,8 @@ reply is read, so the worker writes the script and goes on. Replies are read whe
 are already there (at the next ack), when more than ``MAX_UNREAD`` are pending, and at
 ``close()``. An error reply (``NOSCRIPT`` after a server restart) or a lost connection
 hands the tags concerned to the synchronous path (``fallback``); acks are idempotent
-(a tag no longer in the in-flight record is ignored), so resending is safe.
+(a tag no longer in the in-flight record is ignored), so resending is safe. Each reply
+read without error confirms its tags (``on_confirmed``).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ _CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.Timeout
 class AckSender:
     """Sends ``ack`` scripts for one pool on a dedicated connection (thread-safe)."""
 
-    def __init__(self, pool: Any, fallback: Callable[[list[str]], None]) -> None:
+    def __init__(self, pool: Any, fallback: Callable[[list[str]], None],
+                 on_confirmed: Callable[[list[str]], None] | None = None) -> None:
         self._pool = pool  # the redis-py connection pool whose settings the connection uses
         self._fallback = fallback
+        self._on_confirmed = on_confirmed
         self._lock = threading.Lock()
         self._conn: Any = None
         self._pid = 0
@@ -52,30 +55,58 @@ class AckSender:
     def ack(self, keys: list[str], args: list[Any], tags: list[str]) -> None:
         """Send ``ack`` for ``tags`` (``keys``/``args``: the script's, tags last)."""
         resend: list[str] = []
+        confirmed: list[str] = []
         with self._lock:
             try:
                 conn = self._connection()
-                self._read(conn, MAX_UNREAD - 1, resend)
+                self._read(conn, MAX_UNREAD - 1, resend, confirmed)
                 conn.send_command("EVALSHA", _scripts.sha("ack"), len(keys), *keys, *args)
                 self._unread.append(tags)
             except _CONNECTION_ERRORS:
                 resend += self._drop()
                 resend += tags
-        if resend:
-            self._fallback(resend)
+        self._report(resend, confirmed)
+
+    def poll(self) -> None:
+        """Read the replies already there, without waiting: a connection that broke
+        after an ack was written shows up here (its acks go to the fallback)."""
+        resend: list[str] = []
+        confirmed: list[str] = []
+        with self._lock:
+            conn = self._conn
+            if conn is not None and self._pid == os.getpid() and self._unread:
+                try:
+                    self._read(conn, len(self._unread), resend, confirmed)
+                except _CONNECTION_ERRORS:
+                    resend += self._drop()
+        self._report(resend, confirmed)
+
+    def flush(self) -> None:
+        """Read every pending reply now (resending what failed); keep the connection."""
+        self._read_all(drop=False)
 
     def close(self) -> None:
         """Read every pending reply (resending what failed) and drop the connection."""
+        self._read_all(drop=True)
+
+    def _read_all(self, drop: bool) -> None:
         resend: list[str] = []
+        confirmed: list[str] = []
         with self._lock:
             conn = self._conn
             if conn is not None and self._pid == os.getpid():
                 try:
-                    self._read(conn, 0, resend, timeout=CLOSE_TIMEOUT)
+                    self._read(conn, 0, resend, confirmed, timeout=CLOSE_TIMEOUT)
                 except _CONNECTION_ERRORS:
                     resend += self._drop()
-            self._unread.clear()
-            self._disconnect()
+            if drop:
+                self._unread.clear()
+                self._disconnect()
+        self._report(resend, confirmed)
+
+    def _report(self, resend: list[str], confirmed: list[str]) -> None:
+        if confirmed and self._on_confirmed is not None:
+            self._on_confirmed(confirmed)
         if resend:
             self._fallback(resend)
 
@@ -87,7 +118,7 @@ class AckSender:
             self._pid = os.getpid()
         return self._conn
 
-    def _read(self, conn: Any, keep: int, resend: list[str],
+    def _read(self, conn: Any, keep: int, resend: list[str], confirmed: list[str],
               timeout: float | None = None) -> None:
         """Read replies while more than ``keep`` are unread or one is already there."""
         unread = self._unread
@@ -100,6 +131,8 @@ class AckSender:
                     conn.read_response(timeout=timeout)
             except redis.exceptions.ResponseError:
                 resend += tags
+            else:
+                confirmed += tags
             unread.popleft()
 
     def _drop(self) -> list[str]:

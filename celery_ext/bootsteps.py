@@ -1,4 +1,22 @@
-"""Celery worker bootsteps added by ``install(app)``."""
+"""Celery worker integration: bootsteps and the worker signals the plugin listens to.
+
+The worker pool itself (heartbeat, reaper, requeuer, what the process holds of its
+in-flight record) is owned by :class:`celery_ext.pool.WorkerPool`, which the
+transport makes for any worker consuming through our scheme. This module adds what
+needs Celery's worker objects, in every mode unless said otherwise:
+
+- ``JobQueues`` (``install(app)`` only: it is routing): consume every task's queue;
+- ``Sets``: task options checked at start (backoff, unique, max_concurrency,
+  stall_after) and the concurrency limits written;
+- ``DeadLetters``: unknown and invalid messages go to the dead set;
+- ``worker_ready``: the pool's registration details (node, concurrency, pool type,
+  queues) and the job queues' weights;
+- ``worker_shutting_down`` / ``worker_shutdown``: the pool says "stopping", then stops.
+
+Drop-in mode (the broker URL is ours, no ``install(app)``): ``celeryd_init`` adds the
+consumer steps, the Request class that counts lost workers and sends failed jobs to
+the dead set, and ``task.checkin()``.
+"""
 
 from __future__ import annotations
 
@@ -8,27 +26,25 @@ from typing import Any
 
 import redis
 from celery import bootsteps
-from celery.signals import celeryd_init, worker_shutdown, worker_shutting_down
+from celery.signals import celeryd_init, worker_ready, worker_shutdown, worker_shutting_down
 from kombu import Queue
 
+from . import pool as _pool
 from .config import ConfigError, Settings, check_broker_url
 from .dead import wrap_consumer_handlers
-from .heartbeater import Heartbeater, all_heartbeaters, current_pool_id
 from .keys import Keys
 from .limits import job_limits, write_limits
-from .memory import eviction_warning
-from .reaper import Reaper
-from .requeuer import Requeuer
 from .retry import apply_backoffs
 from .unique import validate_unique_options
 from .weights import all_weights, set_weights
 
 logger = logging.getLogger("celery_ext.bootsteps")
 
-_reapers: list[Reaper] = []
-_requeuers: list[Requeuer] = []
-#: The broker's memory policy is checked once per worker process (not per reconnect).
-_memory_checked: list[bool] = []
+#: Celery's own Request class; drop-in mode replaces it (only it) with ours.
+CELERY_DEFAULT_REQUEST = "celery.worker.request:Request"
+#: Pools whose tasks we cannot account for (they run on an event loop our blocking
+#: Redis clients would stall); refused at start with one line.
+UNSUPPORTED_POOLS = ("gevent", "eventlet")
 
 
 def job_queues(app: Any, finalize: bool = True, strict: bool = True) -> dict[str, int]:
@@ -76,8 +92,6 @@ class JobQueues(bootsteps.Step):
     name = "celery_ext.JobQueues"
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
-        # Fix the pool id before the prefork pool forks, so children know their owner.
-        current_pool_id()
         app = worker.app
         try:
             weights = job_queues(app)
@@ -90,62 +104,40 @@ class JobQueues(bootsteps.Step):
             for name in weights:
                 if name not in queues.consume_from:
                     queues.select_add(queues[name])
-        if not str(app.conf.broker_url or "").startswith(("celery-ext", "celery-exts")) \
-                and "celery_ext" not in str(app.conf.broker_transport or ""):
+        if not uses_our_transport(app.conf):
             logger.warning(
                 "celery_ext: install(app) is active but the broker is not celery-ext:// "
                 "(jobs are routed per task name, without crash-safe ownership)")
 
 
-class WorkerPool(bootsteps.StartStopStep):
-    """Registers the worker pool with its details and runs the reaper.
-
-    The transport registers the pool and starts its heartbeat at the first fetch;
-    this step adds node name, concurrency, pool type and job names, and runs one
-    reaper per pool. Shutdown marks the pool "stopping" (checkin returns True) and,
-    once everything has stopped, deregisters it.
-    """
-
-    name = "celery_ext.WorkerPool"
-    requires = ("celery.worker.consumer.tasks:Tasks",)
-
-    def start(self, c: Any) -> None:
-        channel = c.connection.default_channel
-        if not hasattr(channel, "_ensure_pool"):
-            return  # not our transport
-        hb: Heartbeater = channel._ensure_pool()
-        controller = getattr(c, "controller", None)
-        pool_cls = getattr(controller, "pool_cls", None)
-        hb.update_info(
-            node=c.hostname,
-            concurrency=getattr(controller, "concurrency", "") or "",
-            pool_type=getattr(pool_cls, "__module__", str(pool_cls)).rsplit(".", 1)[-1],
-            queues=",".join(sorted(c.app.amqp.queues.consume_from)),
-            started_at=int(time.time() * 1000),
-            state="running",
-        )
-        weights: dict[Any, Any] = {
-            q: w for q, w in all_weights().items() if q in c.app.amqp.queues.consume_from}
-        if weights:
-            try:
-                hb.client.hset(hb.keys.weights, mapping=weights)
-            except redis.exceptions.OutOfMemoryError:
-                # Only the dashboard reads them; the pool must start and drain a full Redis.
-                logger.warning("celery_ext: Redis is at maxmemory: job queue weights not "
-                               "published for the dashboard (the pool runs with them)")
-        if not _memory_checked:
-            _memory_checked.append(True)
-            try:
-                warning = eviction_warning(hb.client)
-            except Exception as exc:  # INFO refused (ACL): not worth stopping for
-                logger.debug("celery_ext: could not read the broker's memory policy: %s", exc)
-            else:
-                if warning:
-                    logger.warning(warning)
-        if not _reapers:
-            reaper = Reaper(channel._new_sync_client(), channel.settings, own_pool_id=hb.pool_id)
-            _reapers.append(reaper)
-            reaper.start()
+@worker_ready.connect(weak=False)
+def describe_pool(sender: Any = None, **kwargs: Any) -> None:
+    """The worker consumes: add what only Celery knows to its pool's registration
+    (node name, concurrency, pool type, job queues) and publish the queues' weights."""
+    c = sender
+    channel = getattr(getattr(c, "connection", None), "default_channel", None)
+    if channel is None or not hasattr(channel, "worker_pool"):
+        return  # not our transport
+    pool = channel.worker_pool
+    controller = getattr(c, "controller", None)
+    pool_cls = getattr(controller, "pool_cls", None)
+    consumed = c.app.amqp.queues.consume_from
+    pool.describe(
+        node=c.hostname,
+        concurrency=getattr(controller, "concurrency", "") or "",
+        pool_type=getattr(pool_cls, "__module__", str(pool_cls)).rsplit(".", 1)[-1],
+        queues=",".join(sorted(consumed)),
+        started_at=int(time.time() * 1000),
+        state="running",
+    )
+    weights: dict[Any, Any] = {q: w for q, w in all_weights().items() if q in consumed}
+    if weights:
+        try:
+            pool.client.hset(pool.keys.weights, mapping=weights)
+        except redis.exceptions.OutOfMemoryError:
+            # Only the dashboard reads them; the pool must start and drain a full Redis.
+            logger.warning("celery_ext: Redis is at maxmemory: job queue weights not "
+                           "published for the dashboard (the pool runs with them)")
 
 
 def validate_settings(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
@@ -157,7 +149,7 @@ def validate_settings(sender: Any = None, instance: Any = None, **kwargs: Any) -
     conf = app.conf
     urls = [u for u in (conf.broker_url, conf.broker_read_url, conf.broker_write_url)
             if isinstance(u, str) and u]
-    ours = any(u.startswith(("celery-ext:", "celery-exts:")) for u in urls)
+    ours = uses_our_transport(conf)
     if not ours and not getattr(app, "_celery_ext_installed", False):
         return
     try:
@@ -166,7 +158,45 @@ def validate_settings(sender: Any = None, instance: Any = None, **kwargs: Any) -
         Settings.load(conf.broker_transport_options)
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
+    if ours:
+        pool_name = _pool_name((kwargs.get("options") or {}).get("pool_cls") or conf.worker_pool)
+        if pool_name in UNSUPPORTED_POOLS:
+            raise SystemExit(f"celery_ext: the {pool_name} pool is not supported; use prefork, "
+                             "threads or solo (-P threads gives many concurrent jobs)")
+        add_worker_parts(app)
     _one_line_connection_errors()
+
+
+def uses_our_transport(conf: Any) -> bool:
+    """Whether the app's broker is this plugin's transport (by scheme or by
+    ``broker_transport``)."""
+    from .transport import SCHEME, TLS_SCHEME
+
+    urls = [u for u in (conf.broker_url, conf.broker_read_url, conf.broker_write_url)
+            if isinstance(u, str) and u]
+    if any(u.startswith((f"{SCHEME}:", f"{TLS_SCHEME}:")) for u in urls):
+        return True
+    return str(conf.broker_transport or "").startswith("celery_ext.")
+
+
+def _pool_name(pool: Any) -> str:
+    if isinstance(pool, str):
+        return pool.rsplit(".", 1)[-1].split(":")[0].lower()
+    return str(getattr(pool, "__module__", "")).rsplit(".", 1)[-1]
+
+
+def add_worker_parts(app: Any) -> None:
+    """What a worker of ``app`` needs from the plugin whether or not ``install(app)``
+    ran: the consumer steps, the Request class (lost-worker counting, failed jobs to
+    the dead set, promoted jobs' eta ignored) and ``task.checkin()``. Idempotent."""
+    from .observer import _task_checkin
+
+    app.steps["consumer"].add(Sets)
+    app.steps["consumer"].add(DeadLetters)
+    if app.Task.Request in (CELERY_DEFAULT_REQUEST, None):
+        app.Task.Request = "celery_ext.request:Request"
+    if not hasattr(app.Task, "checkin"):
+        app.Task.checkin = _task_checkin
 
 
 def _one_line_connection_errors() -> None:
@@ -184,19 +214,12 @@ celeryd_init.connect(validate_settings, weak=False)
 
 @worker_shutting_down.connect(weak=False)
 def _on_shutting_down(**kwargs: Any) -> None:
-    for hb in all_heartbeaters():
-        try:
-            hb.client.hset(hb.keys.pool(hb.pool_id), "state", "stopping")
-        except Exception as exc:
-            logger.warning("celery_ext: could not mark pool stopping: %s", exc)
+    _pool.mark_all_stopping()
 
 
 @worker_shutdown.connect(weak=False)
 def _on_shutdown(**kwargs: Any) -> None:
-    while _reapers:
-        _reapers.pop().stop()
-    for hb in all_heartbeaters():
-        hb.stop(deregister=True)
+    _pool.stop_all()
 
 
 def validate_stall_after(task: Any) -> None:
@@ -209,12 +232,10 @@ def validate_stall_after(task: Any) -> None:
 
 
 class Sets(bootsteps.StartStopStep):
-    """Consumer step, per pool: the requeuer (scheduled/retry promotion) and the job
-    options of the scheduled, retry and dead sets (backoff, unique, max_concurrency),
-    checked when the worker is built so a bad option stops it with a clear message.
-
-    It starts once the consumer is connected (Celery retries the connection), and
-    runs until the worker shuts down: the requeuer rides out connection losses."""
+    """Consumer step: the job options of the scheduled, retry and dead sets (backoff,
+    unique, max_concurrency, stall_after), checked when the worker is built so a bad
+    option stops it with a clear message, and the concurrency limits written once
+    the consumer is connected. (The requeuer belongs to the worker pool.)"""
 
     name = "celery_ext.Sets"
     requires = ("celery.worker.consumer.tasks:Tasks",)
@@ -230,23 +251,16 @@ class Sets(bootsteps.StartStopStep):
             apply_backoffs(app.tasks, settings)
         except (ConfigError, ValueError) as exc:
             raise SystemExit(str(exc)) from None
+        self.written = False
 
     def start(self, c: Any) -> None:
         channel = c.connection.default_channel
-        if _requeuers or not hasattr(channel, "settings"):
-            return  # already running, or not our transport
-        client, settings = channel._new_sync_client(), channel.settings
-        write_limits(client, Keys(settings.namespace), self.limits,
+        if self.written or not hasattr(channel, "worker_pool"):
+            return  # already written by this worker, or not our transport
+        pool = channel.worker_pool
+        write_limits(pool.client, Keys(pool.settings.namespace), self.limits,
                      c.app.amqp.queues.consume_from)
-        requeuer = Requeuer(client, settings)
-        _requeuers.append(requeuer)
-        requeuer.start()
-
-
-@worker_shutdown.connect(weak=False)
-def _stop_requeuers(**kwargs: Any) -> None:
-    while _requeuers:
-        _requeuers.pop().stop()
+        self.written = True
 
 
 class DeadLetters(bootsteps.Step):

@@ -182,7 +182,7 @@ class Client:
             if not hasattr(channel, "settings"):
                 raise ValueError(f"celery_ext: {app.main!r} does not use the celery-ext:// "
                                  "broker transport")
-            return cls(channel._new_sync_client(), channel.settings)
+            return cls(channel.new_client(), channel.settings)
 
     # -- queues, pools, busy workers (celery_ext.state) ----------------------------------
     def job_queues(self, offset: int = 0, limit: int | None = None,
@@ -465,7 +465,7 @@ class Client:
                 if not hasattr(channel, "settings"):
                     raise ValueError(f"celery_ext: {app.main!r} does not use the celery-ext:// "
                                      "broker transport")
-                client = cls(channel._new_sync_client(), channel.settings)
+                client = cls(channel.new_client(), channel.settings)
             finally:
                 channel.close()
         client.app = app

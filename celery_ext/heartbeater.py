@@ -9,7 +9,6 @@ pool look dead. A pool that finds it was reaped (SIGSTOP, network cut) re-regist
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import socket
@@ -48,10 +47,9 @@ def owning_pool_id() -> str:
 
 
 def _reset_after_fork() -> None:
-    global _pool_id, _parent_pool_id, _heartbeaters, _lock
+    global _pool_id, _parent_pool_id, _lock
     _parent_pool_id = _pool_id or _parent_pool_id
     _pool_id = None
-    _heartbeaters = {}
     _lock = threading.Lock()
 
 
@@ -170,25 +168,3 @@ class Heartbeater:
             except redis.RedisError as exc:
                 logger.error("celery_ext: could not deregister pool %s: %s", self.pool_id, exc)
             self.registered = False
-
-
-_heartbeaters: dict[tuple[str, str], Heartbeater] = {}
-
-
-def heartbeater_for(client_factory: Callable[[], redis.Redis], settings: Settings,
-                    server_id: str) -> Heartbeater:
-    """The process's heartbeater for one server and namespace, started on first use."""
-    key = (server_id, settings.namespace)
-    pool_id = current_pool_id()  # takes _lock itself, which is not reentrant
-    with _lock:
-        hb = _heartbeaters.get(key)
-        if hb is None:
-            hb = _heartbeaters[key] = Heartbeater(client_factory(), settings, pool_id)
-            atexit.register(hb.stop)
-    hb.start()
-    return hb
-
-
-def all_heartbeaters() -> list[Heartbeater]:
-    return list(_heartbeaters.values())
-

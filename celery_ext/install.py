@@ -11,8 +11,7 @@ from celery.app.amqp import AMQP as CeleryAMQP
 from kombu.connection import maybe_channel
 from kombu.utils.objects import cached_property
 
-from .bootsteps import DeadLetters, JobQueues, Sets, WorkerPool, declare_job_queues
-from .observer import _task_checkin
+from .bootsteps import JobQueues, add_worker_parts, declare_job_queues
 from .unique import patch_send_task
 
 logger = logging.getLogger("celery_ext")
@@ -87,9 +86,10 @@ def install(app: Celery, *, route_by_name: bool = True) -> Celery:
       the task option ``weight=N`` (default 1) as that queue's weight;
     - defaults ``task_acks_late`` and ``task_reject_on_worker_lost`` to True unless
       configured, so a job is owned by its worker pool until it finishes;
-    - adds the worker-pool bootstep (registration details, reaper), busy-worker
-      records, ``task.checkin()``, and per-job recovery counting when a prefork child
-      dies (poison pills end in the dead set);
+    - adds busy-worker records, ``task.checkin()``, and per-job recovery counting
+      when a prefork child dies (poison pills end in the dead set); drop-in mode
+      gets these too (see ``bootsteps.add_worker_parts``), and the worker pool's
+      heartbeat, reaper and requeuer come with the transport in either mode;
     - keeps countdown/eta jobs and retries in Redis (scheduled and retry sets) and
       failed, expired, unknown and undecodable jobs in the dead set; adds the task
       options ``unique``, ``max_concurrency`` and ``backoff`` (see docs/sets.md).
@@ -117,15 +117,12 @@ def install(app: Celery, *, route_by_name: bool = True) -> Celery:
     if "amqp" not in app.__dict__:
         app.amqp_cls = f"{__name__}:AMQP"
     app.steps["worker"].add(JobQueues)
-    app.steps["consumer"].add(WorkerPool)
-    # Scheduled/retry promotion, dead set, unique jobs, max_concurrency (docs/sets.md).
-    app.steps["consumer"].add(Sets)
-    app.steps["consumer"].add(DeadLetters)
     patch_send_task(app)
-    # Every task of the app gets the counting Request class and a checkin() method.
+    # Every task of the app gets the counting Request class and a checkin() method
+    # (as in drop-in mode), and the consumer steps of the sets and the dead set.
     app.Task.Request = "celery_ext.request:Request"
-    # ...and shares it between tasks with the same settings (1,000 job names, 1 class).
+    add_worker_parts(app)
+    # ...and tasks with the same settings share one Request class (1,000 job names, 1 class).
     if app.Task.Strategy == CELERY_DEFAULT_STRATEGY:
         app.Task.Strategy = "celery_ext.strategy:default"
-    app.Task.checkin = _task_checkin
     return app

@@ -16,12 +16,7 @@ import time
 from typing import Any
 
 from celery import current_task
-from celery.signals import (
-    task_postrun,
-    task_prerun,
-    worker_process_shutdown,
-    worker_shutdown,
-)
+from celery.signals import task_postrun, task_prerun, worker_process_shutdown
 
 from .config import Settings
 from .heartbeater import owning_pool_id
@@ -112,9 +107,9 @@ class Observer:
             if obs is None:
                 conn = app.connection_for_write()
                 channel = conn.default_channel
-                if not hasattr(channel, "_new_sync_client"):
+                if not hasattr(channel, "new_client"):
                     return None
-                obs = _observers[key] = cls(channel._new_sync_client(), channel.settings,
+                obs = _observers[key] = cls(channel.new_client(), channel.settings,
                                             owning_pool_id())
             return obs
 
@@ -286,9 +281,14 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
 
 
 @worker_process_shutdown.connect(weak=False)
-@worker_shutdown.connect(weak=False)
-def _flush_observers(**kwargs: Any) -> None:
-    """A prefork child or a worker exits: write the counters it still holds."""
+def _on_process_shutdown(**kwargs: Any) -> None:
+    """A prefork child exits: write the counters it still holds."""
+    flush_observers()
+
+
+def flush_observers() -> None:
+    """Write the counters this process still holds (its worker pool calls this when it
+    stops; a prefork child at its exit)."""
     for obs in list(_observers.values()):
         try:
             obs.flush(force_stats=True)

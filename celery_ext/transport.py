@@ -15,9 +15,14 @@ over PUB/SUB included, is inherited unchanged, and ``driver_type`` stays ``redis
   case a notification was missed. A wake-up read while a fetch is on the wire
   outlives that fetch's "empty" reply (``Channel._activate``).
 * Ack removes the job from the in-flight hash (O(1)); reject-with-requeue and the
-  restore at shutdown put jobs back at the *front* of their queue. There is no
+  return at shutdown put jobs back at the *front* of their queue. There is no
   visibility timeout: a job leaves the in-flight record only when its pool acks it,
   returns it, or is declared dead by the reaper.
+* The worker pool of the process (``pool.WorkerPool``: heartbeat, reaper, requeuer,
+  what the process holds) is made by the first tracked fetch, so any worker that
+  consumes through this transport runs it, with or without ``install(app)``. A
+  channel that closes (lost connection) returns nothing itself: the pool reconciles
+  its in-flight record with what the process still holds before the next fetch.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from __future__ import annotations
 import logging
 import ssl
 import time
-import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from queue import Empty
@@ -40,14 +44,14 @@ from kombu.utils.eventio import READ
 from kombu.utils.json import dumps, loads
 
 from . import scripts as _scripts
-from .acks import AckSender
 from .clock import now_s
 from .config import Settings
 from .dead import dead_letter, one_line
 from .envelope import envelope_problem
 from .errors import BrokerOutOfMemory, check_payload_size, job_name
-from .heartbeater import Heartbeater, heartbeater_for
+from .heartbeater import current_pool_id
 from .keys import Keys
+from .pool import WorkerPool, pool_for
 from .sampler import WeightedRoundRobin
 from .scheduled import eta_delay_ms, retries_of, schedule, schedule_args
 from .unique import UniqueRequest, take_pending
@@ -59,18 +63,13 @@ logger = logging.getLogger("celery_ext.transport")
 SCHEME = "celery-ext"
 TLS_SCHEME = "celery-exts"
 
-#: Channels of this process that consume from job queues: their unacked jobs are
-#: the only in-flight records of this pool that are legitimately outstanding.
-_live_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
 #: Errors of the connection while delivering a job (not of the job): they propagate.
 _IO_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-#: Set when a channel closed without returning its jobs (Redis unreachable); the
-#: next channel to fetch returns the leftovers first.
-_pending_recovery: set[tuple[str, str]] = set()
 
 
 class QoS(virtual.QoS):
-    """Prefetch accounting in memory; ownership lives in Redis (the in-flight hash)."""
+    """Prefetch accounting in memory; ownership lives in Redis (the in-flight record)
+    and in the worker pool of the process (what it holds: ``pool.Holdings``)."""
 
     restore_at_shutdown = True
     channel: Channel
@@ -78,35 +77,37 @@ class QoS(virtual.QoS):
     def append(self, message: Any, delivery_tag: str) -> None:
         # The fetch script already recorded the job as in flight, atomically.
         super().append(message, delivery_tag)
+        self.channel.worker_pool.delivered(delivery_tag, message)
 
     def ack(self, delivery_tag: str) -> None:
-        self.channel._ack_nowait([delivery_tag])
+        self.channel.worker_pool.ack([delivery_tag])
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if requeue:
-            self.channel._requeue([delivery_tag])
+            self.channel.worker_pool.requeue([delivery_tag])
         else:
             self.channel._dead_letter(delivery_tag, "rejected", "rejected by the consumer")
         super().ack(delivery_tag)
 
     def restore_unacked(self, client: Any = None) -> list[Any]:
-        """Return every job fetched and not acked to the front of its queue, in order.
+        """The channel closes: return only what nobody holds anymore.
 
-        Jobs running right now are left in the in-flight record: their channel may be
-        closing (connection loss) but their pool lives and acks them when they end."""
+        A job whose message the process still references (running, queued in a threads
+        pool, reserved by a consumer that goes on) stays owned and is acked when it
+        ends; its pool returns what Celery dropped at its next reconcile (now, if Redis
+        answers and no fetch is on the wire) or at shutdown."""
         self._flush()
-        running = running_tags()
-        tags = [t for t in self._delivered if t not in running]
-        errors: list[Any] = []
-        if tags:
-            try:
-                self.channel._requeue(tags)
-            except Exception as exc:
-                errors = [(exc, self._delivered[t]) for t in tags]
-                self.channel._mark_needs_recovery()
         self._delivered.clear()
-        return errors
+        pool = self.channel._worker_pool
+        if pool is not None:
+            pool.needs_reconcile()
+            try:
+                pool.maybe_reconcile()
+            except Exception as exc:
+                logger.debug("celery_ext: reconcile at channel close failed (%s); "
+                             "retried before the next fetch", exc)
+        return []
 
     def restore_visible(self, *args: Any, **kwargs: Any) -> None:
         """No visibility timeout: dead pools' jobs are requeued by the reaper."""
@@ -115,27 +116,8 @@ class QoS(virtual.QoS):
         """Drop a tag from prefetch accounting only (Redis was already updated)."""
         super().ack(delivery_tag)
 
-    def live_tags(self) -> set[str]:
-        return {t for t in self._delivered if t not in self._dirty}
-
 
 _QoS = QoS
-
-
-def running_tags() -> set[str]:
-    """Delivery tags of the jobs this worker process is executing now (Celery's
-    ``active_requests``); empty outside a Celery worker."""
-    try:
-        from celery.worker.state import active_requests
-    except ImportError:  # pragma: no cover - kombu used without celery
-        return set()
-    tags = set()
-    for request in list(active_requests):
-        message = getattr(request, "message", None)
-        tag = getattr(message, "delivery_tag", None)
-        if tag:
-            tags.add(tag)
-    return tags
 
 
 class MultiChannelPoller(kredis.MultiChannelPoller):
@@ -214,7 +196,10 @@ class Channel(kredis.Channel):
         # and whether the wake-up channel was (re)subscribed meanwhile. See _activate.
         self._woken_in_fetch: set[str] = set()
         self._resubscribed_in_fetch = False
-        self._heartbeater: Heartbeater | None = None
+        #: The worker pool of the process, once this channel fetched for tracking.
+        self._worker_pool: WorkerPool | None = None
+        #: A tracked fetch was sent and its reply not read yet.
+        self._fetch_pending = False
         super().__init__(*args, **kwargs)
         self.handlers["WAKE"] = self._wake_read
         self._scripts = _scripts.Scripts(self.client)
@@ -257,7 +242,14 @@ class Channel(kredis.Channel):
             sid = self.__dict__["_server_id"] = f"{c.hostname}:{c.port}/{c.virtual_host}"
         return sid
 
-    def _new_sync_client(self) -> redis.Redis:
+    @property
+    def scripts(self) -> _scripts.Scripts:
+        """The plugin's Lua scripts, bound to this channel's client."""
+        return self._scripts
+
+    def new_client(self) -> redis.Redis:
+        """A client on a connection pool of its own, with this channel's connection
+        settings (server, TLS, password, timeouts): for parts that outlive channels."""
         params = self._connparams(asynchronous=False)
         return redis.Redis(connection_pool=redis.ConnectionPool(**params))
 
@@ -474,7 +466,6 @@ class Channel(kredis.Channel):
         ret = super().basic_consume(queue, no_ack, *args, **kwargs)
         if queue not in self.active_fanout_queues:
             self._sched.add_queues({queue: weight_of(queue, self.settings.default_weight)})
-        _live_channels.add(self)
         return ret
 
     def _basic_cancel(self, consumer_tag: str) -> Any:
@@ -512,19 +503,28 @@ class Channel(kredis.Channel):
         raise Empty()
 
     @property
-    def pool_id(self) -> str:
-        return self._ensure_pool().pool_id
+    def worker_pool(self) -> WorkerPool:
+        """The worker pool of this process (registered and started before its first
+        tracked fetch: heartbeat, reaper, requeuer)."""
+        pool = self._worker_pool
+        if pool is None:
+            pool = self._worker_pool = pool_for(self.new_client, self.settings, self.server_id)
+        return pool
 
-    def _ensure_pool(self) -> Heartbeater:
-        """Register this process's pool (once) before its first tracked fetch."""
-        if self._heartbeater is None:
-            self._heartbeater = heartbeater_for(self._new_sync_client, self.settings,
-                                                self.server_id)
-        key = (self.server_id, self.settings.namespace)
-        if key in _pending_recovery:
-            _pending_recovery.discard(key)
-            self._recover_leftovers()
-        return self._heartbeater
+    @property
+    def pool_id(self) -> str:
+        return self.worker_pool.pool_id
+
+    def _fetch_sent(self) -> None:
+        self._fetch_pending = True
+        self.worker_pool.fetch_sent()
+
+    def _fetch_finished(self, lost: bool) -> None:
+        """A tracked fetch's reply was read, or the connection it was on failed (the
+        script may have run: its jobs are in the record, never delivered)."""
+        if self._fetch_pending:
+            self._fetch_pending = False
+            self.worker_pool.fetch_done(lost=lost)
 
     def _fetch_keys(self, pool_id: str, queues: list[str]) -> list[str]:
         k = self.keys
@@ -532,20 +532,32 @@ class Channel(kredis.Channel):
                 k.running, k.limits, k.paused, *(k.queue(q) for q in queues)]
 
     def _fetch_sync(self, queues: list[str], track: bool) -> list[Any]:
-        pool_id = self._ensure_pool().pool_id if track else "-"
+        pool_id = self.pool_id if track else "-"
         flags = ("1" if track else "0") * len(queues)
         with self.conn_or_acquire() as client:
             for _ in range(2):
-                status, jobs, _empties, _blocked = self._scripts(
-                    "fetch", self._fetch_keys(pool_id, queues), [pool_id, flags, *queues],
-                    client=client)
+                if track:
+                    self.worker_pool.fetch_sent()
+                try:
+                    status, jobs, _empties, _blocked = self._scripts(
+                        "fetch", self._fetch_keys(pool_id, queues), [pool_id, flags, *queues],
+                        client=client)
+                except BaseException:
+                    if track:
+                        self.worker_pool.fetch_done(lost=True)
+                    raise
+                if track:
+                    self.worker_pool.fetch_done()
                 if status:
                     return list(jobs)
-                self._ensure_pool().revive()
+                self.worker_pool.revive()
         return []
 
     def _brpop_start(self, timeout: Any = None) -> None:
-        """Send one fetch (instead of BRPOP) for up to the free prefetch slots."""
+        """Send one fetch (instead of BRPOP) for up to the free prefetch slots; first
+        make the pool's in-flight record match what the process holds, if needed."""
+        if self._worker_pool is not None:
+            self._worker_pool.maybe_reconcile()
         sched = self._sched
         if not sched.has_active():
             return  # idle: the WAKE listener and the ready refresh take over
@@ -556,9 +568,7 @@ class Channel(kredis.Channel):
         picks = sched.take(n)
         no_ack = self._no_ack_queues
         flags = "".join("0" if q in no_ack else "1" for q in picks)
-        pool_id = self._ensure_pool().pool_id if "1" in flags else "-"
-        if pool_id != "-" and "_ack_sender" not in self.__dict__:
-            self._new_ack_sender().connect()  # connected before the first ack waits on it
+        pool_id = self.pool_id if "1" in flags else "-"
         keys = self._fetch_keys(pool_id, picks)
         conn = self.client.connection
         self._in_poll = conn
@@ -566,6 +576,8 @@ class Channel(kredis.Channel):
             self._woken_in_fetch.clear()
         self._resubscribed_in_fetch = False
         self._brpop_sent_at = monotonic()
+        if pool_id != "-":
+            self._fetch_sent()
         conn.send_command("EVALSHA", _scripts.sha("fetch"), len(keys), *keys,
                           pool_id, flags, *picks)
 
@@ -578,12 +590,15 @@ class Channel(kredis.Channel):
             except self.connection_errors:
                 conn.disconnect()
                 self._sched.activate_many(self._sched.queues)
+                self._fetch_finished(lost=True)
                 raise
             except redis.exceptions.NoScriptError:
                 # The server restarted and lost its script cache: load and go on.
+                self._fetch_finished(lost=False)
                 with self.conn_or_acquire() as client:
                     self._scripts.load_all(client)
                 raise Empty() from None
+            self._fetch_finished(lost=False)
         finally:
             self._in_poll = None
         if not pending:
@@ -610,7 +625,7 @@ class Channel(kredis.Channel):
                 self._sched.activate_many(self._sched.queues)
         if not status:
             # A reaper declared this pool dead while it was stopped; register again.
-            self._ensure_pool().revive()
+            self.worker_pool.revive()
             raise Empty()
         delivered = False
         for qname, tag, payload, rec in jobs:
@@ -619,6 +634,8 @@ class Channel(kredis.Channel):
                 try:
                     self.connection._deliver(raw, bytes_to_str(qname))
                 except _IO_ERRORS:
+                    # The rest of this fetch is in the record, never delivered.
+                    self.worker_pool.needs_reconcile()
                     raise
                 except Exception as exc:
                     # The consumer failed on this job (a message Celery does not catch as
@@ -727,7 +744,10 @@ class Channel(kredis.Channel):
             self._woken_in_fetch.update(names)
 
     def maybe_refresh_ready(self) -> None:
-        """Re-read the ready set if some consumed queue is believed empty (1 command)."""
+        """Re-read the ready set if some consumed queue is believed empty (1 command);
+        let the worker pool look at its acks and in-flight record."""
+        if self._worker_pool is not None:
+            self._worker_pool.tick()
         sched = self._sched
         if sched.all_active():
             return
@@ -743,125 +763,44 @@ class Channel(kredis.Channel):
             ready = client.smembers(self.keys.ready)
         self._activate([bytes_to_str(name) for name in ready])
 
-    # -- ack, requeue, dead ------------------------------------------------------------
-    def _inflight_key(self) -> str:
-        return self.keys.inflight(self.pool_id)
-
-    def _owner_client(self) -> Any:
-        """A client that outlives this channel: acks of jobs still running when the
-        channel closed (connection loss) must reach Redis, not be lost with it."""
-        if self._heartbeater is not None:
-            return self._heartbeater.client
-        return self._create_client()
-
-    def _ack(self, tags: list[str]) -> None:
-        client = self._owner_client()
-        k = self.keys
-        self._scripts("ack", [self._inflight_key(), k.redelivery, k.running, k.limits, k.ready],
-                      [k.wake_channel, *tags], client=client)
-
-    def _new_ack_sender(self) -> AckSender:
-        sender = self.__dict__["_ack_sender"] = AckSender(
-            self._owner_client().connection_pool, self._ack)
-        return sender
-
-    def _ack_nowait(self, tags: list[str]) -> None:
-        """Like ``_ack`` without waiting for the reply (see ``acks.AckSender``); on the
-        pool's own connection settings, so it outlives this channel like ``_ack``."""
-        if self.closed:  # no close() left to read the reply: wait for it now
-            self._ack(tags)
-            return
-        sender = self.__dict__.get("_ack_sender") or self._new_ack_sender()
-        k = self.keys
-        sender.ack([self._inflight_key(), k.redelivery, k.running, k.limits, k.ready],
-                   [k.wake_channel, *tags], tags)
-
-    def _requeue(self, tags: Iterable[str], client: Any = None) -> list[str]:
-        """Put jobs of this pool back at the front of their queues, first delivered
-        first fetched again. Tags no longer in the record are skipped."""
-        return requeue_tags(self._scripts, self.keys, self.pool_id, list(tags),
-                            client or self._owner_client())
-
+    # -- dead set, lost workers ----------------------------------------------------------
     def _dead_letter(self, tag: str, reason: str, error: str, queue: str | None = None,
                      **meta: Any) -> bool:
         """Move one in-flight job of this pool to the dead set (see ``dead.dead_letter``)."""
-        return dead_letter(self._owner_client(), self.settings, self.pool_id, tag,
-                           reason=reason, error=error, **meta)
+        pool = self.worker_pool
+        pool.holdings.released([tag])
+        try:
+            return dead_letter(pool.client, self.settings, pool.pool_id, tag,
+                               reason=reason, error=error, **meta)
+        except _IO_ERRORS:
+            pool.needs_reconcile()  # not held anymore: returned to its queue instead
+            raise
 
     def recover_lost(self, tag: str) -> str:
         """The job's prefork child died: requeue it now, counting a recovery, or
         dead-letter it past max_recoveries. Returns "requeued", "dead" or "gone"."""
-        from .reaper import recover_tags
-
-        _, requeued, dead = recover_tags(self._owner_client(), self.settings, self.pool_id,
-                                         [tag], mode="job", reason="worker lost")
+        outcome = self.worker_pool.recover_lost(tag)
         self.qos.forget(tag)
-        if dead:
-            logger.error("celery_ext: job %s killed its worker more than %d times; "
-                         "moved to the dead set", tag, self.settings.max_recoveries)
-            return "dead"
-        return "requeued" if requeued else "gone"
+        return outcome
 
-    def _mark_needs_recovery(self) -> None:
-        _pending_recovery.add((self.server_id, self.settings.namespace))
-
-    def _recover_leftovers(self) -> None:
-        """Requeue this pool's in-flight jobs that no live channel of the process owns
-        (their channel closed while Redis was unreachable)."""
-        assert self._heartbeater is not None
-        owned = running_tags()
-        for channel in list(_live_channels):
-            if channel is not self and not channel.closed:
-                owned |= channel.qos.live_tags()
-        client = self._owner_client()
-        tags = [bytes_to_str(t) for t in client.hkeys(self.keys.inflight(self.pool_id))]
-        left = [t for t in tags if t not in owned]
-        if left:
-            done = self._requeue(left, client=client)
-            logger.warning("celery_ext: returned %d in-flight jobs of a closed channel "
-                           "to their queues", len(done))
+    def _poll_error(self, type: str, **options: Any) -> Any:
+        if type == "BRPOP":  # the fetch's socket failed: read its reply, or note it lost
+            with suppress(Empty):
+                self._brpop_read(**options)
+            return None
+        return super()._poll_error(type, **options)
 
     def close(self) -> None:
-        _live_channels.discard(self)
-        sender = self.__dict__.get("_ack_sender")
-        if sender is not None:
-            # Acks sent through it have their replies read. On a lost connection this
-            # fails; Kombu's close below must still run, or the unacked jobs of this
-            # channel are neither restored nor marked for recovery (found by
-            # tests/faults redis_kill: jobs stuck in a live pool's in-flight record).
-            with suppress(Exception):
-                sender.close()
         wake = self.__dict__.get("_wakeclient")
         if wake is not None:
             with suppress(Exception):
                 conn, wake.connection = wake.connection, None
                 if conn is not None:
                     conn.disconnect()
-        super().close()
-
-
-def requeue_tags(scripts: _scripts.Scripts, keys: Keys, pool_id: str, tags: list[str],
-                 client: Any) -> list[str]:
-    """Move ``tags`` (in delivery order) from a pool's in-flight record to the front
-    of their job queues. Reads the queues first (scripts may only touch keys they
-    are given), then moves atomically; returns the tags moved."""
-    if not tags:
-        return []
-    inflight = keys.inflight(pool_id)
-    records = client.hmget(inflight, tags)
-    pairs = []
-    for tag, rec in zip(tags, records, strict=True):
-        if rec:
-            pairs.append((tag, bytes_to_str(rec.split(b"\n", 1)[0])))
-    pairs.reverse()  # pushed last = fetched first: the first delivered goes back in front
-    done = scripts(
-        "requeue",
-        [inflight, keys.ready, keys.redelivery, keys.running,
-         *(keys.queue(q) for _, q in pairs)],
-        [keys.wake_channel, keys.queue(""), *(t for t, _ in pairs)],
-        client=client,
-    )
-    return [bytes_to_str(t) for t in done]
+        try:
+            super().close()  # reads a fetch still on the wire, then restore_unacked
+        finally:
+            self._fetch_finished(lost=True)
 
 
 class Transport(kredis.Transport):
@@ -875,6 +814,9 @@ class Transport(kredis.Transport):
         super().__init__(*args, **kwargs)
         self.cycle = MultiChannelPoller()
         self.settings = Settings.load(self.client.transport_options)
+        # Fix the pool id now, before a prefork pool forks: children then know which
+        # pool owns the jobs they run (their busy records and checkins name it).
+        current_pool_id()
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)

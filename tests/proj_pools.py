@@ -53,3 +53,18 @@ def quiet(key: str, seconds: float) -> str:
     """A long job that never checks in: reported stalled after 1 s."""
     time.sleep(seconds)
     return key
+
+
+@app.task(bind=True, acks_late=True)
+def slow_late(self: Any, key: str, seconds: float) -> str:
+    """``slow``, acked when it ends also without ``install(app)`` (drop-in mode)."""
+    return slow.run(key, seconds)
+
+
+@app.task(bind=True)
+def retry_once(self: Any, key: str, countdown: float) -> int:
+    """Retries once after ``countdown`` seconds (through the retry set), then succeeds."""
+    recorder().rpush(f"runs:{key}", f"{os.getpid()}:{time.time()}:{self.request.retries}")
+    if not self.request.retries:
+        raise self.retry(countdown=countdown)
+    return self.request.retries

@@ -3,12 +3,20 @@
 A worker pool that reaches Redis through it can be cut off (``stop()`` closes the
 listener and every open connection, so new connects are refused) and reconnected
 (``start()`` listens again on the same port), without touching the processes.
+
+``cut_on_reply(trigger)`` strikes *inside* a round trip: the next request that
+contains ``trigger`` reaches Redis, which runs it, and the connection that carries
+it is cut when the reply comes back, so the client never reads it.
+``drop_request(trigger, refuse_for)`` strikes before: the request never reaches
+Redis, its connection is cut, and new connections are refused for a while, while
+the other open connections go on.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Self
 
 
@@ -21,6 +29,25 @@ class Proxy:
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        #: Requests still to be cut at their reply (see cut_on_reply), and how many were.
+        self._triggers: list[bytes] = []
+        self._doomed: set[socket.socket] = set()
+        self.replies_cut = 0
+        self._drops: list[tuple[bytes, float]] = []
+        self._refuse_until = 0.0
+        self.requests_dropped = 0
+
+    def drop_request(self, trigger: bytes, refuse_for: float = 1.0) -> None:
+        """Cut the connection of the next request containing ``trigger`` without
+        forwarding it, and refuse new connections for ``refuse_for`` seconds."""
+        with self._lock:
+            self._drops.append((trigger, refuse_for))
+
+    def cut_on_reply(self, trigger: bytes, times: int = 1) -> None:
+        """Cut the connection of each of the next ``times`` requests containing
+        ``trigger`` once Redis has run it and its reply arrives (the reply is dropped)."""
+        with self._lock:
+            self._triggers += [trigger] * times
 
     def start(self) -> Self:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -53,6 +80,9 @@ class Proxy:
                 client, _ = listener.accept()
             except OSError:
                 return  # stopped
+            if time.monotonic() < self._refuse_until:
+                _close(client)
+                continue
             try:
                 server = socket.create_connection(self.upstream, timeout=5)
                 server.settimeout(None)
@@ -65,13 +95,33 @@ class Proxy:
                     _close(server)
                     return
                 self._conns.update((client, server))
-            for src, dst in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True,
+            for src, dst, upstream in ((client, server, True), (server, client, False)):
+                threading.Thread(target=self._pump, args=(src, dst, upstream), daemon=True,
                                  name="proxy-pump").start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
         try:
             while data := src.recv(65536):
+                if upstream and self._drops:
+                    with self._lock:
+                        hit = next((d for d in self._drops if d[0] in data), None)
+                        if hit is not None:
+                            self._drops.remove(hit)
+                            self._refuse_until = time.monotonic() + hit[1]
+                            self.requests_dropped += 1
+                    if hit is not None:
+                        break  # never forwarded
+                if upstream and self._triggers:
+                    with self._lock:
+                        hit = next((t for t in self._triggers if t in data), None)
+                        if hit is not None:
+                            self._triggers.remove(hit)
+                            self._doomed.add(dst)  # the server side of this connection
+                elif not upstream and src in self._doomed:
+                    with self._lock:
+                        self._doomed.discard(src)
+                        self.replies_cut += 1
+                    break  # Redis ran it; its reply is dropped with the connection
                 dst.sendall(data)
         except OSError:
             pass
