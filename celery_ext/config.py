@@ -59,6 +59,12 @@ DEFAULT_RETRY_BACKOFF_JITTER = 0.25
 #: large data, not the data.
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 
+#: Longest wait (seconds) for a Redis reply before the connection counts as lost: a
+#: fetch unanswered this long is abandoned and sent again on a new connection, and it
+#: is the socket timeout of the plugin's connections unless ``socket_timeout`` is set
+#: (a half-open connection would otherwise hang a read forever).
+DEFAULT_REPLY_TIMEOUT = 30.0
+
 _ENV_PREFIX = "CELERY_EXT_"
 _NAMESPACE_RE = re.compile(r"\A[A-Za-z0-9_.:-]{1,64}\Z")  # not "$": it accepts a trailing newline
 
@@ -89,6 +95,7 @@ class Settings:
     retry_backoff_max: float = DEFAULT_RETRY_BACKOFF_MAX
     retry_backoff_jitter: float = DEFAULT_RETRY_BACKOFF_JITTER
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    reply_timeout: float = DEFAULT_REPLY_TIMEOUT
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -103,7 +110,7 @@ class Settings:
             )
         for name in ("heartbeat_interval", "dead_after", "reap_interval", "idle_refresh_interval",
                      "promote_interval", "unique_ttl", "retry_backoff_base",
-                     "retry_backoff_max"):
+                     "retry_backoff_max", "reply_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"celery_ext: {name} must be > 0, got {getattr(self, name)!r}")
         if self.dead_after < 2 * self.heartbeat_interval:

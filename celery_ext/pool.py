@@ -226,9 +226,10 @@ class WorkerPool:
         self._needs_reconcile = True
 
     def tick(self) -> None:
-        """Once per ``idle_refresh_interval`` from the consumer's event loop: read the ack replies that are
-        there (an ack connection that broke is noticed here, not at the next ack) and
-        reconcile if needed. Connection errors are left to the next fetch."""
+        """Once per ``idle_refresh_interval``, from the consumer's event loop: read the
+        ack replies that are there (an ack connection that broke is noticed here, not
+        at the next ack) and reconcile if needed. Connection errors are left to the
+        next fetch."""
         now = time.monotonic()
         if now - self._last_tick < self.settings.idle_refresh_interval * 0.9:
             return

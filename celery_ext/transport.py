@@ -164,6 +164,7 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
 
     def maybe_refresh_ready(self) -> None:
         for channel in list(self._channels):
+            channel.check_fetch_reply()  # raises: the consumer reconnects
             try:
                 channel.maybe_refresh_ready()
             except channel.connection_errors:
@@ -216,7 +217,10 @@ class Channel(kredis.Channel):
             # Secure by default: verify the server certificate unless told otherwise
             # (e.g. ?ssl_cert_reqs=none in the URL, as with rediss://).
             conninfo.ssl = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
-        return super()._connparams(asynchronous=asynchronous)
+        params = super()._connparams(asynchronous=asynchronous)
+        if params.get("socket_timeout") is None:
+            params["socket_timeout"] = self.settings.reply_timeout
+        return params
 
     @contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
@@ -756,6 +760,22 @@ class Channel(kredis.Channel):
             return
         self._last_refresh = now
         self._refresh_ready()
+
+    def check_fetch_reply(self) -> None:
+        """Raise a connection error when a fetch has gone unanswered for
+        ``reply_timeout``: its connection is gone without a reset (half-open), and
+        nothing else would notice. The consumer then reconnects (one log line) and its
+        pool returns what the lost fetch may have moved."""
+        conn = self._in_poll
+        if not conn or monotonic() - self._brpop_sent_at < self.settings.reply_timeout:
+            return
+        self._in_poll = None
+        with suppress(Exception):
+            conn.disconnect()  # (so closing the channel does not wait for the reply)
+        self._sched.activate_many(self._sched.queues)
+        self._fetch_finished(lost=True)
+        raise redis.exceptions.ConnectionError(
+            f"celery_ext: no reply to a fetch within {self.settings.reply_timeout:g}s")
 
     def _refresh_ready(self) -> None:
         """Mark every consumed queue in the ``ready`` set active (1 command)."""

@@ -73,8 +73,8 @@ def via(proxy: Proxy, broker_url: str) -> str:
 
 
 def start_worker(factory: Factory, mode: str, broker_url: str, *, proxy: Proxy | None = None,
-                 **kw: Any) -> WorkerProcess:
-    env = mode_env(mode)
+                 env: dict[str, str] | None = None, **kw: Any) -> WorkerProcess:
+    env = {**mode_env(mode), **(env or {})}
     url = broker_url
     if proxy is not None:
         env["CELERY_EXT_RECORD_URL"] = broker_url
@@ -207,4 +207,26 @@ def test_an_ack_that_never_reached_redis_is_applied_later_not_forgotten(
     assert send(app, "slow", "after", 0.0).get(timeout=15) == "after"
     time.sleep(1.0)
     assert len(recorded(rec, "start", "unacked")) == 1
+    assert worker.alive
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_half_open_connection_is_noticed_and_the_pool_fetches_again(
+        pool: str, sender: Callable[[str], Celery], worker_factory: Factory, broker_url: str,
+        proxy: Proxy, redis_client: redis.Redis, rec: redis.Redis) -> None:
+    """Every open connection of an idle pool stops answering without a reset (a
+    half-open TCP connection: the fetch's reply never comes, reads block). Within
+    ``reply_timeout`` the pool notices, reconnects with one log line, and runs the
+    jobs queued meanwhile, each once."""
+    worker = start_worker(worker_factory, "install", broker_url, proxy=proxy, pool=pool,
+                          concurrency=2, env={"CELERY_EXT_REPLY_TIMEOUT": "2"})
+    app = sender("install")
+    assert send(app, "slow", "before", 0.0).get(timeout=15) == "before"
+    proxy.freeze()
+    keys = [f"h{i}" for i in range(5)]
+    for k in keys:
+        send(app, "slow", k, 0.0)
+    wait_for(lambda: all(recorded(rec, "runs", k) for k in keys), 20,
+             "the jobs queued while the connections hung")
+    assert {k: len(recorded(rec, "runs", k)) for k in keys} == dict.fromkeys(keys, 1)
     assert worker.alive

@@ -34,8 +34,15 @@ class Proxy:
         self._doomed: set[socket.socket] = set()
         self.replies_cut = 0
         self._drops: list[tuple[bytes, float]] = []
+        self._frozen: set[socket.socket] = set()
         self._refuse_until = 0.0
         self.requests_dropped = 0
+
+    def freeze(self) -> None:
+        """Stop forwarding on every open connection without closing it (a half-open
+        connection: no reset, no reply, ever); new connections work."""
+        with self._lock:
+            self._frozen = set(self._conns)
 
     def drop_request(self, trigger: bytes, refuse_for: float = 1.0) -> None:
         """Cut the connection of the next request containing ``trigger`` without
@@ -102,6 +109,8 @@ class Proxy:
     def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
         try:
             while data := src.recv(65536):
+                if src in self._frozen:
+                    continue  # swallowed
                 if upstream and self._drops:
                     with self._lock:
                         hit = next((d for d in self._drops if d[0] in data), None)
