@@ -18,7 +18,9 @@ running one may already have read the state it would act on. It is also released
 when the job expires. Retries are always published (they are the same job) and
 take the lock again if it is free. The TTL (``unique_ttl`` option, default
 ``Settings.unique_ttl``, counted from the job's due time) is the safety net for a
-lock whose job never starts (purged queue, dead-lettered message).
+lock whose job never starts (purged queue, dead-lettered message). Deleting a
+scheduled, retry or dead job through ``celery_ext.client`` releases its lock in the
+same script (:func:`lock_of` reads it from the stored message).
 """
 
 from __future__ import annotations
@@ -80,6 +82,23 @@ def take_pending(message: dict[str, Any]) -> UniqueRequest | None:
         return None
     headers[HEADER] = req.digest
     return req
+
+
+def lock_of(payload: str | bytes) -> tuple[str, str] | None:
+    """(digest, task id) of a stored unique job's message, or None if it is not one.
+
+    The digest travels in the message's ``celery_ext_unique`` header; the lock's value
+    while this job holds it is the task id."""
+    try:
+        headers = json.loads(payload).get("headers")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return None
+    if not isinstance(headers, dict):
+        return None
+    digest, task_id = headers.get(HEADER), headers.get("id")
+    if isinstance(digest, str) and digest and isinstance(task_id, str) and task_id:
+        return digest, task_id
+    return None
 
 
 def validate_unique_options(task: Any) -> None:
