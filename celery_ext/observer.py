@@ -24,6 +24,7 @@ from celery.signals import (
 )
 
 from .config import Settings
+from .dead import one_line
 from .heartbeater import owning_pool_id
 from .keys import Keys
 from .scripts import Scripts
@@ -262,7 +263,8 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
         if obs is not None:
             obs.job_started(task, task_id, args, kwargs)
     except Exception as exc:
-        logger.warning("celery_ext: could not record busy worker for %s: %s", task_id, exc)
+        logger.warning("celery_ext: could not record busy worker for %s: %s",
+                       one_line(task_id), exc)
 
 
 #: Celery end state of a run -> the stats counter it increments.
@@ -282,7 +284,8 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
             obs.job_finished(task_id, queue=queue, outcome=OUTCOMES.get(state or "", ""))
             obs.wake_for_stats()
     except Exception as exc:
-        logger.warning("celery_ext: could not clear busy worker for %s: %s", task_id, exc)
+        logger.warning("celery_ext: could not clear busy worker for %s: %s",
+                       one_line(task_id), exc)
 
 
 @worker_process_shutdown.connect(weak=False)

@@ -35,6 +35,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+from .dead import one_line
 from .keys import Keys
 from .scripts import Scripts
 
@@ -144,7 +145,7 @@ def patch_send_task(app: Any) -> None:
             _pending.reset(token)
         if req.holder is not None and req.holder != result.id:
             logger.debug("celery_ext: %s is already pending as %s; not enqueued again",
-                         name, req.holder)
+                         one_line(name), one_line(req.holder))
             pending = (options.get("result_cls") or app.AsyncResult)(req.holder)
             pending.ignored = getattr(result, "ignored", False)
             return pending
