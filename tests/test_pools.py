@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 
+from celery_ext.client import Client
 from celery_ext.config import Settings
 from celery_ext.heartbeater import Heartbeater
 from celery_ext.keys import Keys
@@ -150,6 +151,37 @@ def test_sigkill_prefork_child_reruns_promptly(app: Any, worker_factory: Any,
     # The job records its run before it returns; the pool acks it just after.
     wait_for(lambda: int(redis_client.hget(KEYS.running, "tests.proj_pools.slow") or 0) == 0,
              5, "the rerun's ack")
+
+
+@pytest.mark.parametrize("mode", ["install", "drop-in"])
+def test_killed_prefork_child_leaves_no_busy_record_or_checkin(
+        app: Any, worker_factory: Any, redis_client: redis.Redis, rec: redis.Redis,
+        mode: str) -> None:
+    """A prefork child SIGKILLed mid-job cannot clear its busy record and checkin: the
+    pool's main process drops them when Celery reports the loss, with ``install(app)``
+    (the job is requeued and reruns) and without it (Celery fails the job)."""
+    env = {"CELERY_EXT_NO_INSTALL": "1"} if mode == "drop-in" else {}
+    w = start_worker(worker_factory, pool="prefork", concurrency=2, env=env)
+    (pool_id,) = wait_for(lambda: list(pools(redis_client)), 10, "pool registration")
+    state = State(redis_client, SETTINGS)
+    # (This process has install(app): a drop-in worker consumes Celery's default queue.)
+    job = app.checkin_once.apply_async(("lost", 60), queue="celery" if env else None)
+    first = wait_for(lambda: starts(rec, "lost"), 10, "job start")[0]
+    wait_for(lambda: redis_client.hget(KEYS.checkins, job.id), 10, "its checkin")
+    if mode == "install":  # busy records are written by install(app)'s observer
+        wait_for(lambda: [b for b in state.busy_workers() if b["job_id"] == job.id], 10,
+                 "its busy record")
+    os.kill(int(first.split(":")[0]), signal.SIGKILL)
+    wait_for(lambda: "WorkerLostError" in w.log_text() or runs(rec, "lost"), 20,
+             "Celery reporting the lost child")
+    if mode == "install":
+        wait_for(lambda: runs(rec, "lost"), 15, "the rerun (it does not check in)")
+    wait_for(lambda: redis_client.hget(KEYS.checkins, job.id) is None, 5,
+             "the dead child's checkin to be dropped")
+    assert redis_client.hlen(KEYS.busy(pool_id)) == 0
+    assert not state.busy_workers()
+    assert Client(redis_client, SETTINGS).job(job.id)["state"] != "running"
+    assert w.alive and list(pools(redis_client)) == [pool_id]
 
 
 def test_long_job_checks_in_and_is_never_duplicated(app: Any, worker_factory: Any,
