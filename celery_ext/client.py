@@ -516,9 +516,13 @@ class Client:
         """One job's status by its id (see :mod:`celery_ext.status`)."""
         return JobLookup(self.client, self.settings, self.app).status(job_id, deep)
 
-    def reap(self) -> ReapResult:
-        """One reaper pass now (requeue the jobs of dead worker pools)."""
-        return Reaper(self.client, self.settings).reap()
+    def reap(self, force: bool = False) -> ReapResult:
+        """One reaper pass now: requeue the jobs of dead worker pools, each judged by
+        its own ``dead_after``. Pools that look dead are first watched for two of their
+        heartbeat intervals (and a second) of steady Redis, so a Redis outage or stall
+        does not pass for their death; ``force=True`` skips that (see
+        :meth:`celery_ext.reaper.Reaper.reap_now`)."""
+        return Reaper(self.client, self.settings).reap_now(force=force)
 
 
 # Imports of the dashboard/CLI facade above, kept with it so it stays one appended block.

@@ -22,6 +22,7 @@ import redis
 
 from .config import Settings
 from .keys import Keys
+from .liveness import registration_fields
 from .scripts import Scripts
 
 logger = logging.getLogger("celery_ext.heartbeater")
@@ -72,6 +73,7 @@ class Heartbeater:
             "pool_id": pool_id,
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            **registration_fields(settings),  # its own dead_after, for whoever judges it
             **(info or {}),
         }
         self.scripts = Scripts(client)
