@@ -364,8 +364,8 @@ def dead_show(ctx: click.Context, dead_id: str, as_json: bool) -> None:
         return
     for key in ("id", "task_id", "name", "queue", "reason", "error", "attempts",
                 "manual_retries", "hostname", "pool"):
-        if job.get(key) not in (None, ""):
-            click.echo(f"{key:15} {job.get(key)}")
+        if job.get(key) not in (None, ""):  # from a message: no raw control characters
+            click.echo(f"{key:15} {one_line(str(job.get(key)), 2000)}")
     click.echo(f"{'failed at':15} {_when(job['failed_at'])}")
     click.echo(f"{'args':15} {json.dumps(job.get('args'), default=str)}")
     click.echo(f"{'kwargs':15} {json.dumps(job.get('kwargs'), default=str)}")

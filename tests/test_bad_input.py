@@ -244,7 +244,8 @@ FORGERS: dict[str, str] = {
 
 @pytest.mark.parametrize("mode", ["install", "drop-in"])
 def test_control_characters_in_task_id_or_name_never_reach_a_log_line(
-        app: Celery, redis_client: redis.Redis, worker_factory: Factory, mode: str) -> None:
+        app: Celery, broker_url: str, redis_client: redis.Redis, worker_factory: Factory,
+        mode: str) -> None:
     """A task id or name holding a newline, CR, escape or line separator would forge
     log lines (Celery's "Task name[id] received", ours): the transport dead-letters
     such a job before Kombu or Celery see it, and the worker keeps running jobs."""
@@ -269,6 +270,11 @@ def test_control_characters_in_task_id_or_name_never_reach_a_log_line(
     assert "\x1b" not in log and "\u2028" not in log and "\r" not in log
     assert "FORGED" in log  # the values are in the log, escaped: "...\\nFORGED ..."
     assert worker.alive and len(re.findall(READY_PATTERN, log)) == 1
+    if mode == "install":  # (one CLI start-up is enough) `dead show` prints them escaped too
+        from tests.webutil import run_cli
+
+        shown = run_cli(broker_url, "dead", "show", "f-id").stdout
+        assert "FORGED" in shown and not re.search(r"(?m)^FORGED", shown), shown
 
 
 # -- payload size ------------------------------------------------------------------------------
