@@ -25,6 +25,7 @@ from .config import Settings
 #: Registration fields (milliseconds) of the pool hash that carry its own timings.
 DEAD_AFTER_FIELD = "dead_after_ms"
 HEARTBEAT_INTERVAL_FIELD = "heartbeat_interval_ms"
+LIVENESS_FIELDS = (DEAD_AFTER_FIELD, HEARTBEAT_INTERVAL_FIELD)
 #: Added to two heartbeat intervals of steady Redis before a pool may be judged (the
 #: time a heartbeat takes to be sent, reconnect and run).
 CONFIRM_SLACK_MS = 1000

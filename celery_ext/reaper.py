@@ -31,7 +31,7 @@ from kombu.utils.encoding import bytes_to_str
 from .clock import now_ms
 from .config import Settings
 from .keys import Keys
-from .liveness import Liveness
+from .liveness import LIVENESS_FIELDS, Liveness
 from .scripts import Scripts
 
 logger = logging.getLogger("celery_ext.reaper")
@@ -117,12 +117,13 @@ class Reaper:
         ids = [bytes_to_str(p) for p, _ in beats if bytes_to_str(p) != self.own_pool_id]
         with self.client.pipeline(transaction=False) as pipe:
             for pool_id in ids:
-                pipe.hgetall(self.keys.pool(pool_id))
+                pipe.hmget(self.keys.pool(pool_id), LIVENESS_FIELDS)
             infos = pipe.execute() if ids else []
         beat_of: dict[str, float] = {bytes_to_str(p): s for p, s in beats}
         result: dict[str, Liveness | None] = {}
-        for pool_id, info in zip(ids, infos, strict=True):
-            liveness = Liveness.of(info, self.settings)
+        for pool_id, values in zip(ids, infos, strict=True):
+            liveness = Liveness.of(dict(zip(LIVENESS_FIELDS, values, strict=True)),
+                                   self.settings)
             if liveness.stale(beat_of[pool_id], now):
                 result[pool_id] = liveness
         owners = sorted(bytes_to_str(p) for p in self.client.smembers(self.keys.inflight_pools))
