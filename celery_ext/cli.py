@@ -364,8 +364,8 @@ def dead_show(ctx: click.Context, dead_id: str, as_json: bool) -> None:
         return
     for key in ("id", "task_id", "name", "queue", "reason", "error", "attempts",
                 "manual_retries", "hostname", "pool"):
-        if job.get(key) not in (None, ""):
-            click.echo(f"{key:15} {job.get(key)}")
+        if job.get(key) not in (None, ""):  # from a message: no raw control characters
+            click.echo(f"{key:15} {one_line(str(job.get(key)), 2000)}")
     click.echo(f"{'failed at':15} {_when(job['failed_at'])}")
     click.echo(f"{'args':15} {json.dumps(job.get('args'), default=str)}")
     click.echo(f"{'kwargs':15} {json.dumps(job.get('kwargs'), default=str)}")
@@ -457,19 +457,31 @@ def resume(ctx: click.Context, queue: str) -> None:
 
 
 @ext.command(cls=CeleryCommand)
+@click.option("--force", is_flag=True,
+              help="Reap every pool whose heartbeat is old now, without first watching "
+                   "Redis answer steadily. Right after a Redis outage or stall longer than "
+                   "dead_after this declares LIVE pools dead: their running jobs run twice.")
 @json_option
 @click.pass_context
 @_friendly
-def reap(ctx: click.Context, as_json: bool) -> None:
-    """Run one reaper pass now: requeue the jobs of dead worker pools."""
-    result = _client(ctx).reap()
+def reap(ctx: click.Context, force: bool, as_json: bool) -> None:
+    """Run one reaper pass now: requeue the jobs of dead worker pools.
+
+    Each pool is judged by its own dead_after. Pools that look dead are first watched
+    for two of their heartbeat intervals and a second (seconds with the defaults), so
+    a Redis outage or stall is not taken for their death."""
+    result = _client(ctx).reap(force=force)
     data = {"dead_pools": result.dead_pools, "requeued": result.requeued,
-            "dead_jobs": result.dead_jobs, "skipped": result.skipped}
+            "dead_jobs": result.dead_jobs, "skipped": result.skipped,
+            "waiting": result.waiting, "watched": result.watched}
     if as_json:
         _emit_json(data)
-    elif result.skipped:
+        return
+    if result.watched:
+        click.echo(f"watched Redis answer steadily for {result.watched:.1f}s")
+    if result.skipped:
         click.echo(f"skipped: {result.skipped}")
-    else:
+    if result or not result.skipped:
         click.echo(f"reaped {len(result.dead_pools)} dead pool(s): {len(result.requeued)} job(s) "
                    f"requeued, {len(result.dead_jobs)} to the dead set")
 

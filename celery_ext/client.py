@@ -29,6 +29,7 @@ from .dead import split_record
 from .keys import Keys
 from .scripts import Scripts
 from .state import BusyWorker, PoolInfo, QueueInfo, State
+from .unique import lock_of
 
 __all__ = ["Client", "DeadJob", "Page", "ScheduledJob", "SetCounts"]
 
@@ -264,12 +265,10 @@ class Client:
         return bool(a or b)
 
     def delete_scheduled(self, job_id: str) -> bool:
-        """Drop a job from the scheduled or retry set (it will not run)."""
+        """Drop a job from the scheduled or retry set (it will not run); a unique job's
+        lock is released with it, so an identical job can be enqueued at once."""
         k = self.keys
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.zrem(k.scheduled, job_id).zrem(k.retry, job_id).hdel(k.scheduled_jobs, job_id)
-            a, b, _ = pipe.execute()
-        return bool(a or b)
+        return job_id in self._forget(k.scheduled_jobs, k.scheduled, k.retry, [job_id])
 
     # -- dead set ------------------------------------------------------------------------
     def dead(self, offset: int = 0, limit: int = 50, name: str | None = None) -> Page[DeadJob]:
@@ -299,29 +298,46 @@ class Client:
         return done
 
     def delete_dead(self, job_id: str) -> bool:
-        """Forget one dead job. False if it was not dead."""
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.zrem(self.keys.dead, job_id).hdel(self.keys.dead_jobs, job_id)
-            removed, _ = pipe.execute()
-        return bool(removed)
+        """Forget one dead job (releasing its unique lock, if it still holds one).
+        False if it was not dead."""
+        k = self.keys
+        return job_id in self._forget(k.dead_jobs, k.dead, k.dead, [job_id])
 
     def delete_all_dead(self, name: str | None = None) -> int:
-        """Forget every dead job (of one job name); returns how many."""
+        """Forget every dead job (of one job name), releasing the unique locks they
+        still hold; returns how many."""
         k = self.keys
-        if name is None:
-            with self.client.pipeline(transaction=True) as pipe:
-                pipe.zcard(k.dead).delete(k.dead, k.dead_jobs)
-                count, _ = pipe.execute()
-            return int(count)
-        done = 0
-        for chunk in self._dead_ids(name):
-            with self.client.pipeline(transaction=True) as pipe:
-                pipe.zrem(k.dead, *chunk).hdel(k.dead_jobs, *chunk)
-                removed, _ = pipe.execute()
-            done += int(removed)
-        return done
+        return sum(len(self._forget(k.dead_jobs, k.dead, k.dead, chunk))
+                   for chunk in self._dead_ids(name))
 
     # -- internals -----------------------------------------------------------------------
+    def _forget(self, records: str, first: str, second: str, ids: list[str]) -> set[str]:
+        """Delete jobs from a set pair and its records hash with the ``forget`` script,
+        releasing each unique job's lock; returns the ids deleted."""
+        done: set[str] = set()
+        for _ in range(3):  # a record that changed after it was read is read again
+            keys = [records, first, second]
+            args: list[Any] = []
+            for job_id, raw in zip(ids, self.client.hmget(records, ids), strict=True):
+                if raw is None:
+                    continue
+                try:
+                    lock = lock_of(split_record(raw)[2])
+                except ValueError:  # not "<meta>\n<queue>\n<payload>": no lock to find
+                    lock = None
+                if lock is not None:
+                    keys.append(self.keys.unique(lock[0]))
+                args += [job_id, hashlib.sha1(raw).hexdigest(),
+                         len(keys) if lock is not None else 0, lock[1] if lock else ""]
+            if not args:
+                break
+            deleted, changed = self.scripts("forget", keys, args)
+            done.update(bytes_to_str(d) for d in deleted)
+            ids = [bytes_to_str(c) for c in changed]
+            if not ids:
+                break
+        return done
+
     def _retry_dead_ids(self, ids: list[str]) -> set[str]:
         k = self.keys
         records = self.client.hmget(k.dead_jobs, ids)
@@ -500,9 +516,13 @@ class Client:
         """One job's status by its id (see :mod:`celery_ext.status`)."""
         return JobLookup(self.client, self.settings, self.app).status(job_id, deep)
 
-    def reap(self) -> ReapResult:
-        """One reaper pass now (requeue the jobs of dead worker pools)."""
-        return Reaper(self.client, self.settings).reap()
+    def reap(self, force: bool = False) -> ReapResult:
+        """One reaper pass now: requeue the jobs of dead worker pools, each judged by
+        its own ``dead_after``. Pools that look dead are first watched for two of their
+        heartbeat intervals (and a second) of steady Redis, so a Redis outage or stall
+        does not pass for their death; ``force=True`` skips that (see
+        :meth:`celery_ext.reaper.Reaper.reap_now`)."""
+        return Reaper(self.client, self.settings).reap_now(force=force)
 
 
 # Imports of the dashboard/CLI facade above, kept with it so it stays one appended block.

@@ -31,7 +31,8 @@ REASONS = {
     "failed": "raised and will not be retried (no retries left, or not retried)",
     "expired": "its expires time passed before it could start",
     "unknown_task": "names a task the worker does not know",
-    "undecodable": "its message could not be decoded",
+    "undecodable": "its message could not be decoded, or its task id or name holds "
+                   "control characters (they would forge log lines)",
     "invalid": "its message is not a valid task message",
     "unknown_message": "its message is not a task message",
     "rejected": "rejected by the consumer without requeue",
@@ -126,7 +127,7 @@ def wrap_consumer_handlers(consumer: Any) -> None:
                 return True
         except Exception as exc:
             logger.error("celery_ext: could not dead-letter message %s: %s",
-                         message.delivery_tag, exc)
+                         one_line(str(message.delivery_tag)), exc)
         return False
 
     def reject(message: Any, exc: Exception | None) -> None:
@@ -163,7 +164,7 @@ def wrap_consumer_handlers(consumer: Any) -> None:
                                                      request=request)
             except Exception as err:  # the result backend is not the broker
                 logger.warning("celery_ext: could not store the failure of %s: %s",
-                               task_id, err)
+                               one_line(task_id), err)
             if consumer.event_dispatcher:
                 consumer.event_dispatcher.send("task-failed", uuid=task_id,
                                                exception=f"NotRegistered({name!r})")

@@ -6,16 +6,28 @@ can be pushed into a Redis list, though, and Kombu and Celery index into these
 fields without checking their types: a ``headers`` list stops a worker with
 "Unrecoverable error". The transport checks the shape first and sends a job that
 fails it to the dead set (reason ``undecodable``) with the problem this names.
+
+The task id and task name are printed in log lines, ours and Celery's ("Received
+task: name[id]"), so one holding a control character (a newline, a terminal escape,
+a line separator) could forge log lines: such a job is refused here too, before any
+log line sees it, and the problem names the field with its value escaped.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 from typing import Any
 
 #: Top-level fields that must be strings when present.
 _STRING_FIELDS = ("content-type", "content-encoding")
 #: Properties that must be strings when present.
 _STRING_PROPERTIES = ("body_encoding", "correlation_id", "reply_to")
+#: Fields of a task message that end up in log lines: (field, what it is called).
+_LOGGED_FIELDS = (("id", "task id"), ("task", "task name"))
+#: Characters of an unsafe value shown (escaped) in the problem.
+_SHOWN_CHARS = 80
 
 
 def _kind(value: Any) -> str:
@@ -46,4 +58,41 @@ def envelope_problem(raw: Any) -> str | None:
     for name in _STRING_PROPERTIES:
         if props.get(name) is not None and not isinstance(props[name], str):
             return f"its property {name} is {_kind(props[name])}, not a string"
+    return logged_field_problem(raw)
+
+
+def logged_field_problem(raw: dict[str, Any]) -> str | None:
+    """Why the task id or name of ``raw`` (a well-shaped envelope) must not reach a log
+    line, or None: a control character (anything ``str.isprintable`` refuses).
+
+    Protocol 2 carries both in the headers; a message whose headers have no ``task``
+    is read by Celery as protocol 1, with both in its body (checked when that is JSON).
+    """
+    headers = raw.get("headers")
+    if isinstance(headers, dict) and "task" in headers:
+        fields: Any = headers
+    elif isinstance(headers, dict):
+        fields = _protocol1_body(raw)
+    else:
+        return None  # no headers: Celery does not read it as a task message
+    if not isinstance(fields, dict):
+        return None
+    for name, label in _LOGGED_FIELDS:
+        value = fields.get(name)
+        if isinstance(value, str) and not value.isprintable():
+            shown = repr(value[:_SHOWN_CHARS])  # repr escapes every unprintable character
+            return f"its {label} {shown} holds control characters (it would forge log lines)"
     return None
+
+
+def _protocol1_body(raw: dict[str, Any]) -> Any:
+    """The decoded JSON body of a protocol 1 message, or None if it is not JSON."""
+    body = raw.get("body")
+    if not isinstance(body, str) or raw.get("content-type") != "application/json":
+        return None
+    try:
+        if raw["properties"].get("body_encoding") == "base64":
+            return json.loads(base64.b64decode(body, validate=True))
+        return json.loads(body)
+    except (ValueError, binascii.Error):  # the body checks after this one say why
+        return None

@@ -21,6 +21,7 @@ import redis
 
 from .config import Settings
 from .keys import Keys
+from .liveness import registration_fields
 from .scripts import Scripts
 
 logger = logging.getLogger("celery_ext.heartbeater")
@@ -70,6 +71,7 @@ class Heartbeater:
             "pool_id": pool_id,
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            **registration_fields(settings),  # its own dead_after, for whoever judges it
             **(info or {}),
         }
         self.scripts = Scripts(client)

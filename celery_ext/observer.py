@@ -4,6 +4,9 @@ Written from the process that runs the job (a prefork child, a thread, the solo
 worker), through Celery's ``task_prerun``/``task_postrun`` signals. ``checkin()``
 records progress at most once per ``CHECKIN_MIN_INTERVAL`` per job and tells the job
 whether to stop: its pool is shutting down, or someone asked through the client API.
+
+A process killed mid-job (a prefork child's SIGKILL, OOM) cannot clear its records:
+the pool's main process does it when Celery reports the loss (:func:`job_lost`).
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import threading
 import time
 from typing import Any
 
+from billiard.exceptions import WorkerLostError
 from celery import current_task
-from celery.signals import task_postrun, task_prerun, worker_process_shutdown
+from celery.signals import task_failure, task_postrun, task_prerun, worker_process_shutdown
 
 from .config import Settings
+from .dead import one_line
 from .heartbeater import owning_pool_id
 from .keys import Keys
 from .scripts import Scripts
@@ -257,7 +262,8 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
         if obs is not None:
             obs.job_started(task, task_id, args, kwargs)
     except Exception as exc:
-        logger.warning("celery_ext: could not record busy worker for %s: %s", task_id, exc)
+        logger.warning("celery_ext: could not record busy worker for %s: %s",
+                       one_line(task_id), exc)
 
 
 #: Celery end state of a run -> the stats counter it increments.
@@ -277,7 +283,45 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
             obs.job_finished(task_id, queue=queue, outcome=OUTCOMES.get(state or "", ""))
             obs.wake_for_stats()
     except Exception as exc:
-        logger.warning("celery_ext: could not clear busy worker for %s: %s", task_id, exc)
+        logger.warning("celery_ext: could not clear busy worker for %s: %s",
+                       one_line(task_id), exc)
+
+
+def job_lost(app: Any, job_id: str) -> None:
+    """The process running ``job_id`` died under it (WorkerLostError, reported in the
+    pool's main process): drop the job's busy record and checkin, which that process
+    can no longer clear. Without this they would stay for the pool's lifetime (a ghost
+    busy or stalled row; the job lookup would say "running" for good)."""
+    try:
+        obs = Observer.for_app(app)
+        if obs is not None:
+            obs.scripts("busy", [obs.keys.busy(obs.pool_id), obs.keys.checkins,
+                                 obs.keys.stop_requests, obs.keys.stats],
+                        ["", "lost", job_id, "", "", "", 0])
+    except Exception as exc:
+        logger.warning("celery_ext: could not clear the busy record of lost job %s: %s",
+                       one_line(job_id), exc)
+
+
+@task_failure.connect(weak=False)
+def _on_failure(sender: Any = None, task_id: str | None = None, exception: Any = None,
+                **kw: Any) -> None:
+    """Celery reports a lost worker in the main process with this signal when it does
+    not requeue the job (``acks_late`` off, the default without ``install(app)``); the
+    requeue case goes through ``celery_ext.request.Request`` (``install(app)``)."""
+    if isinstance(exception, WorkerLostError) and task_id and sender is not None:
+        job_lost(sender.app, task_id)
+
+
+def _forget_observers_after_fork() -> None:
+    """A child forked from a process that built an observer (the main process, after a
+    lost job) builds its own: the parent's lock and thread are not its."""
+    global _observers_lock
+    _observers.clear()
+    _observers_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_observers_after_fork)
 
 
 @worker_process_shutdown.connect(weak=False)

@@ -1,11 +1,16 @@
 """The dead-pool reaper: requeues the in-flight jobs of pools that stopped heartbeating.
 
 Every worker pool runs one (``start()``/``stop()``); a lock makes one pass run at a
-time across the cluster, and ``reap()`` is the one-shot pass that tests and the CLI
-call. Staleness is judged by Redis time only. After the reaper itself could not
-reach Redis (or was stopped) it waits until it has seen Redis answer steadily for
-``dead_after`` again, so a Redis stall, which makes every heartbeat look old at
-once, never reaps live pools.
+time across the cluster. ``reap()`` is the one-shot pass that tests call, and
+``reap_now()`` the one ``celery ext reap`` and ``Client.reap()`` run.
+
+Staleness is judged by Redis time only, and by each pool's own ``dead_after`` (the
+rule is :mod:`celery_ext.liveness`). A Redis outage or stall makes every heartbeat
+look old at once, so a pool is only judged by a reaper that has seen Redis answer
+steadily for long enough: in a worker, ``dead_after`` of its own contact and the
+pool's :attr:`~celery_ext.liveness.Liveness.confirm_ms`; in a one-shot process,
+``reap_now()`` first watches Redis for the confirm time of the pools that look dead
+(``force=True`` skips the watch).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import logging
 import random
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -25,12 +31,18 @@ from kombu.utils.encoding import bytes_to_str
 from .clock import now_ms
 from .config import Settings
 from .keys import Keys
+from .liveness import LIVENESS_FIELDS, Liveness
 from .scripts import Scripts
 
 logger = logging.getLogger("celery_ext.reaper")
 
 #: Most in-flight jobs moved by one script call (bounds the time Redis is blocked).
 RECOVER_CHUNK = 500
+#: ``reap_now()`` reads Redis' clock this often while it watches for a stall (seconds).
+WATCH_POLL = 0.2
+#: A reply later than this after the previous one (ms, Redis time, beyond the poll
+#: interval) counts as a stall: the watch starts over.
+WATCH_GAP_MS = 1000
 
 
 @dataclass
@@ -41,6 +53,11 @@ class ReapResult:
     requeued: list[str] = field(default_factory=list)
     dead_jobs: list[str] = field(default_factory=list)
     skipped: str = ""
+    #: Pools that look dead but were left for a later pass: Redis has not been seen
+    #: answering steadily for long enough to tell them from a Redis stall.
+    waiting: list[str] = field(default_factory=list)
+    #: Seconds ``reap_now()`` watched Redis answer steadily before the pass.
+    watched: float = 0.0
 
     def __bool__(self) -> bool:
         return bool(self.dead_pools or self.requeued or self.dead_jobs)
@@ -93,21 +110,38 @@ class Reaper:
         self.passes = 0
 
     # -- one pass ------------------------------------------------------------------------
-    def stale_pools(self, now: int) -> list[str]:
-        """Pools whose heartbeat is older than dead_after, plus orphans: pools that
-        own in-flight jobs but are not registered at all."""
-        deadline = now - int(self.settings.dead_after * 1000)
-        stale = [bytes_to_str(p) for p in self.client.zrangebyscore(
-            self.keys.pools, "-inf", f"({deadline}")]
-        owners = {bytes_to_str(p) for p in self.client.smembers(self.keys.inflight_pools)}
-        if owners:
-            registered = self.client.zmscore(self.keys.pools, sorted(owners))
-            stale += [p for p, s in zip(sorted(owners), registered, strict=True)
-                      if s is None and p not in stale]
-        return [p for p in stale if p != self.own_pool_id]
+    def stale(self, now: int) -> dict[str, Liveness | None]:
+        """Pools whose heartbeat is older than their own dead_after (with their timings),
+        plus orphans (None): pools that own in-flight jobs but are not registered."""
+        beats: Any = self.client.zrange(self.keys.pools, 0, -1, withscores=True)
+        ids = [bytes_to_str(p) for p, _ in beats if bytes_to_str(p) != self.own_pool_id]
+        with self.client.pipeline(transaction=False) as pipe:
+            for pool_id in ids:
+                pipe.hmget(self.keys.pool(pool_id), LIVENESS_FIELDS)
+            infos = pipe.execute() if ids else []
+        beat_of: dict[str, float] = {bytes_to_str(p): s for p, s in beats}
+        result: dict[str, Liveness | None] = {}
+        for pool_id, values in zip(ids, infos, strict=True):
+            liveness = Liveness.of(dict(zip(LIVENESS_FIELDS, values, strict=True)),
+                                   self.settings)
+            if liveness.stale(beat_of[pool_id], now):
+                result[pool_id] = liveness
+        owners = sorted(bytes_to_str(p) for p in self.client.smembers(self.keys.inflight_pools))
+        for pool_id in owners:
+            if pool_id not in beat_of and pool_id != self.own_pool_id:
+                result[pool_id] = None
+        return result
 
-    def reap(self) -> ReapResult:
-        """One pass: requeue the jobs of every dead pool (under the cluster-wide lock)."""
+    def stale_pools(self, now: int) -> list[str]:
+        """Ids of the pools :meth:`stale` finds."""
+        return list(self.stale(now))
+
+    def reap(self, steady_ms: int | None = None) -> ReapResult:
+        """One pass: requeue the jobs of every dead pool (under the cluster-wide lock).
+
+        ``steady_ms``: how long the caller has seen Redis answer without a gap; a
+        registered pool whose confirm time is longer is left for a later pass (in
+        ``waiting``). None judges every pool now (tests, ``reap_now(force=True)``)."""
         result = ReapResult()
         token = uuid.uuid4().hex
         lock_ms = int(max(self.settings.reap_interval, 5.0) * 1000)
@@ -116,8 +150,13 @@ class Reaper:
             return result
         try:
             now = now_ms(self.client)
+            # For pools registered without their own dead_after (recover.lua's fallback).
             deadline = now - int(self.settings.dead_after * 1000)
-            for pool_id in self.stale_pools(now):
+            for pool_id, liveness in self.stale(now).items():
+                if liveness is not None and steady_ms is not None \
+                        and steady_ms < liveness.confirm_ms:
+                    result.waiting.append(pool_id)
+                    continue
                 self._reap_pool(pool_id, deadline, result)
         finally:
             # Release only our own lock (it may have expired and been taken since).
@@ -163,6 +202,51 @@ class Reaper:
             pipe.delete(busy)
             pipe.execute()
 
+    def reap_now(self, force: bool = False, max_watch: float | None = None) -> ReapResult:
+        """The manual pass (``celery ext reap``): first watch Redis answer steadily for
+        the confirm time of every pool that looks dead (two of its heartbeat intervals
+        and a second), then reap those still stale. Right after a Redis outage or stall
+        longer than ``dead_after`` every heartbeat looks old; a live pool stamps again
+        while this watches, so it is not reaped.
+
+        ``force=True`` skips the watch: every pool whose heartbeat is old *now* is
+        declared dead and its jobs requeued, even if the cause was Redis itself (the
+        jobs it runs then run twice). ``max_watch`` caps the watch (seconds; default
+        three confirm times); if Redis was not steady that long, nothing registered is
+        reaped and ``skipped`` says why."""
+        if force:
+            return self.reap()
+        needed = max((liveness.confirm_ms for liveness in self.stale(now_ms(self.client)).values()
+                      if liveness is not None), default=0)
+        steady = self.watch(needed, max_watch if max_watch is not None else 3 * needed / 1000)
+        result = self.reap(steady_ms=steady)
+        result.watched = steady / 1000
+        if result.waiting and not result.skipped:
+            result.skipped = (f"Redis did not answer steadily for {needed / 1000:.1f}s, so "
+                              f"{len(result.waiting)} pool(s) with old heartbeats cannot be told "
+                              "from a Redis stall; run again, or --force")
+        return result
+
+    def watch(self, needed_ms: int, limit: float) -> int:
+        """Read Redis' clock every ``WATCH_POLL`` until it has answered without a gap
+        for ``needed_ms`` (or ``limit`` seconds passed); returns the ms of steady
+        contact seen last. An error or a late reply starts the count over."""
+        if needed_ms <= 0:
+            return 0
+        give_up = time.monotonic() + limit
+        since = last = now_ms(self.client)
+        while last - since < needed_ms and time.monotonic() < give_up:
+            time.sleep(WATCH_POLL)
+            try:
+                now = now_ms(self.client)
+            except redis.RedisError:
+                since = last = -1
+                continue
+            if last < 0 or now - last > WATCH_GAP_MS + WATCH_POLL * 1000:
+                since = now  # a stall (or an error) while watching: start over
+            last = now
+        return max(0, last - since)
+
     # -- loop ----------------------------------------------------------------------------
     def steady(self) -> bool:
         """Has this reaper seen Redis answer without a gap for at least dead_after?"""
@@ -184,7 +268,7 @@ class Reaper:
         if not self.steady():
             return None
         self.passes += 1
-        return self.reap()
+        return self.reap(steady_ms=now - (self._steady_since or now))
 
     def _run(self) -> None:
         interval = self.settings.reap_interval

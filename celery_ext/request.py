@@ -5,6 +5,8 @@ rejects the message with requeue. This class routes that one case through the
 ``recover`` script instead: the job goes back to the front of its queue at once
 with its recovery count incremented, or, past ``max_recoveries``, into the dead
 set as a poison pill, so one job that kills its worker cannot take the fleet down.
+The dead process's busy record and checkin are dropped first (they would otherwise
+stay for the pool's lifetime).
 Its base, :class:`celery_ext.retry.JobFateRequest`, sends failed and expired jobs to
 the dead set, ignores the ``eta`` of promoted jobs and releases unique-job locks.
 """
@@ -16,6 +18,7 @@ from typing import Any
 from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
 
+from .observer import job_lost
 from .retry import JobFateRequest
 
 
@@ -29,6 +32,9 @@ class Request(JobFateRequest):
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
         self._ext_worker_lost = isinstance(exc, WorkerLostError | SystemExit)
+        if self._ext_worker_lost:
+            # Before the job is requeued: its rerun writes records of the same job id.
+            job_lost(self.task.app, self.id)
         try:
             return super().on_failure(exc_info, send_failed_event=send_failed_event,
                                       return_ok=return_ok)

@@ -38,7 +38,7 @@ from celery.worker.request import Request as CeleryRequest
 from kombu.utils.json import dumps
 
 from .config import Settings
-from .dead import MAX_TRACEBACK
+from .dead import MAX_TRACEBACK, one_line
 from .keys import Keys
 from .unique import HEADER as UNIQUE_HEADER
 from .unique import release as release_unique
@@ -152,7 +152,8 @@ class JobFateRequest(CeleryRequest):
                                self.id, client)
         except Exception as exc:
             logger.warning("celery_ext: could not release the unique lock of %s[%s]: %s "
-                           "(it expires after its TTL)", self.name, self.id, exc)
+                           "(it expires after its TTL)", one_line(self.name),
+                           one_line(self.id), exc)
 
     # -- failure --------------------------------------------------------------------------
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
@@ -202,7 +203,7 @@ class JobFateRequest(CeleryRequest):
                 fallback = f"{queue}\n{dumps(message.serializable())}"
             except Exception:
                 logger.debug("celery_ext: cannot serialize %s[%s] for the dead set",
-                             self.name, self.id, exc_info=True)
+                             one_line(self.name), one_line(self.id), exc_info=True)
         try:
             moved = bool(dead_letter(
                 message.delivery_tag, reason, error, fallback=fallback,
@@ -211,9 +212,9 @@ class JobFateRequest(CeleryRequest):
                 hostname=self.hostname, **fields))
         except Exception as exc:
             logger.error("celery_ext: could not move %s[%s] to the dead set: %s",
-                         self.name, self.id, exc)
+                         one_line(self.name), one_line(self.id), exc)
             return False
         if moved:
             logger.warning("celery_ext: job %s[%s] moved to the dead set (%s: %s)",
-                           self.name, self.id, reason, error)
+                           one_line(self.name), one_line(self.id), reason, one_line(error))
         return moved

@@ -24,7 +24,7 @@ from redis.commands.core import Script
 SCRIPT_NAMES = (
     "enqueue", "fetch", "ack", "requeue", "heartbeat", "deregister", "dead", "recover",
     "checkin", "busy", "schedule", "promote", "enqueue_unique", "unique_release", "dead_retry",
-    "bind", "stats",
+    "bind", "stats", "forget",
 )
 
 

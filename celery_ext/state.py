@@ -17,6 +17,7 @@ from kombu.utils.encoding import bytes_to_str
 from .clock import now_ms
 from .config import Settings
 from .keys import Keys
+from .liveness import Liveness
 
 
 class QueueInfo(TypedDict):
@@ -41,7 +42,7 @@ class PoolInfo(TypedDict):
     queues: list[str]
     started_at: float | None
     heartbeat_age: float | None  # seconds, by Redis time
-    state: str  # running, stopping, dead (heartbeat older than dead_after)
+    state: str  # running, stopping, dead (heartbeat older than its dead_after), orphaned
     in_flight: int
 
 
@@ -156,7 +157,7 @@ class State:
             age = (now - beat) / 1000 if beat is not None else None
             if age is None:
                 state = "orphaned"
-            elif age > self.settings.dead_after:
+            elif Liveness.of(info, self.settings).stale(beat, now):  # the reaper's rule
                 state = "dead"
             else:
                 state = info.get("state", "running")

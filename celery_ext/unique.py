@@ -18,7 +18,9 @@ running one may already have read the state it would act on. It is also released
 when the job expires. Retries are always published (they are the same job) and
 take the lock again if it is free. The TTL (``unique_ttl`` option, default
 ``Settings.unique_ttl``, counted from the job's due time) is the safety net for a
-lock whose job never starts (purged queue, dead-lettered message).
+lock whose job never starts (purged queue, dead-lettered message). Deleting a
+scheduled, retry or dead job through ``celery_ext.client`` releases its lock in the
+same script (:func:`lock_of` reads it from the stored message).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+from .dead import one_line
 from .keys import Keys
 from .scripts import Scripts
 
@@ -82,6 +85,23 @@ def take_pending(message: dict[str, Any]) -> UniqueRequest | None:
     return req
 
 
+def lock_of(payload: str | bytes) -> tuple[str, str] | None:
+    """(digest, task id) of a stored unique job's message, or None if it is not one.
+
+    The digest travels in the message's ``celery_ext_unique`` header; the lock's value
+    while this job holds it is the task id."""
+    try:
+        headers = json.loads(payload).get("headers")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return None
+    if not isinstance(headers, dict):
+        return None
+    digest, task_id = headers.get(HEADER), headers.get("id")
+    if isinstance(digest, str) and digest and isinstance(task_id, str) and task_id:
+        return digest, task_id
+    return None
+
+
 def validate_unique_options(task: Any) -> None:
     """Raise ValueError for a unique_ttl or unique_key a task cannot use."""
     ttl = getattr(task, "unique_ttl", None)
@@ -125,7 +145,7 @@ def patch_send_task(app: Any) -> None:
             _pending.reset(token)
         if req.holder is not None and req.holder != result.id:
             logger.debug("celery_ext: %s is already pending as %s; not enqueued again",
-                         name, req.holder)
+                         one_line(name), one_line(req.holder))
             pending = (options.get("result_cls") or app.AsyncResult)(req.holder)
             pending.ignored = getattr(result, "ignored", False)
             return pending

@@ -10,7 +10,7 @@ import os
 import time
 from typing import Any
 
-import celery_ext  # noqa: F401  (checkin)
+import celery_ext
 from tests.proj import app, recorder
 
 
@@ -68,3 +68,17 @@ def retry_once(self: Any, key: str, countdown: float) -> int:
     if not self.request.retries:
         raise self.retry(countdown=countdown)
     return self.request.retries
+
+
+@app.task(ignore_result=True)
+def checkin_once(key: str, seconds: float) -> None:
+    """Checks in (``celery_ext.checkin``, no install needed) for ``seconds`` on its first
+    run only; a rerun returns at once without a checkin, so a checkin left after it is
+    the first run's."""
+    r = recorder()
+    first = r.rpush(f"start:{key}", f"{os.getpid()}:{time.time()}") == 1
+    deadline = time.time() + (seconds if first else 0)
+    while time.time() < deadline:
+        celery_ext.checkin(message="working")
+        time.sleep(0.1)
+    r.rpush(f"runs:{key}", f"{os.getpid()}:{time.time()}")

@@ -225,6 +225,58 @@ def test_garbage_without_install_is_dead_too_and_the_consumer_does_not_restart(
     wait_until(lambda: redis_client.hlen(K.inflight(pool)) == 0, 5, "an empty in-flight record")
 
 
+def _protocol1(tag: str, task_id: str) -> str:
+    """A protocol 1 message (task and id in the JSON body, no task header)."""
+    body = json.dumps({"task": QUEUE, "id": task_id, "args": [1, 2], "kwargs": {}})
+    return json.dumps(envelope(tag, body=body.encode(), headers={"lang": "py"}))
+
+
+#: name -> payload whose task id or name holds control characters.
+FORGERS: dict[str, str] = {
+    "newline in the task id": with_headers(
+        "f-id", id="f-id\nFORGED [2026-01-01 00:00:00,000: ERROR/MainProcess] id line"),
+    "CR LF in the task name": with_headers("f-name", task=QUEUE + "\r\nFORGED name line"),
+    "terminal escape in the task id": with_headers("f-esc", id="f-esc\x1b[2J"),
+    "line separator in the task name": with_headers("f-sep", task=QUEUE + "\u2028FORGED sep"),
+    "newline in a protocol 1 body id": _protocol1("f-p1", "f-p1\nFORGED protocol 1 line"),
+}
+
+
+@pytest.mark.parametrize("mode", ["install", "drop-in"])
+def test_control_characters_in_task_id_or_name_never_reach_a_log_line(
+        app: Celery, broker_url: str, redis_client: redis.Redis, worker_factory: Factory,
+        mode: str) -> None:
+    """A task id or name holding a newline, CR, escape or line separator would forge
+    log lines (Celery's "Task name[id] received", ours): the transport dead-letters
+    such a job before Kombu or Celery see it, and the worker keeps running jobs."""
+    env = {"CELERY_EXT_NO_INSTALL": "1"} if mode == "drop-in" else {}
+    queue = QUEUE if mode == "install" else "celery"
+    worker = worker_factory("tests.proj", pool="prefork", concurrency=2, env=env).start()
+    for payload in FORGERS.values():
+        push(redis_client, queue, payload)
+    assert app.send_task(QUEUE, (2, 3), queue=queue).get(timeout=15) == 5
+    client = Client(redis_client)
+    page = wait_until(lambda: (p := client.dead())["total"] >= len(FORGERS) and p, 10,
+                      "every forger in the dead set")
+    assert page["total"] == len(FORGERS)
+    assert {j["id"] for j in page["items"]} == {"f-id", "f-name", "f-esc", "f-sep", "f-p1"}
+    for job in page["items"]:
+        assert job["reason"] == "undecodable", job
+        assert "holds control characters" in job["error"], job
+        assert client.dead_job(job["id"])["payload"]  # type: ignore[index]
+    assert app.send_task(QUEUE, (4, 5), queue=queue).get(timeout=15) == 9
+    log = worker.log_text()
+    assert not re.search(r"(?m)^FORGED", log), worker.log_tail(60)
+    assert "\x1b" not in log and "\u2028" not in log and "\r" not in log
+    assert "FORGED" in log  # the values are in the log, escaped: "...\\nFORGED ..."
+    assert worker.alive and len(re.findall(READY_PATTERN, log)) == 1
+    if mode == "install":  # (one CLI start-up is enough) `dead show` prints them escaped too
+        from tests.webutil import run_cli
+
+        shown = run_cli(broker_url, "dead", "show", "f-id").stdout
+        assert "FORGED" in shown and not re.search(r"(?m)^FORGED", shown), shown
+
+
 # -- payload size ------------------------------------------------------------------------------
 
 

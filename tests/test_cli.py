@@ -124,7 +124,8 @@ def test_cli_against_a_live_worker(broker_url: str, redis_client: redis.Redis,
     assert "deleted 2 dead job(s)" in ok(broker_url, "dead", "rm", "--all", "--yes")
     assert "not in the dead set" in fails(broker_url, "dead", "rm", "gone")
 
-    assert set(as_json(broker_url, "reap")) == {"dead_pools", "requeued", "dead_jobs", "skipped"}
+    assert set(as_json(broker_url, "reap")) == {"dead_pools", "requeued", "dead_jobs", "skipped",
+                                                 "waiting", "watched"}
 
 
 def test_cli_errors_are_one_line(redis_server: Any) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 
+from celery_ext.client import Client
 from celery_ext.config import Settings
 from celery_ext.heartbeater import Heartbeater
 from celery_ext.keys import Keys
@@ -150,6 +151,37 @@ def test_sigkill_prefork_child_reruns_promptly(app: Any, worker_factory: Any,
     # The job records its run before it returns; the pool acks it just after.
     wait_for(lambda: int(redis_client.hget(KEYS.running, "tests.proj_pools.slow") or 0) == 0,
              5, "the rerun's ack")
+
+
+@pytest.mark.parametrize("mode", ["install", "drop-in"])
+def test_killed_prefork_child_leaves_no_busy_record_or_checkin(
+        app: Any, worker_factory: Any, redis_client: redis.Redis, rec: redis.Redis,
+        mode: str) -> None:
+    """A prefork child SIGKILLed mid-job cannot clear its busy record and checkin: the
+    pool's main process drops them when Celery reports the loss, with ``install(app)``
+    (the job is requeued and reruns) and without it (Celery fails the job)."""
+    env = {"CELERY_EXT_NO_INSTALL": "1"} if mode == "drop-in" else {}
+    w = start_worker(worker_factory, pool="prefork", concurrency=2, env=env)
+    (pool_id,) = wait_for(lambda: list(pools(redis_client)), 10, "pool registration")
+    state = State(redis_client, SETTINGS)
+    # (This process has install(app): a drop-in worker consumes Celery's default queue.)
+    job = app.checkin_once.apply_async(("lost", 60), queue="celery" if env else None)
+    first = wait_for(lambda: starts(rec, "lost"), 10, "job start")[0]
+    wait_for(lambda: redis_client.hget(KEYS.checkins, job.id), 10, "its checkin")
+    if mode == "install":  # busy records are written by install(app)'s observer
+        wait_for(lambda: [b for b in state.busy_workers() if b["job_id"] == job.id], 10,
+                 "its busy record")
+    os.kill(int(first.split(":")[0]), signal.SIGKILL)
+    wait_for(lambda: "WorkerLostError" in w.log_text() or runs(rec, "lost"), 20,
+             "Celery reporting the lost child")
+    if mode == "install":
+        wait_for(lambda: runs(rec, "lost"), 15, "the rerun (it does not check in)")
+    wait_for(lambda: redis_client.hget(KEYS.checkins, job.id) is None, 5,
+             "the dead child's checkin to be dropped")
+    assert redis_client.hlen(KEYS.busy(pool_id)) == 0
+    assert not state.busy_workers()
+    assert Client(redis_client, SETTINGS).job(job.id)["state"] != "running"
+    assert w.alive and list(pools(redis_client)) == [pool_id]
 
 
 def test_long_job_checks_in_and_is_never_duplicated(app: Any, worker_factory: Any,
@@ -338,3 +370,97 @@ def test_redis_outage_does_not_reap_live_pools(worker_factory: Any, tmp_path: An
 def factory_start(factory: Callable[..., WorkerProcess], url: str, name: str) -> WorkerProcess:
     return factory(APP, broker_url=url, env=dict(FAST), hostname=name, pool="threads",
                    concurrency=2).start()
+
+
+def test_each_pool_is_judged_by_its_own_dead_after(app: Any, worker_factory: Any,
+                                                   redis_client: redis.Redis) -> None:
+    """Pools record their own dead_after and heartbeat interval when they register; a
+    reaper started with other values judges each pool by the pool's own: a small
+    dead_after does not reap a pool that heartbeats more slowly, a large one does not
+    keep a stopped fast pool's jobs waiting. recover.lua's re-check agrees."""
+    from celery_ext.clock import now_ms
+    from celery_ext.reaper import recover_tags
+
+    slow = worker_factory(APP, pool="threads", concurrency=2, hostname="slow@%h", env={
+        "CELERY_EXT_HEARTBEAT_INTERVAL": "1.5", "CELERY_EXT_DEAD_AFTER": "6",
+        "CELERY_EXT_REAP_INTERVAL": "60"}).start()  # its own reaper stays out of the way
+    fast = start_worker(worker_factory, pool="threads", concurrency=2, hostname="fast@%h",
+                        env={"CELERY_EXT_REAP_INTERVAL": "60"})
+    ids = wait_for(lambda: len(pools(redis_client)) == 2 and sorted(pools(redis_client)), 10,
+                   "both pools registered")
+    by_pid = {int(p.split(":")[1]): p for p in ids}
+    slow_id, fast_id = by_pid[slow.pid], by_pid[fast.pid]
+    assert redis_client.hmget(KEYS.pool(slow_id), ["dead_after_ms", "heartbeat_interval_ms"]) \
+        == [b"6000", b"1500"]
+    assert redis_client.hget(KEYS.pool(fast_id), "dead_after_ms") == b"1500"
+
+    eager = Reaper(redis_client, Settings.load({}, environ={
+        "CELERY_EXT_HEARTBEAT_INTERVAL": "0.1", "CELERY_EXT_DEAD_AFTER": "0.3"}))
+    oldest = 0.0
+    until = time.monotonic() + 2 * 1.5 + 0.5
+    while time.monotonic() < until:
+        oldest = max(oldest, (now_ms(redis_client) - pools(redis_client)[slow_id]) / 1000)
+        assert eager.reap().dead_pools == []
+        time.sleep(0.05)
+    assert oldest > 0.3  # older than the eager reaper's dead_after, many times over
+    # The script's re-check: a caller's deadline saying "stale" loses to the pool's own.
+    done, _, _ = recover_tags(redis_client, SETTINGS, slow_id, [], mode="pool",
+                              deadline_ms=now_ms(redis_client) + 60_000)
+    assert not done and slow_id in pools(redis_client)
+    assert {p["pool_id"]: p["state"] for p in State(redis_client, eager.settings)
+            .worker_pools()}[slow_id] == "running"
+
+    os.kill(fast.pid, signal.SIGSTOP)
+    try:
+        patient = Reaper(redis_client, Settings.load({}, environ={}))  # dead_after 30 s
+        stopped_at = time.monotonic()
+        result = wait_for(lambda: (r := patient.reap()).dead_pools and r, 10,
+                          "the stopped pool to be reaped by its own dead_after")
+        assert result.dead_pools == [fast_id]
+        assert time.monotonic() - stopped_at < 1.5 + 1.5
+    finally:
+        os.kill(fast.pid, signal.SIGCONT)
+    assert slow_id in pools(redis_client)
+    assert "declared dead" not in slow.log_text()
+
+
+def test_manual_reap_after_a_redis_outage_spares_live_pools_unless_forced(
+        worker_factory: Any, tmp_path: Any) -> None:
+    """Right after Redis was away for longer than dead_after every heartbeat is old.
+    ``Client.reap()`` (``celery ext reap``) first watches Redis answer steadily for two
+    heartbeat intervals and a second, in which the live pool stamps again: nothing is
+    reaped. ``force=True`` does not watch and declares the live pool dead."""
+    from celery_ext.client import Client as ExtClient
+    from celery_ext.server import RedisServer
+
+    env = {"CELERY_EXT_HEARTBEAT_INTERVAL": "1.5", "CELERY_EXT_DEAD_AFTER": "3.5",
+           "CELERY_EXT_REAP_INTERVAL": "0.5"}
+    with RedisServer(data_dir=tmp_path / "outage") as server:
+        url = server.url(scheme="celery-ext")
+        proj.configure(url)
+        w = worker_factory(APP, broker_url=url, env=env, hostname="a@%h", pool="threads",
+                           concurrency=2).start()
+        client = server.client()
+        (pool_id,) = wait_for(lambda: list(pools(client)), 10, "pool registration")
+
+        def outage() -> redis.Redis:
+            client.close()
+            server.kill()  # AOF (fsync always) keeps the registration
+            time.sleep(3.5 + 1)
+            server.start()
+            return server.client()
+
+        client = outage()
+        # The manual process's own settings (dead_after 1.5 s) do not matter either.
+        result = ExtClient(client, SETTINGS).reap()
+        assert result.dead_pools == [] and result.requeued == []
+        assert result.watched >= 2 * 1.5 + 1 - 0.2, result
+        assert pool_id in pools(client)
+        assert "declared dead" not in w.log_text()
+
+        client = outage()
+        forced = ExtClient(client, SETTINGS).reap(force=True)
+        assert forced.dead_pools == [pool_id] and forced.watched == 0
+        w.wait_for_log("declared dead", timeout=10)  # it learns at its next heartbeat
+        wait_for(lambda: list(pools(client)) == [pool_id], 10, "the pool registered again")
+        w.stop()

@@ -171,3 +171,57 @@ def test_max_concurrency_count_returns_to_zero_after_killed_pools(
     wait_for(lambda: rec.llen("runs:k") >= 20, 30, "every job to run")
     wait_for(lambda: int(redis_client.hget(K.running, queue) or 0) == 0, 10, "running back to 0")
     assert survivor.alive
+
+
+def test_deleting_a_unique_job_releases_its_lock(
+        app: Any, client: Client, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """A deleted scheduled or dead unique job no longer holds its lock: an identical
+    job is accepted at once (a new id) and runs, through the client and the JSON API."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from starlette.testclient import TestClient
+
+    from celery_ext.web import create_app
+
+    queue = "tests.proj_sets.unique_job"
+    # A pool that does not know the task dead-letters it (unknown_task) before it
+    # starts, so its lock stays taken.
+    stranger = worker_factory("tests.proj", queues=[queue]).start()
+    dead = app.unique_job.delay("x")
+    (dead_id,) = wait_for(lambda: [j["id"] for j in client.dead()["items"]], 10,
+                          "the job in the dead set")
+    assert client.dead()["items"][0]["reason"] == "unknown_task"
+    assert app.unique_job.delay("x").id == dead.id  # its lock is still held
+    stranger.stop()
+    assert client.delete_dead(dead_id) and not client.delete_dead(dead_id)
+
+    start_workers(worker_factory, 1)
+    again = app.unique_job.delay("x")
+    assert again.id != dead.id
+    wait_for(lambda: rec.llen("runs:x") == 1, 10, "the identical job after the dead one")
+
+    # Scheduled, deleted through the client.
+    first = app.unique_job.apply_async(("s",), countdown=300)
+    assert app.unique_job.apply_async(("s",), countdown=300).id == first.id
+    (sched_id,) = [j["id"] for j in client.scheduled()["items"]]
+    assert client.delete_scheduled(sched_id) and not client.delete_scheduled(sched_id)
+    second = app.unique_job.delay("s")
+    assert second.id != first.id
+    wait_for(lambda: rec.llen("runs:s") == 1, 10, "the identical job after the deleted one")
+
+    # Scheduled, deleted through the JSON API.
+    third = app.unique_job.apply_async(("w",), countdown=300)
+    (sched_id,) = [j["id"] for j in client.scheduled()["items"]]
+    with TestClient(create_app(client)) as api:
+        token = api.get("/api/csrf").json()["csrf_token"]
+        r = api.post("/api/scheduled/delete", json={"id": sched_id},
+                     headers={"X-CSRF-Token": token})
+        assert r.status_code == 200
+    fourth = app.unique_job.delay("w")
+    assert fourth.id != third.id
+    wait_for(lambda: rec.llen("runs:w") == 1, 10, "the identical job after the API delete")
+    assert client.counts() == {"scheduled": 0, "retry": 0, "dead": 0}
+    assert not list(redis_client.scan_iter(K.unique("*")))

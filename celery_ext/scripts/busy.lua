@@ -4,7 +4,9 @@
 -- KEYS[3]  stop requests set            {ns}:stop
 -- KEYS[4]  stats hash                   {ns}:stats
 -- ARGV[1]  slot id (pid, or pid-thread)
--- ARGV[2]  "start" or "end"
+-- ARGV[2]  "start", "end", or "lost": the process running the job died (reported by
+--          the pool's main process, which does not know the slot): every record of
+--          the job in this pool's busy hash is dropped, with its checkin, as at "end"
 -- ARGV[3]  job id
 -- ARGV[4]  job record JSON (start only), one line; started_at is added here
 -- ARGV[5]  (end only) job queue name and ARGV[6] outcome ("processed"/"failed"/
@@ -14,10 +16,23 @@
 -- Returns the Redis time in ms.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local busyKey, jobId = KEYS[1], ARGV[3]
 if ARGV[2] == 'start' then
-  redis.call('HSET', KEYS[1], ARGV[1], (now - tonumber(ARGV[7] or 0)) .. '\n' .. ARGV[4])
+  redis.call('HSET', busyKey, ARGV[1], (now - tonumber(ARGV[7] or 0)) .. '\n' .. ARGV[4])
+elseif ARGV[2] == 'lost' then
+  local slots = redis.call('HGETALL', busyKey)
+  for i = 1, #slots, 2 do
+    local rec = slots[i + 1]
+    local nl = string.find(rec, '\n', 1, true)
+    local ok, job = pcall(cjson.decode, string.sub(rec, (nl or 0) + 1))
+    if ok and type(job) == 'table' and job['job_id'] == jobId then
+      redis.call('HDEL', busyKey, slots[i])
+    end
+  end
+  redis.call('HDEL', KEYS[2], jobId)
+  redis.call('SREM', KEYS[3], jobId)
 else
-  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('HDEL', busyKey, ARGV[1])
   redis.call('HDEL', KEYS[2], ARGV[3])
   redis.call('SREM', KEYS[3], ARGV[3])
   if ARGV[6] and ARGV[6] ~= '' then

@@ -14,9 +14,11 @@
 -- KEYS[9]  dead jobs hash               {ns}:dead_jobs
 -- KEYS[10..] job queue lists, one per tag
 -- ARGV[1]  pool id
--- ARGV[2]  "pool": only if the pool's heartbeat is older than ARGV[3] (or gone),
---          and then the pool is removed; "job": the pool is alive, recover the tags
--- ARGV[3]  heartbeat deadline, ms (Redis time); ignored in "job" mode
+-- ARGV[2]  "pool": only if the pool's heartbeat is older than its own dead_after
+--          (field dead_after_ms of its hash, see liveness.py) or, for a pool
+--          registered without one, than ARGV[3] (or it is gone), and then the pool is
+--          removed; "job": the pool is alive, recover the tags
+-- ARGV[3]  fallback heartbeat deadline, ms (Redis time); ignored in "job" mode
 -- ARGV[4]  wake channel                 {ns}:wake
 -- ARGV[5]  job queue key prefix         {ns}:queue:
 -- ARGV[6]  max recoveries
@@ -29,7 +31,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if ARGV[2] == 'pool' then
   local beat = redis.call('ZSCORE', KEYS[2], ARGV[1])
-  if beat and tonumber(beat) >= tonumber(ARGV[3]) then
+  local ownDeadAfter = tonumber(redis.call('HGET', KEYS[3], 'dead_after_ms'))
+  local deadline = ownDeadAfter and (now - ownDeadAfter) or tonumber(ARGV[3])
+  if beat and tonumber(beat) >= deadline then
     return {0, {}, {}}
   end
   -- Declared dead first: its heartbeat now fails and it re-registers; its fetches
