@@ -32,6 +32,7 @@ REASONS = {
     "expired": "its expires time passed before it could start",
     "unknown_task": "names a task the worker does not know",
     "undecodable": "its message could not be decoded",
+    "too_large": "its message is larger than max_payload_bytes (found at fetch)",
     "invalid": "its message is not a valid task message",
     "unknown_message": "its message is not a task message",
     "rejected": "rejected by the consumer without requeue",
@@ -56,7 +57,8 @@ def one_line(text: str, limit: int = 500) -> str:
 
 
 def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,
-                reason: str, error: str = "", fallback: str = "", **meta: Any) -> bool:
+                reason: str, error: str = "", fallback: str | bytes = "",
+                **meta: Any) -> bool:
     """Move one in-flight job of ``pool_id`` to the dead set atomically.
 
     ``fallback`` (``"<queue>\\n<payload>"``) is recorded when the job is no longer in
