@@ -39,9 +39,10 @@ local ncand = #KEYS - 8
 local flags = ARGV[2]
 local max_payload = tonumber(ARGV[3 + ncand] or 0) or 0
 
--- The message's own delivery tag, from the end of the payload only (see above).
-local function tag_of(payload)
-  local tag, from = nil, math.max(1, #payload - TAG_WINDOW + 1)
+-- The message's own delivery tag, from the end of the payload only (see above): the
+-- last occurrence in its last `window` bytes, or nil.
+local function tag_in(payload, window)
+  local tag, from = nil, math.max(1, #payload - window + 1)
   while true do
     local _, e = string.find(payload, '"delivery_tag": "', from, true)
     if not e then return tag end
@@ -50,6 +51,10 @@ local function tag_of(payload)
     tag = string.sub(payload, e + 1, q - 1)
     from = q + 1
   end
+end
+local function tag_of(payload)
+  -- Our producers' tag ends about 60 bytes before the end: look there first.
+  return tag_in(payload, 128) or tag_in(payload, TAG_WINDOW)
 end
 if string.find(flags, '1', 1, true) and not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
   return {0, {}, {}, {}}
