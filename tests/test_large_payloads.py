@@ -179,3 +179,24 @@ def test_worker_dead_letters_a_job_over_its_limit_and_runs_the_others(
     log = worker.log_text()
     assert len(re.findall(READY_PATTERN, log)) == 1 and "Traceback" not in log
     assert len([ln for ln in log.splitlines() if "too large" in ln]) == 1, worker.log_tail(40)
+
+
+def test_a_no_ack_consumer_dead_letters_an_oversized_job_instead_of_losing_it(
+        broker_url: str, redis_client: redis.Redis) -> None:
+    """A no-ack fetch records nothing in flight: the job over the limit is written to
+    the dead set from the payload in hand (before, it would have been delivered; an
+    undecodable one was popped and recorded nowhere)."""
+    big = message("big-2", 200_000)
+    push(redis_client, QUEUE, big)
+    push(redis_client, QUEUE, "not json")
+    with Connection(broker_url, transport_options={"max_payload_bytes": 100_000}) as conn:
+        channel = conn.default_channel
+        assert channel.basic_get(QUEUE, no_ack=True) is None
+        assert channel.basic_get(QUEUE, no_ack=True) is None
+    client = Client(redis_client)
+    dead = {d["reason"]: d for d in client.dead()["items"]}
+    assert set(dead) == {"too_large", "undecodable"}
+    assert dead["too_large"]["id"] == "big-2"
+    assert client.dead_job("big-2")["payload"] == big  # type: ignore[index]
+    assert client.dead_job(dead["undecodable"]["id"])["payload"] == "not json"  # type: ignore[index]
+    assert redis_client.llen(K.queue(QUEUE)) == 0
