@@ -14,7 +14,10 @@ import redis
 from kombu import Connection
 
 from celery_ext.client import Client
+from celery_ext.config import Settings
+from celery_ext.dead import dead_letter
 from celery_ext.keys import Keys
+from celery_ext.scripts import Scripts
 from tests import proj
 from tests.test_bad_input import push
 from tests.test_transport import node_name, wait_until
@@ -127,3 +130,20 @@ def test_latency_is_read_without_shipping_the_oldest_job(redis_client: redis.Red
     assert (queues["empty"]["size"], queues["empty"]["latency"]) == (0, 0.0)
     page = client.job_queues(offset=1, limit=2)
     assert [q["name"] for q in page] == ["empty", "small"]
+
+
+def test_a_manually_retried_dead_job_counts_as_enqueued_at_its_retry(
+        redis_client: redis.Redis) -> None:
+    """A job dead for an hour and retried from the dead set goes to the front of its
+    queue: its queue's latency counts from the retry, not from its first enqueue."""
+    seconds, _ = redis_client.time()
+    push(redis_client, "retried", stamped("old-1", float(seconds) - 3600))
+    keys = [K.inflight("p"), K.pools, K.ready, K.redelivery, K.inflight_pools, K.running,
+            K.limits, K.paused, K.queue("retried")]
+    redis_client.zadd(K.pools, {"p": 1})
+    Scripts(redis_client)("fetch", keys, ["p", "1", "retried", 0])
+    assert dead_letter(redis_client, Settings(), "p", "old-1", reason="failed", error="x")
+    client = Client(redis_client)
+    assert client.retry_dead("old-1")
+    queue = next(q for q in client.job_queues() if q["name"] == "retried")
+    assert queue["size"] == 1 and queue["latency"] is not None and queue["latency"] < 5, queue
