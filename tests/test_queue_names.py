@@ -96,12 +96,12 @@ def test_drained_and_purged_queues_leave_the_listing_configured_ones_stay(
     assert not known(redis_client) & {"adhoc", "purged"}
     assert client.queue_count() == len(names)
 
-    push(redis_client, "adhoc", stamped("a2", 1.0))  # back with its next job
-    assert "adhoc" in listed(client)
-    redis_client.delete(K.queue("adhoc"))  # gone without a fetch: still in the ready set
-    assert "adhoc" not in listed(client)
-    push(redis_client, "adhoc", stamped("a3", 1.0))
-    assert "adhoc" in listed(client)
+    push(redis_client, "purged", stamped("p2", 1.0))  # back with its next job
+    assert "purged" in listed(client)
+    redis_client.delete(K.queue("purged"))  # gone without a fetch: still in the ready set
+    assert "purged" not in listed(client)
+    push(redis_client, "purged", stamped("p3", 1.0))
+    assert "purged" in listed(client)
 
 
 def test_latency_is_read_without_shipping_the_oldest_job(redis_client: redis.Redis) -> None:

@@ -14,7 +14,7 @@ local n = redis.call('LPUSH', KEYS[1], ARGV[1])
 -- SADD on every push keeps the ready set self-healing; only a queue that just
 -- became non-empty is announced, so busy systems publish almost nothing.
 if redis.call('SADD', KEYS[2], ARGV[2]) == 1 then
-  if not string.find(ARGV[2], '%.pidbox$') then
+  if string.sub(ARGV[2], -7) ~= '.pidbox' then
     redis.call('SADD', KEYS[3], ARGV[2])
   end
   redis.call('PUBLISH', ARGV[3], ARGV[2])

@@ -54,7 +54,7 @@ for i = 7, #KEYS do
   local qkey, name = KEYS[i], ARGV[i - 5]
   local size = redis.call('LLEN', qkey)
   local stamp = ''
-  if string.find(name, '%.pidbox$') or (size == 0 and not in_use(name)) then
+  if string.sub(name, -7) == '.pidbox' or (size == 0 and not in_use(name)) then
     redis.call('SREM', known, name)
     if size == 0 then redis.call('SREM', ready, name) end
     size = -1
