@@ -142,9 +142,11 @@ def _job_name(meta: dict[str, Any], queue: str, message: dict[str, Any]) -> str:
     return str(meta.get("name") or _headers(message).get("task") or queue)
 
 
-def _manual_retry_payload(payload: str) -> str:
+def _manual_retry_payload(payload: str, now: float) -> str:
     """The message a manual retry enqueues: attempts reset, no eta or expiry left
-    over from the failed run, and one more manual retry counted."""
+    over from the failed run, one more manual retry counted, and enqueued ``now``
+    (Redis seconds), so its queue's latency counts from the retry, not the first
+    enqueue."""
     message = _decode_message(payload)
     headers = message.get("headers")
     if not isinstance(headers, dict):
@@ -153,6 +155,9 @@ def _manual_retry_payload(payload: str) -> str:
     headers["eta"] = None
     headers["expires"] = None
     headers[MANUAL_RETRIES_HEADER] = _int(headers.get(MANUAL_RETRIES_HEADER)) + 1
+    props = message.get("properties")
+    if isinstance(props, dict):  # (kept in place: it stays after the delivery tag)
+        props["enqueued_at"] = round(now, 3)
     return str(dumps(message))  # kombu's separators: fetch finds the delivery tag by them
 
 
@@ -341,6 +346,7 @@ class Client:
     def _retry_dead_ids(self, ids: list[str]) -> set[str]:
         k = self.keys
         records = self.client.hmget(k.dead_jobs, ids)
+        now = now_s(self.client)
         keys: list[str] = []
         args: list[Any] = []
         for job_id, raw in zip(ids, records, strict=True):
@@ -348,7 +354,7 @@ class Client:
                 continue
             _meta, queue, payload = split_record(raw)
             keys.append(k.queue(queue))
-            args += [job_id, hashlib.sha1(raw).hexdigest(), _manual_retry_payload(payload)]
+            args += [job_id, hashlib.sha1(raw).hexdigest(), _manual_retry_payload(payload, now)]
         if not keys:
             return set()
         done = self.scripts("dead_retry", [k.dead, k.dead_jobs, k.ready, k.queues, *keys],

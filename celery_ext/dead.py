@@ -33,6 +33,7 @@ REASONS = {
     "unknown_task": "names a task the worker does not know",
     "undecodable": "its message could not be decoded, or its task id or name holds "
                    "control characters (they would forge log lines)",
+    "too_large": "its message is larger than max_payload_bytes (found at fetch)",
     "invalid": "its message is not a valid task message",
     "unknown_message": "its message is not a task message",
     "rejected": "rejected by the consumer without requeue",
@@ -57,7 +58,8 @@ def one_line(text: str, limit: int = 500) -> str:
 
 
 def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,
-                reason: str, error: str = "", fallback: str = "", **meta: Any) -> bool:
+                reason: str, error: str = "", fallback: str | bytes = "",
+                **meta: Any) -> bool:
     """Move one in-flight job of ``pool_id`` to the dead set atomically.
 
     ``fallback`` (``"<queue>\\n<payload>"``) is recorded when the job is no longer in

@@ -8,7 +8,10 @@ Layout (``ns`` = namespace)::
 
     {ns}:queue:<name>        list    a job queue; producers LPUSH, fetch RPOPs (FIFO)
     {ns}:ready               set     names of job queues that hold at least one job
-    {ns}:queues              set     every job queue name ever enqueued to
+    {ns}:queues              set     job queue names: added at enqueue (not Kombu's "*.pidbox"
+                                     reply queues), forgotten by readers (queue_info.lua)
+                                     once the list is gone, unless paused, limited,
+                                     weighted or in flight
     {ns}:weights             hash    queue name -> weight (written by worker pools)
     {ns}:wake                channel queue name, published when a queue becomes non-empty
     {ns}:pools               zset    pool id -> last heartbeat (Redis time, ms)

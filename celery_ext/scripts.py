@@ -8,8 +8,10 @@ recover, heartbeat, deregister, unique_release, and bind for a worker's queue
 bindings) start with ``#!lua flags=allow-oom``:
 when Redis reaches ``maxmemory`` a pool must still drain, finish, return and
 dead-letter jobs and stay alive (each is atomic: refused whole or run whole, never
-stopped half-way at its first growing write). New work (enqueue, schedule, promote)
-is refused, so memory cannot grow without bound. Flags need Redis 7.0+ / Valkey.
+stopped half-way at its first growing write). So does queue_info, which only reads
+and removes: the dashboard and the CLI must work on a full Redis. New work (enqueue,
+schedule, promote) is refused, so memory cannot grow without bound. Flags need
+Redis 7.0+ / Valkey.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from redis.commands.core import Script
 SCRIPT_NAMES = (
     "enqueue", "fetch", "ack", "requeue", "heartbeat", "deregister", "dead", "recover",
     "checkin", "busy", "schedule", "promote", "enqueue_unique", "unique_release", "dead_retry",
-    "bind", "stats", "forget",
+    "bind", "stats", "forget", "queue_info",
 )
 
 

@@ -4,6 +4,14 @@ Everything here is read with a few pipelined round trips, whatever the number of
 queues: the known queue names come from the ``queues`` set, pools from the ``pools``
 zset. ``celery_ext.client`` is the facade the dashboard and the CLI use; this
 module is its pools/queues half.
+
+Queue sizes and latencies come from the ``queue_info`` script (one call per 500
+names), which returns each queue's size and the ``enqueued_at`` number of its oldest
+job, found in that job's last kilobyte: a 1 MiB job at the head of a queue costs a
+reader a few bytes, not a megabyte. The same script forgets names whose list is gone
+and that nothing configures (see ``queue_info.lua``), so the ``queues`` set holds
+the job queues that exist or are paused, limited, weighted or in flight, not every
+name ever used.
 """
 
 from __future__ import annotations
@@ -18,6 +26,10 @@ from .clock import now_ms
 from .config import Settings
 from .keys import Keys
 from .liveness import Liveness
+from .scripts import Scripts
+
+#: Queue names per ``queue_info`` call: bounds how long one call holds Redis.
+QUEUE_INFO_CHUNK = 500
 
 
 class QueueInfo(TypedDict):
@@ -68,14 +80,11 @@ def _int(value: Any, default: int = 0) -> int:
         return default
 
 
-def enqueued_at(payload: bytes | str | None) -> float | None:
-    """The ``enqueued_at`` stamp (Redis-clock seconds) of a raw job, if any."""
-    if not payload:
-        return None
+def _stamp(value: Any) -> float | None:
+    """An ``enqueued_at`` number as ``queue_info`` returns it (empty when unknown)."""
     try:
-        value = json.loads(payload)["properties"]["enqueued_at"]
-        return float(value)
-    except (ValueError, KeyError, TypeError):
+        return float(value) if value else None
+    except ValueError:
         return None
 
 
@@ -86,41 +95,62 @@ class State:
         self.client: Any = client  # sync client (redis-py types replies as unions)
         self.settings = settings or Settings()
         self.keys = Keys(self.settings.namespace)
+        self.scripts = Scripts(client)
 
     # -- queues ------------------------------------------------------------------------
+    def _queue_info(self, names: list[str], stamps: bool
+                    ) -> tuple[float, list[tuple[int, float | None]]]:
+        """Redis time (s) and (size, oldest job's enqueued_at) of each name; size -1 for
+        a name forgotten now (see ``queue_info.lua``)."""
+        k = self.keys
+        fixed = [k.queues, k.ready, k.paused, k.limits, k.weights, k.running]
+        time_ms, rows = None, []
+        for i in range(0, len(names), QUEUE_INFO_CHUNK):
+            chunk = names[i:i + QUEUE_INFO_CHUNK]
+            reply = self.scripts("queue_info", [*fixed, *(k.queue(n) for n in chunk)],
+                                 ["1" if stamps else "0", *chunk])
+            time_ms = int(reply[0])
+            rows += [(int(reply[j]), _stamp(reply[j + 1])) for j in range(1, len(reply), 2)]
+        if time_ms is None:
+            time_ms = now_ms(self.client)
+        return time_ms / 1000, rows
+
     def queue_names(self) -> list[str]:
-        return sorted(bytes_to_str(n) for n in self.client.smembers(self.keys.queues))
+        """Names of the job queues, sorted; gone ones are forgotten on the way."""
+        names = sorted(bytes_to_str(n) for n in self.client.smembers(self.keys.queues))
+        _, rows = self._queue_info(names, stamps=False)
+        return [name for name, (size, _) in zip(names, rows, strict=True) if size >= 0]
 
     def job_queues(self, offset: int = 0, limit: int | None = None,
                    prefix: str | None = None) -> list[QueueInfo]:
         """One page of job queues with size, latency, weight and counters."""
         k = self.keys
-        names = [n for n in self.queue_names() if not prefix or n.startswith(prefix)]
+        if offset or limit is not None:  # forget gone names first, or pages would shift
+            names = self.queue_names()
+        else:  # every name: the one queue_info pass below forgets the gone ones
+            names = sorted(bytes_to_str(n) for n in self.client.smembers(k.queues))
+        names = [n for n in names if not prefix or n.startswith(prefix)]
         names = names[offset:offset + limit if limit is not None else None]
-        if not names:
+        now, info = self._queue_info(names, stamps=True)
+        rows = [(name, size, stamp) for name, (size, stamp) in zip(names, info, strict=True)
+                if size >= 0]
+        if not rows:
             return []
-        now = now_ms(self.client) / 1000
+        names = [name for name, _, _ in rows]
         with self.client.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.llen(k.queue(name))
-                pipe.lindex(k.queue(name), -1)
             pipe.hmget(k.weights, names)
             pipe.smembers(k.paused)
             pipe.hmget(k.limits, names)
             pipe.hmget(k.running, names)
             pipe.hmget(k.stats, [f"processed:{n}" for n in names])
             pipe.hmget(k.stats, [f"failed:{n}" for n in names])
-            replies = pipe.execute()
-        per = replies[:2 * len(names)]
-        weights, paused, limits, running, processed, failed = replies[2 * len(names):]
+            weights, paused, limits, running, processed, failed = pipe.execute()
         paused_names = {bytes_to_str(p) for p in paused}
         result: list[QueueInfo] = []
-        for i, name in enumerate(names):
-            size, oldest = per[2 * i], per[2 * i + 1]
-            stamp = enqueued_at(oldest)
+        for i, (name, size, stamp) in enumerate(rows):
             result.append(QueueInfo(
                 name=name,
-                size=_int(size),
+                size=size,
                 latency=max(0.0, now - stamp) if stamp is not None else (0.0 if not size else None),
                 weight=_int(weights[i], self.settings.default_weight),
                 paused=name in paused_names,

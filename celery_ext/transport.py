@@ -490,7 +490,7 @@ class Channel(kredis.Channel):
         if not jobs:
             return None
         qname, tag, payload, rec = jobs[0]
-        raw = self._decode(qname, tag, payload, rec)
+        raw = self._decode(qname, tag, payload, rec, tracked=not no_ack)
         if raw is None:
             return None
         message = self.Message(raw, channel=self)
@@ -501,7 +501,7 @@ class Channel(kredis.Channel):
     def _get(self, queue: str, timeout: float | None = None) -> Any:
         jobs = self._fetch_sync([queue], track=False)
         for qname, tag, payload, rec in jobs:
-            raw = self._decode(qname, tag, payload, rec)
+            raw = self._decode(qname, tag, payload, rec, tracked=False)
             if raw is not None:
                 return raw
         raise Empty()
@@ -544,8 +544,8 @@ class Channel(kredis.Channel):
                     self.worker_pool.fetch_sent()
                 try:
                     status, jobs, _empties, _blocked = self._scripts(
-                        "fetch", self._fetch_keys(pool_id, queues), [pool_id, flags, *queues],
-                        client=client)
+                        "fetch", self._fetch_keys(pool_id, queues),
+                        [pool_id, flags, *queues, self.settings.max_payload_bytes], client=client)
                 except BaseException:
                     if track:
                         self.worker_pool.fetch_done(lost=True)
@@ -583,7 +583,7 @@ class Channel(kredis.Channel):
         if pool_id != "-":
             self._fetch_sent()
         conn.send_command("EVALSHA", _scripts.sha("fetch"), len(keys), *keys,
-                          pool_id, flags, *picks)
+                          pool_id, flags, *picks, self.settings.max_payload_bytes)
 
     def _brpop_read(self, **options: Any) -> bool:
         conn = self.client.connection
@@ -632,8 +632,10 @@ class Channel(kredis.Channel):
             self.worker_pool.revive()
             raise Empty()
         delivered = False
+        no_ack = self._no_ack_queues
         for qname, tag, payload, rec in jobs:
-            raw = self._decode(qname, tag, payload, rec)
+            raw = self._decode(qname, tag, payload, rec,
+                               tracked=bytes_to_str(qname) not in no_ack)
             if raw is not None:
                 try:
                     self.connection._deliver(raw, bytes_to_str(qname))
@@ -663,9 +665,21 @@ class Channel(kredis.Channel):
                          "(invalid: %s)", one_line(str(tag)), queue, error)
         self.qos.forget(tag)
 
-    def _decode(self, qname: Any, tag: Any, payload: Any, rec: Any) -> dict[str, Any] | None:
-        """Parse a fetched job; an undecodable one goes to the dead set, not the floor."""
+    def _decode(self, qname: Any, tag: Any, payload: Any, rec: Any,
+                tracked: bool = True) -> dict[str, Any] | None:
+        """Parse a fetched job; an undecodable or oversized one goes to the dead set, not
+        the floor. ``payload`` is the job's size (an int) when fetch left it in Redis
+        because it is over ``max_payload_bytes``; ``tracked``: fetched into the pool's
+        in-flight record (else, a no-ack fetch, the dead record is written from here)."""
         queue, tag = bytes_to_str(qname), bytes_to_str(tag)
+        limit = self.settings.max_payload_bytes
+        if isinstance(payload, int) or (limit and len(payload) > limit):
+            size = payload if isinstance(payload, int) else len(payload)
+            error = f"the message is {size:,} bytes, over max_payload_bytes ({limit:,})"
+            logger.error("celery_ext: job %s in job queue %r is too large (%s); moved to the "
+                         "dead set", one_line(tag), queue, error)
+            self._dead_letter_fetched(tag, queue, payload, tracked, "too_large", error)
+            return None
         try:
             raw = loads(bytes_to_str(payload))
             problem = envelope_problem(raw) or self._body_problem(raw)
@@ -676,8 +690,10 @@ class Channel(kredis.Channel):
             info = props.setdefault("delivery_info", {})
         except Exception as exc:
             logger.error("celery_ext: undecodable message in job queue %r (%s: %s); "
-                         "moved to the dead set", queue, type(exc).__name__, exc)
-            self._dead_letter(tag, "undecodable", f"{type(exc).__name__}: {exc}", queue=queue)
+                         "moved to the dead set", queue, type(exc).__name__,
+                         one_line(str(exc)))
+            self._dead_letter_fetched(tag, queue, payload, tracked, "undecodable",
+                                      f"{type(exc).__name__}: {exc}")
             return None
         if int(rec) >= 0:
             info["redelivered"] = True
@@ -685,6 +701,17 @@ class Channel(kredis.Channel):
             if isinstance(headers, dict):
                 headers["redelivered"] = True
         return raw
+
+    def _dead_letter_fetched(self, tag: str, queue: str, payload: Any, tracked: bool,
+                             reason: str, error: str) -> None:
+        """Dead-letter a job ``_decode`` refused: from the in-flight record if fetch put
+        it there, else (no-ack) from the payload in hand, so it is not lost either way."""
+        if tracked:
+            self._dead_letter(tag, reason, error)
+        elif not isinstance(payload, int):
+            with self.conn_or_acquire() as client:
+                dead_letter(client, self.settings, "-", tag, reason=reason, error=error,
+                            fallback=queue.encode() + b"\n" + payload)
 
     def _body_problem(self, raw: dict[str, Any]) -> str | None:
         """Kombu decodes the body while building the Message, where an exception stops

@@ -14,22 +14,54 @@
 -- ARGV[1]  pool id
 -- ARGV[2]  one char per candidate: "1" = record in-flight (acked consumer), "0" = no-ack
 -- ARGV[3..] queue names, one per candidate, in the order of KEYS[9..]
+-- ARGV[3 + n] (optional, n = number of candidates) max_payload_bytes, 0 = no limit
+-- Delivery tag: Kombu writes "properties" last, with "delivery_tag" after its other
+-- properties, and our producers add only "enqueued_at" after it (a republished
+-- message, e.g. by celery migrate, may add delivery_mode/priority): the tag is looked
+-- for in the last TAG_WINDOW bytes only, the last occurrence winning, so the cost
+-- does not grow with the payload. A job whose tag is not there (another client's
+-- layout) gets "untagged-<sha1 of its length, first and last 512 bytes>": the same
+-- on every fetch, so its recovery count holds across requeues; a duplicate gets a
+-- "~<n>" suffix as below.
+-- A tracked job over max_payload_bytes is recorded in flight as usual, but its
+-- payload is not shipped: the reply carries its size (an integer) instead, and the
+-- worker moves it to the dead set (reason too_large).
 -- A paused queue, or one with as many jobs in flight (in all pools) as its
 -- max_concurrency, is skipped and reported as blocked; it stays in the ready set
 -- (ack and resume publish the wake channel when it becomes fetchable again).
 -- Returns {status, jobs, empties, blocked}: status 0 = pool not registered (nothing
--- moved), 1 = ok; jobs = {{queue, delivery tag, payload, recoveries or -1}, ...};
+-- moved), 1 = ok; jobs = {{queue, delivery tag, payload (or its size in bytes when
+-- over the limit), recoveries or -1}, ...};
 -- empties = names of candidate queues found or left empty; blocked = names of
 -- candidate queues skipped (paused or at their limit) or left at their limit.
+local TAG_WINDOW = 1024
 local ncand = #KEYS - 8
 local flags = ARGV[2]
+local max_payload = tonumber(ARGV[3 + ncand] or 0) or 0
+
+-- The message's own delivery tag, from the end of the payload only (see above): the
+-- last occurrence in its last `window` bytes, or nil.
+local function tag_in(payload, window)
+  local tag, from = nil, math.max(1, #payload - window + 1)
+  while true do
+    local _, e = string.find(payload, '"delivery_tag": "', from, true)
+    if not e then return tag end
+    local q = string.find(payload, '"', e + 1, true)
+    if not q then return tag end
+    tag = string.sub(payload, e + 1, q - 1)
+    from = q + 1
+  end
+end
+local function tag_of(payload)
+  -- Our producers' tag ends about 60 bytes before the end: look there first.
+  return tag_in(payload, 128) or tag_in(payload, TAG_WINDOW)
+end
 if string.find(flags, '1', 1, true) and not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
   return {0, {}, {}, {}}
 end
 local limited = redis.call('HLEN', KEYS[7]) > 0
 local any_paused = redis.call('SCARD', KEYS[8]) > 0
 local jobs, empties, blocked, skip, checked, room = {}, {}, {}, {}, {}, {}
-local now = nil
 local tracked = false
 for i = 1, ncand do
   local qkey, qname = KEYS[8 + i], ARGV[2 + i]
@@ -58,14 +90,13 @@ for i = 1, ncand do
       empties[#empties + 1] = qname
       redis.call('SREM', KEYS[3], qname)
     else
-      -- kombu puts properties last, so the last delivery_tag is the message's own.
-      local tag = nil
-      for t in string.gmatch(payload, '"delivery_tag": "([^"]*)"') do tag = t end
+      local tag = tag_of(payload)
       if not tag or tag == '' then
-        now = now or redis.call('TIME')
-        tag = 'undecodable-' .. now[1] .. now[2] .. '-' .. i
+        tag = 'untagged-' .. redis.sha1hex(#payload .. '\n' .. string.sub(payload, 1, 512)
+                                           .. '\n' .. string.sub(payload, -512))
       end
-      if string.sub(flags, i, i) == '1' then
+      local track = string.sub(flags, i, i) == '1'
+      if track then
         -- A tag this pool already owns (a duplicated or forged message) gets a
         -- suffix: overwriting would silently drop the other job's record.
         local base, n = tag, 0
@@ -78,7 +109,11 @@ for i = 1, ncand do
         if room[qname] then room[qname] = room[qname] - 1 end
       end
       local rec = redis.call('HGET', KEYS[4], tag)
-      jobs[#jobs + 1] = {qname, tag, payload, tonumber(rec or -1)}
+      if track and max_payload > 0 and #payload > max_payload then
+        jobs[#jobs + 1] = {qname, tag, #payload, tonumber(rec or -1)}
+      else
+        jobs[#jobs + 1] = {qname, tag, payload, tonumber(rec or -1)}
+      end
       if redis.call('LLEN', qkey) == 0 then
         skip[qname] = 'empty'
         empties[#empties + 1] = qname

@@ -1,0 +1,67 @@
+#!lua flags=allow-oom
+-- queue_info: size and oldest job's enqueue stamp of job queues, for the readers
+-- (dashboard, CLI, client), and the one place the known queues set shrinks.
+-- KEYS[1]  known queues set             {ns}:queues
+-- KEYS[2]  ready set                    {ns}:ready
+-- KEYS[3]  paused queues set            {ns}:paused
+-- KEYS[4]  concurrency limits hash      {ns}:limits
+-- KEYS[5]  weights hash                 {ns}:weights
+-- KEYS[6]  running counts hash          {ns}:running
+-- KEYS[7..] job queue lists, one per name
+-- ARGV[1]  "1" = also read each queue's oldest enqueue stamp, "0" = sizes only
+-- ARGV[2..] queue names, in the order of KEYS[7..]
+-- A name is forgotten (removed from the known queues, and from the ready set if its
+-- list is gone) when it is one of Kombu's remote-control reply queues ("*.pidbox", see enqueue.lua), or when
+-- its list is gone (drained, deleted, expired) and nothing configures or uses it: not
+-- paused, no max_concurrency, no weight written by a worker pool, no job in flight.
+-- A job in the scheduled or retry set brings its name back when it is promoted.
+-- The stamp is the "enqueued_at" property, which producers write after the delivery
+-- tag at the very end of the payload (see fetch.lua): only the last STAMP_WINDOW bytes
+-- of the oldest job are searched and only the number is returned, never the payload.
+-- Returns {now ms (Redis TIME), size, stamp, size, stamp, ...}, two values per name:
+-- size = -1 for a name forgotten now; stamp = the oldest job's enqueued_at as a
+-- string, '' when the queue is empty, the stamp is missing, or it was not asked for.
+local STAMP_WINDOW = 1024
+local known, ready, paused, limits, weights, running = KEYS[1], KEYS[2], KEYS[3], KEYS[4],
+  KEYS[5], KEYS[6]
+local want_stamps = ARGV[1] == '1'
+
+-- The last "enqueued_at" number in the last `window` bytes of a payload, or nil.
+local function stamp_in(payload, window)
+  local stamp, from = nil, math.max(1, #payload - window + 1)
+  while true do
+    local _, e = string.find(payload, '"enqueued_at": ', from, true)
+    if not e then return stamp end
+    stamp = string.match(payload, '^[%d%.eE%+%-]+', e + 1)
+    from = e + 1
+  end
+end
+local function stamp_of(payload)
+  -- Our producers write it last, about 30 bytes before the end: look there first.
+  return stamp_in(payload, 64) or stamp_in(payload, STAMP_WINDOW) or ''
+end
+
+local function in_use(name)
+  return redis.call('SISMEMBER', paused, name) == 1
+    or redis.call('HEXISTS', limits, name) == 1
+    or redis.call('HEXISTS', weights, name) == 1
+    or (tonumber(redis.call('HGET', running, name)) or 0) > 0
+end
+
+local t = redis.call('TIME')
+local out = {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)}
+for i = 7, #KEYS do
+  local qkey, name = KEYS[i], ARGV[i - 5]
+  local size = redis.call('LLEN', qkey)
+  local stamp = ''
+  if string.sub(name, -7) == '.pidbox' or (size == 0 and not in_use(name)) then
+    redis.call('SREM', known, name)
+    if size == 0 then redis.call('SREM', ready, name) end
+    size = -1
+  elseif size > 0 and want_stamps then
+    stamp = stamp_of(redis.call('LINDEX', qkey, -1))
+  end
+  out[#out + 1] = size
+  out[#out + 1] = stamp
+end
+return out
