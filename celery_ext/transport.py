@@ -13,7 +13,7 @@ over PUB/SUB included, is inherited unchanged, and ``driver_type`` stays ``redis
   on the ``wake`` pub/sub channel (announced by ``enqueue`` when a queue becomes
   non-empty) and re-reads the ``ready`` set once per ``idle_refresh_interval`` in
   case a notification was missed. A wake-up read while a fetch is on the wire
-  outlives that fetch's "empty" reply (``Channel._activate``).
+  outlives that fetch's "empty" reply (``readiness.ReadyQueues``).
 * Ack removes the job from the in-flight hash (O(1)); reject-with-requeue and the
   return at shutdown put jobs back at the *front* of their queue. There is no
   visibility timeout: a job leaves the in-flight record only when its pool acks it,
@@ -52,7 +52,7 @@ from .errors import BrokerOutOfMemory, check_payload_size, job_name
 from .heartbeater import current_pool_id
 from .keys import Keys
 from .pool import WorkerPool, pool_for
-from .sampler import WeightedRoundRobin
+from .readiness import ReadyQueues
 from .scheduled import eta_delay_ms, retries_of, schedule, schedule_args
 from .unique import UniqueRequest, take_pending
 from .weights import weight_of
@@ -188,15 +188,11 @@ class Channel(kredis.Channel):
         conn = args[0] if args else kwargs["connection"]
         self.settings = Settings.load(conn.client.transport_options)
         self.keys = Keys(self.settings.namespace)
-        self._sched = WeightedRoundRobin(default_weight=self.settings.default_weight)
+        self._ready = ReadyQueues(default_weight=self.settings.default_weight)
         self._no_ack_queues: set[str] = set()
         self._predeclared_sizes: dict[str, int] = {}
         self._prebound: set[tuple[str, str, str, str]] = set()
         self._last_refresh = 0.0
-        # Queues found non-empty (wake-up, ready refresh) while a fetch is on the wire,
-        # and whether the wake-up channel was (re)subscribed meanwhile. See _activate.
-        self._woken_in_fetch: set[str] = set()
-        self._resubscribed_in_fetch = False
         #: The worker pool of the process, once this channel fetched for tracking.
         self._worker_pool: WorkerPool | None = None
         #: A tracked fetch was sent and its reply not read yet.
@@ -469,14 +465,14 @@ class Channel(kredis.Channel):
             self._no_ack_queues.discard(queue)
         ret = super().basic_consume(queue, no_ack, *args, **kwargs)
         if queue not in self.active_fanout_queues:
-            self._sched.add_queues({queue: weight_of(queue, self.settings.default_weight)})
+            self._ready.add(queue, weight_of(queue, self.settings.default_weight))
         return ret
 
     def _basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
         ret = super()._basic_cancel(consumer_tag)
         if queue is not None and queue not in self._active_queues:  # (may be consumed twice)
-            self._sched.remove_queues([queue])
+            self._ready.remove(queue)
         return ret
 
     def _update_queue_cycle(self) -> None:
@@ -562,23 +558,21 @@ class Channel(kredis.Channel):
         make the pool's in-flight record match what the process holds, if needed."""
         if self._worker_pool is not None:
             self._worker_pool.maybe_reconcile()
-        sched = self._sched
-        if not sched.has_active():
+        ready = self._ready
+        if not ready.has_active():
             return  # idle: the WAKE listener and the ready refresh take over
         credit = self.qos.can_consume_max_estimate()
         n = self.settings.fetch_batch if credit is None else min(credit, self.settings.fetch_batch)
         if n <= 0:
             return
-        picks = sched.take(n)
+        picks = ready.take(n)
         no_ack = self._no_ack_queues
         flags = "".join("0" if q in no_ack else "1" for q in picks)
         pool_id = self.pool_id if "1" in flags else "-"
         keys = self._fetch_keys(pool_id, picks)
         conn = self.client.connection
         self._in_poll = conn
-        if self._woken_in_fetch:  # (only wake-ups during this fetch count)
-            self._woken_in_fetch.clear()
-        self._resubscribed_in_fetch = False
+        ready.fetch_sent()
         self._brpop_sent_at = monotonic()
         if pool_id != "-":
             self._fetch_sent()
@@ -593,11 +587,12 @@ class Channel(kredis.Channel):
                 reply = self.client.parse_response(conn, "EVALSHA", **options)
             except self.connection_errors:
                 conn.disconnect()
-                self._sched.activate_many(self._sched.queues)
+                self._ready.fetch_lost()
                 self._fetch_finished(lost=True)
                 raise
             except redis.exceptions.NoScriptError:
                 # The server restarted and lost its script cache: load and go on.
+                self._ready.fetch_replied(())
                 self._fetch_finished(lost=False)
                 with self.conn_or_acquire() as client:
                     self._scripts.load_all(client)
@@ -606,27 +601,21 @@ class Channel(kredis.Channel):
         finally:
             self._in_poll = None
         if not pending:
+            self._ready.fetch_replied(())
             raise Empty()
         status, jobs, empties, blocked = reply
         # Empty queues wait for a wake-up; paused ones and those at their
-        # max_concurrency too (resume and ack publish one). A wake-up read while this
-        # fetch was on the wire may be newer than its "empty": it wins.
-        woken = self._woken_in_fetch
-        for name in (*empties, *blocked):
-            name = bytes_to_str(name)
-            if name not in woken:
-                self._sched.deactivate(name)
-        if self._resubscribed_in_fetch:
-            # Which of these "empty" replies predate the subscription is unknown: the
-            # ready set, read now that we are subscribed, says which queues hold jobs.
-            self._resubscribed_in_fetch = False
+        # max_concurrency too (resume and ack publish one).
+        if self._ready.fetch_replied([bytes_to_str(n) for n in (*empties, *blocked)]):
+            # Which of these "empty" replies predate the (re)subscription is unknown:
+            # the ready set, read now that we are subscribed, says which hold jobs.
             try:
                 self._refresh_ready()
             except self.connection_errors:
                 # The jobs of this reply are ours already: deliver them; fetch from
                 # every queue until the next refresh.
                 logger.debug("celery_ext: ready refresh failed, will retry", exc_info=True)
-                self._sched.activate_many(self._sched.queues)
+                self._ready.activate_all()
         if not status:
             # A reaper declared this pool dead while it was stopped; register again.
             self.worker_pool.revive()
@@ -751,36 +740,16 @@ class Channel(kredis.Channel):
             return
         kind = bytes_to_str(response[0])
         if kind == "message":
-            self._activate([bytes_to_str(response[2])])
+            self._ready.woken([bytes_to_str(response[2])])
         elif kind == "subscribe":
-            # (Re)subscribed: notifications may have been missed meanwhile.
-            self._activate(None)
-
-    def _activate(self, names: list[str] | None) -> None:
-        """Mark queues (None: all, after (re)subscribing) as worth fetching from.
-
-        Remembered while a fetch is on the wire: Redis may have run that fetch (and
-        found the queue empty) just before the push that sent this wake-up, and its
-        reply, read after the wake-up, must not mark the queue empty again -- nothing
-        would wake it before the next ready refresh (a lost wake-up). A subscription
-        confirmed meanwhile makes that reply re-read the ready set instead."""
-        sched = self._sched
-        if names is None:
-            sched.activate_many(sched.queues)
-            if self._in_poll:
-                self._resubscribed_in_fetch = True
-            return
-        sched.activate_many(names)
-        if self._in_poll:
-            self._woken_in_fetch.update(names)
+            self._ready.subscribed()
 
     def maybe_refresh_ready(self) -> None:
         """Re-read the ready set if some consumed queue is believed empty (1 command);
         let the worker pool look at its acks and in-flight record."""
         if self._worker_pool is not None:
             self._worker_pool.tick()
-        sched = self._sched
-        if sched.all_active():
+        if self._ready.all_active():
             return
         now = monotonic()
         if now - self._last_refresh < self.settings.idle_refresh_interval * 0.9:
@@ -799,7 +768,7 @@ class Channel(kredis.Channel):
         self._in_poll = None
         with suppress(Exception):
             conn.disconnect()  # (so closing the channel does not wait for the reply)
-        self._sched.activate_many(self._sched.queues)
+        self._ready.fetch_lost()
         self._fetch_finished(lost=True)
         raise redis.exceptions.ConnectionError(
             f"celery_ext: no reply to a fetch within {self.settings.reply_timeout:g}s")
@@ -808,7 +777,7 @@ class Channel(kredis.Channel):
         """Mark every consumed queue in the ``ready`` set active (1 command)."""
         with self.conn_or_acquire() as client:
             ready = client.smembers(self.keys.ready)
-        self._activate([bytes_to_str(name) for name in ready])
+        self._ready.woken([bytes_to_str(name) for name in ready])
 
     # -- dead set, lost workers ----------------------------------------------------------
     def _dead_letter(self, tag: str, reason: str, error: str, queue: str | None = None,

@@ -193,10 +193,10 @@ def test_consume_and_cancel_keep_the_fetch_schedule_exact(
                                      callbacks=[lambda body, msg: got.append(body)])
             consumer.consume()
             consumers.append(consumer)
-        assert channel._sched.queues == set(names) and channel._sched.all_active()
+        assert channel._ready.sched.queues == set(names) and channel._ready.sched.all_active()
         consumers[1].cancel()
         consumers[3].cancel()
-        assert channel._sched.queues == {"cycle.0", "cycle.2", "cycle.4"}
+        assert channel._ready.sched.queues == {"cycle.0", "cycle.2", "cycle.4"}
         for n in names:
             producer.publish(n, routing_key=n, declare=[Queue(n, routing_key=n)])
         deadline = time.monotonic() + 5
@@ -210,7 +210,7 @@ def test_consume_and_cancel_keep_the_fetch_schedule_exact(
         assert sorted(got) == ["cycle.0", "cycle.2", "cycle.4"]
         for consumer in (consumers[0], consumers[2], consumers[4]):
             consumer.cancel()
-        assert channel._sched.queues == set()
+        assert channel._ready.sched.queues == set()
     assert [redis_client.llen(K.queue(n)) for n in names] == [0, 1, 0, 1, 0]
 
 
@@ -231,7 +231,7 @@ def test_a_wake_up_read_before_a_fetchs_empty_reply_is_not_lost(broker_url: str)
         consumer.consume()
         conn.transport.cycle._register_WAKE(channel)  # as the event loop's poll does
         channel._wake_read()  # the subscribe confirmation
-        assert channel._sched.active == {"wake.race"}
+        assert channel._ready.sched.active == {"wake.race"}
 
         cycle = conn.transport.cycle
         cycle._register_BRPOP(channel)  # sends a fetch: the queue is empty
@@ -241,7 +241,7 @@ def test_a_wake_up_read_before_a_fetchs_empty_reply_is_not_lost(broker_url: str)
         channel._wake_read()  # the wake-up is read first...
         with pytest.raises(Empty):
             channel._brpop_read()  # ...then the fetch's reply: nothing, queue empty
-        assert channel._sched.active == {"wake.race"}
+        assert channel._ready.sched.active == {"wake.race"}
 
         cycle._register_BRPOP(channel)
         assert channel.client.connection.can_read(timeout=5)
@@ -274,7 +274,7 @@ def test_a_subscription_confirmed_during_a_fetch_rereads_the_ready_set(
         channel._wake_read()  # the subscribe confirmation, during the fetch
         with pytest.raises(Empty):
             channel._brpop_read()
-        assert channel._sched.active == {"sub.pushed"}
+        assert channel._ready.sched.active == {"sub.pushed"}
 
         cycle._register_BRPOP(channel)
         assert channel.client.connection.can_read(timeout=5)
@@ -556,7 +556,7 @@ def test_task_consumer_declares_job_queues_in_one_round_trip(
         assert round_trips == ["execute"]  # not LLEN + MULTI/SADD/EXEC per queue
         assert sizes["tests.proj.add"] == 3 and sizes["many.7"] == 0
         assert not channel._predeclared_sizes and not channel._prebound
-        assert channel._sched.queues == {q.name for q in queues}
+        assert channel._ready.sched.queues == {q.name for q in queues}
         member = "\x06\x16".join(["many.7", "", "many.7"]).encode()
         for key in ("_kombu.binding.celery", "_kombu.binding_permanent.celery"):
             assert redis_client.sismember(key, member)
