@@ -3,8 +3,8 @@
 The record holds every job the pool fetched and has not finished: fetch puts a job
 in, atomically with popping it from its queue. It leaves by one of these moves,
 each one script: ack (done), requeue (back to the front of its queue), dead (to the
-dead set, ``dead.dead_letter``) or recover (counted, by the reaper or when a prefork
-child died, ``reaper.recover_tags``).
+dead set, ``dead.dead_letter``) or recover (counted: by the reaper for a dead pool,
+or when a prefork child died, ``recover_tags``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,22 @@ from typing import Any
 
 from kombu.utils.encoding import bytes_to_str
 
+from .config import Settings
 from .keys import Keys
 from .scripts import Scripts
+
+
+def queues_of(client: Any, inflight_key: str, tags: list[str]) -> list[tuple[str, str]]:
+    """``(tag, queue)`` of the tags still in a record, in the order to push them back:
+    the first delivered last, so it is the next fetched. (A script may only touch the
+    keys it is given, so the queues are read first; the scripts re-check them.)"""
+    pairs = []
+    if tags:
+        for tag, rec in zip(tags, client.hmget(inflight_key, tags), strict=True):
+            if rec:
+                pairs.append((tag, bytes_to_str(rec.split(b"\n", 1)[0])))
+    pairs.reverse()
+    return pairs
 
 
 class InflightRecord:
@@ -49,11 +63,7 @@ class InflightRecord:
         if not tags:
             return []
         keys = self.keys
-        pairs = []
-        for tag, rec in zip(tags, self.client.hmget(self.key, tags), strict=True):
-            if rec:
-                pairs.append((tag, bytes_to_str(rec.split(b"\n", 1)[0])))
-        pairs.reverse()  # pushed last = fetched first: the first delivered goes back in front
+        pairs = queues_of(self.client, self.key, tags)
         done = self.scripts(
             "requeue",
             [self.key, keys.ready, keys.redelivery, keys.running,
@@ -61,3 +71,26 @@ class InflightRecord:
             [keys.wake_channel, keys.queue(""), *(t for t, _ in pairs)],
         )
         return [bytes_to_str(t) for t in done]
+
+
+def recover_tags(client: Any, settings: Settings, pool_id: str, tags: list[str], *,
+                 mode: str, deadline_ms: int = 0, reason: str = "worker lost",
+                 scripts: Scripts | None = None) -> tuple[bool, list[str], list[str]]:
+    """Run the ``recover`` script for some of a pool's in-flight tags.
+
+    Returns (done, requeued tags, dead tags); done is False when the pool turned out
+    to be alive ("pool" mode re-checks the heartbeat atomically).
+    """
+    keys = Keys(settings.namespace)
+    inflight = keys.inflight(pool_id)
+    pairs = queues_of(client, inflight, tags)
+    scripts = scripts or Scripts(client)
+    status, requeued, dead = scripts(
+        "recover",
+        [inflight, keys.pools, keys.pool(pool_id), keys.inflight_pools, keys.ready,
+         keys.redelivery, keys.running, keys.dead, keys.dead_jobs,
+         *(keys.queue(q) for _, q in pairs)],
+        [pool_id, mode, deadline_ms, keys.wake_channel, keys.queue(""),
+         settings.max_recoveries, settings.dead_max_size, reason, *(t for t, _ in pairs)],
+    )
+    return bool(status), [bytes_to_str(t) for t in requeued], [bytes_to_str(t) for t in dead]

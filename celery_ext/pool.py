@@ -46,10 +46,10 @@ from .acks import AckSender
 from .config import Settings
 from .dead import one_line
 from .heartbeater import Heartbeater, current_pool_id
-from .inflight import InflightRecord
+from .inflight import InflightRecord, recover_tags
 from .keys import Keys
 from .memory import eviction_warning
-from .reaper import Reaper, recover_tags
+from .reaper import Reaper
 from .requeuer import Requeuer
 
 logger = logging.getLogger("celery_ext.pool")

@@ -30,6 +30,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from .clock import now_ms
 from .config import Settings
+from .inflight import recover_tags
 from .keys import Keys
 from .liveness import LIVENESS_FIELDS, Liveness
 from .scripts import Scripts
@@ -61,34 +62,6 @@ class ReapResult:
 
     def __bool__(self) -> bool:
         return bool(self.dead_pools or self.requeued or self.dead_jobs)
-
-
-def recover_tags(client: Any, settings: Settings, pool_id: str, tags: list[str], *,
-                 mode: str, deadline_ms: int = 0, reason: str = "worker lost",
-                 scripts: Scripts | None = None) -> tuple[bool, list[str], list[str]]:
-    """Run the ``recover`` script for some of a pool's in-flight tags.
-
-    Returns (done, requeued tags, dead tags); done is False when the pool turned out
-    to be alive ("pool" mode re-checks the heartbeat atomically).
-    """
-    keys = Keys(settings.namespace)
-    inflight = keys.inflight(pool_id)
-    pairs: list[tuple[str, str]] = []
-    if tags:
-        for tag, rec in zip(tags, client.hmget(inflight, tags), strict=True):
-            if rec:
-                pairs.append((tag, bytes_to_str(rec.split(b"\n", 1)[0])))
-    pairs.reverse()  # pushed last = fetched first
-    scripts = scripts or Scripts(client)
-    status, requeued, dead = scripts(
-        "recover",
-        [inflight, keys.pools, keys.pool(pool_id), keys.inflight_pools, keys.ready,
-         keys.redelivery, keys.running, keys.dead, keys.dead_jobs,
-         *(keys.queue(q) for _, q in pairs)],
-        [pool_id, mode, deadline_ms, keys.wake_channel, keys.queue(""),
-         settings.max_recoveries, settings.dead_max_size, reason, *(t for t, _ in pairs)],
-    )
-    return bool(status), [bytes_to_str(t) for t in requeued], [bytes_to_str(t) for t in dead]
 
 
 class Reaper:

@@ -230,3 +230,20 @@ def test_a_half_open_connection_is_noticed_and_the_pool_fetches_again(
              "the jobs queued while the connections hung")
     assert {k: len(recorded(rec, "runs", k)) for k in keys} == dict.fromkeys(keys, 1)
     assert worker.alive
+
+
+@pytest.mark.parametrize("pool", ["gevent", "eventlet", "celery.concurrency.gevent:TaskPool"])
+def test_gevent_and_eventlet_pools_are_refused_with_one_line(pool: str) -> None:
+    """Our Redis clients block: on an event-loop pool the worker's jobs could not be
+    accounted for, so the worker stops at start with one line saying what to use."""
+    from types import SimpleNamespace
+
+    from celery_ext.bootsteps import validate_settings
+
+    app = Celery("refused", broker="celery-ext://127.0.0.1:1/0", set_as_current=False)
+    with pytest.raises(SystemExit) as exc:
+        validate_settings(instance=SimpleNamespace(app=app), options={"pool_cls": pool})
+    message = str(exc.value)
+    assert "not supported" in message and "prefork, threads or solo" in message
+    assert "\n" not in message
+    validate_settings(instance=SimpleNamespace(app=app), options={"pool_cls": "threads"})
