@@ -135,7 +135,7 @@ def test_sigkilled_pool_is_reaped_and_its_jobs_run_elsewhere(
                  hostname="survivor@%h")
     wait_for(lambda: all(recorded(rec, "runs", k) for k in keys), 20, "every job to run")
     print(f"kill -> all jobs done in {time.monotonic() - killed_at:.2f}s")
-    assert inflight(redis_client) == 0
+    wait_for(lambda: inflight(redis_client) == 0, 5, "the survivor's acks")
 
 
 # -- faults inside a round trip ---------------------------------------------------------
