@@ -28,7 +28,8 @@ the job twice. Kombu builds the message dict afresh for every attempt (with a ne
 ``properties`` dict. The first attempt stores a random publish id there
 (:data:`PUBLISH_ID`); every attempt sends the marker key derived from it and the job
 queue (``{ns}:published:<marker>``), and the script writes the job only if that key
-is absent, setting it for ``publish_idempotency_ttl``. A retry within that time
+is absent, setting it for ``publish_idempotency_ttl``. A publish that succeeded drops
+its id (:meth:`Enqueuer.published`): only a failed one is retried. A retry within that time
 writes nothing; a retry after it (or with the setting 0) writes the job again.
 Jobs added to a publish batch's pipeline carry no marker: Kombu does not retry a
 batch (a failed flush raises ``BatchPublishError``, "delivery is uncertain").
@@ -65,7 +66,7 @@ PUBLISH_ID = "celery_ext_publish_id"
 
 def publish_marker(publish_id: str, queue: str) -> str:
     """The marker of one publish to one job queue: 16 characters (96 bits)."""
-    digest = hashlib.blake2b(queue.encode("utf-8"), key=publish_id.encode("ascii")[:64],
+    digest = hashlib.blake2b(queue.encode("utf-8"), key=publish_id.encode("utf-8")[:64],
                              digest_size=12).digest()
     return base64.urlsafe_b64encode(digest).decode("ascii")
 
@@ -100,7 +101,7 @@ class Enqueuer:
         # Enqueued when due: queue latency counts from then.
         enqueued_at = time.time() + self._clock_offset + (delay or 0) / 1000
         props.setdefault("enqueued_at", round(enqueued_at, 3))
-        publish_id = props.pop(PUBLISH_ID, None) or secrets.token_hex(16)
+        publish_id = str(props.pop(PUBLISH_ID, None) or secrets.token_hex(16))
         try:
             marker = None
             # A job added to a batch's pipeline is never retried by Kombu (a failed
@@ -111,6 +112,14 @@ class Enqueuer:
             self._write(queue, message, delay, uniq, marker, batch)
         finally:
             props[PUBLISH_ID] = publish_id  # for Kombu's next attempt of this publish
+
+    @staticmethod
+    def published(message: Any) -> None:
+        """The publish of ``message`` succeeded: forget its publish id, so that the same
+        dict published again (only a retry reuses it on purpose) is a new publish."""
+        props = message.get("properties") if isinstance(message, dict) else None
+        if isinstance(props, dict):
+            props.pop(PUBLISH_ID, None)
 
     def _write(self, queue: str, message: dict[str, Any], delay: int | None,
                uniq: UniqueRequest | None, marker: tuple[str, int] | None,

@@ -283,11 +283,13 @@ class Channel(kredis.Channel):
     def basic_publish(self, message: Any, exchange: str, routing_key: str,
                       **kwargs: Any) -> Any:
         try:
-            return super().basic_publish(message, exchange, routing_key, **kwargs)
+            result = super().basic_publish(message, exchange, routing_key, **kwargs)
         except redis.exceptions.OutOfMemoryError as exc:
             # Not retried as a connection error: Redis stays full until someone acts.
             raise BrokerOutOfMemory(
                 f"job {job_name(message, routing_key)} was not enqueued", exc) from None
+        self.enqueuer.published(message)
+        return result
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
         self.enqueuer.put(queue, message, kwargs.pop("_publish_batch", None))
