@@ -22,7 +22,7 @@ from celery_ext.config import DEFAULT_PUBLISH_IDEMPOTENCY_TTL
 from celery_ext.keys import Keys
 from celery_ext.producer import PUBLISH_ID
 from celery_ext.server import RedisServer
-from tests import proj
+from tests import proj, proj_sets
 from tests.faults.proxy import Proxy
 from tests.workers import WorkerProcess
 
@@ -60,30 +60,44 @@ def stored_payloads(client: redis.Redis, queue: str) -> list[dict[str, Any]]:
     return jobs
 
 
-@pytest.mark.parametrize("countdown", [None, 1.0], ids=["queued", "scheduled"])
+#: case -> (the script whose reply is lost, how the job is sent, its job queue)
+CASES: dict[str, tuple[str, Callable[[], Any], str]] = {
+    "queued": ("enqueue", lambda: proj.record.apply_async(("once", 7), **RETRY),
+               "tests.proj.record"),
+    "scheduled": ("schedule",
+                  lambda: proj.record.apply_async(("once", 7), countdown=1.0, **RETRY),
+                  "tests.proj.record"),
+    # A retry of a unique job is written even while its lock is held (by itself here).
+    "unique-retry": ("enqueue_unique",
+                     lambda: proj_sets.unique_job.apply_async(("once",), retries=1, **RETRY),
+                     "tests.proj_sets.unique_job"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_a_publish_retried_after_its_write_landed_stores_and_runs_one_job(
         proxy: Proxy, redis_client: redis.Redis, rec: redis.Redis,
-        worker_factory: Callable[..., WorkerProcess], countdown: float | None) -> None:
+        worker_factory: Callable[..., WorkerProcess], case: str) -> None:
+    script, send, queue = CASES[case]
     url = f"celery-ext://127.0.0.1:{proxy.port}/0"
     proj.configure(url)
     rec.delete("runs:once")
-    proj.record.delay("warm-up", 0)  # connected, queue declared, scripts loaded
+    proj.record.delay("warm-up", 0)  # connected, scripts loaded
     redis_client.delete(K.queue("tests.proj.record"), *redis_client.scan_iter(K.published("*")))
 
-    script = "enqueue" if countdown is None else "schedule"
     proxy.lose_reply_to(scripts.sha(script).encode())
-    result = proj.record.apply_async(("once", 7), countdown=countdown, **RETRY)
+    result = send()
     assert proxy.lost_replies == 1  # the fault happened inside the round trip
 
-    jobs = stored_payloads(redis_client, "tests.proj.record")
+    jobs = stored_payloads(redis_client, queue)
     assert [j["headers"]["id"] for j in jobs] == [result.id]  # one job, not two
     assert PUBLISH_ID not in jobs[0]["properties"]  # the publish id is not stored
-    assert len(list(redis_client.scan_iter(K.published("*")))) == 1
-    ttl = redis_client.pttl(next(redis_client.scan_iter(K.published("*"))))
-    assert 0 < ttl <= DEFAULT_PUBLISH_IDEMPOTENCY_TTL * 1000
+    markers = list(redis_client.scan_iter(K.published("*")))
+    assert len(markers) == 1
+    assert 0 < redis_client.pttl(markers[0]) <= DEFAULT_PUBLISH_IDEMPOTENCY_TTL * 1000
 
-    worker_factory("tests.proj", broker_url=url, pool="solo", concurrency=1).start()
-    assert result.get(timeout=20) == 7
+    worker_factory("tests.proj_sets", broker_url=url, pool="solo", concurrency=1).start()
+    wait_for(lambda: rec.llen("runs:once"), 20, "the job to run")
     time.sleep(0.5)
     assert rec.llen("runs:once") == 1
 
