@@ -288,7 +288,7 @@ class Channel(kredis.Channel):
             # Not retried as a connection error: Redis stays full until someone acts.
             raise BrokerOutOfMemory(
                 f"job {job_name(message, routing_key)} was not enqueued", exc) from None
-        self.enqueuer.published(message)
+        Enqueuer.published(message)
         return result
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
