@@ -58,6 +58,11 @@ DEFAULT_RETRY_BACKOFF_JITTER = 0.25
 #: one fetch moves up to ``fetch_batch`` of them in one reply: pass references to
 #: large data, not the data.
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
+#: Seconds a publish is remembered after its job was written: a publish that Kombu
+#: retries within this time (its write landed, the reply was lost) writes nothing
+#: again. Celery's default publish retry policy gives up well within it. Costs one
+#: key (about 100 bytes) per job enqueued in that time; 0 = off (at-least-once).
+DEFAULT_PUBLISH_IDEMPOTENCY_TTL = 120.0
 
 #: Longest wait (seconds) for a Redis reply before the connection counts as lost: a
 #: fetch unanswered this long is abandoned and sent again on a new connection, and it
@@ -96,6 +101,7 @@ class Settings:
     retry_backoff_jitter: float = DEFAULT_RETRY_BACKOFF_JITTER
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     reply_timeout: float = DEFAULT_REPLY_TIMEOUT
+    publish_idempotency_ttl: float = DEFAULT_PUBLISH_IDEMPOTENCY_TTL
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -132,6 +138,9 @@ class Settings:
         if self.max_payload_bytes < 0:
             raise ConfigError(f"celery_ext: max_payload_bytes must be >= 0 (0 = no limit), "
                               f"got {self.max_payload_bytes!r}")
+        if self.publish_idempotency_ttl < 0:
+            raise ConfigError("celery_ext: publish_idempotency_ttl must be >= 0 (0 = off), "
+                              f"got {self.publish_idempotency_ttl!r}")
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:

@@ -37,6 +37,9 @@ Layout (``ns`` = namespace)::
     {ns}:paused              set     job queue names that fetch skips (jobs kept)
     {ns}:limits              hash    queue name -> max jobs of it in flight at once
     {ns}:unique:<digest>     string  id of the pending unique job with that key (TTL'd lock)
+    {ns}:published:<id>      string  a publish that wrote its job (TTL publish_idempotency_ttl);
+                                     Kombu's retry of that publish writes nothing. <id>: one
+                                     per publish call and job queue (``producer.publish_marker``)
 """
 
 from __future__ import annotations
@@ -156,3 +159,6 @@ class Keys:
 
     def unique(self, digest: str) -> str:
         return f"{self.prefix}unique:{digest}"
+
+    def published(self, marker: str) -> str:
+        return f"{self.prefix}published:{marker}"

@@ -2,9 +2,10 @@
 
 Celery turns ``countdown``/``eta`` (and ``self.retry(...)``, ``autoretry_for``) into
 an ``eta`` header. Stock Celery on Redis pushes such a job to its queue at once and
-the worker holds it in memory until then; here ``Channel._put`` sends it to Redis
-instead (``{ns}:scheduled``, or ``{ns}:retry`` for retries) and each pool's requeuer
-moves it to its job queue when due (see :mod:`celery_ext.requeuer`).
+the worker holds it in memory until then; here the producer
+(:class:`celery_ext.producer.Enqueuer`) sends it to Redis instead (``{ns}:scheduled``,
+or ``{ns}:retry`` for retries) and each pool's requeuer moves it to its job queue
+when due (see :mod:`celery_ext.requeuer`).
 
 Due times are on the Redis clock: the delay the producer asked for (``eta`` minus
 its own clock) is added to Redis ``TIME`` inside the script, so a producer whose
@@ -83,12 +84,14 @@ def schedule_meta(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def schedule_args(keys: Keys, queue: str, message: dict[str, Any], delay_ms: int,
-                  lock: tuple[str, str, int, bool] | None = None, max_payload: int = 0
-                  ) -> tuple[list[str], list[Any]]:
+                  lock: tuple[str, str, int, bool] | None = None, max_payload: int = 0,
+                  marker: tuple[str, int] | None = None) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of the ``schedule`` script for one message.
 
-    ``lock`` = (lock key, task id, TTL ms, force) makes it a unique job; a payload
-    over ``max_payload`` bytes (0 = no limit) raises ``PayloadTooLarge``.
+    ``lock`` = (lock key, task id, TTL ms, force) makes it a unique job; ``marker`` =
+    (publish marker key, TTL ms) makes a retry of this publish store nothing (see
+    :mod:`celery_ext.producer`); a payload over ``max_payload`` bytes (0 = no limit)
+    raises ``PayloadTooLarge``.
     """
     retry = retries_of(message) > 0
     target, other = (keys.retry, keys.scheduled) if retry else (keys.scheduled, keys.retry)
@@ -102,17 +105,24 @@ def schedule_args(keys: Keys, queue: str, message: dict[str, Any], delay_ms: int
         lock_key, task_id, ttl_ms, force = lock
         script_keys.append(lock_key)
         args += [task_id, ttl_ms, "1" if force else "0"]
+    if marker is not None:
+        if lock is None:
+            args += ["", "", ""]
+        script_keys.append(marker[0])
+        args.append(marker[1])
     return script_keys, args
 
 
 def schedule(scripts: Scripts, keys: Keys, queue: str, message: dict[str, Any], delay_ms: int,
              client: Any, lock: tuple[str, str, int, bool] | None = None,
-             max_payload: int = 0) -> tuple[bool, str]:
+             max_payload: int = 0, marker: tuple[str, int] | None = None) -> tuple[bool, str]:
     """Store one message in the scheduled or retry set.
 
     Returns (stored, task id of the pending job): stored is False when ``lock`` was
-    held by another pending unique job, whose task id is returned.
+    held by another pending unique job, whose task id is returned, or when ``marker``
+    says this publish stored its job already.
     """
-    script_keys, args = schedule_args(keys, queue, message, delay_ms, lock, max_payload)
+    script_keys, args = schedule_args(keys, queue, message, delay_ms, lock, max_payload,
+                                      marker)
     ok, _due, holder = scripts("schedule", script_keys, args, client=client)
     return bool(ok), holder.decode() if isinstance(holder, bytes) else str(holder)

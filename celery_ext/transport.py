@@ -4,7 +4,8 @@ What changes against ``redis://`` (everything else, fanout/events/remote control
 over PUB/SUB included, is inherited unchanged, and ``driver_type`` stays ``redis``):
 
 * Job queues are lists under ``{ns}:queue:<name>``; producers push with the
-  ``enqueue`` script, which also keeps the ``ready`` set and wakes idle pools.
+  ``enqueue`` script, which also keeps the ``ready`` set and wakes idle pools, and
+  writes a publish retried by Kombu only once (``producer.py``).
 * Consuming: instead of ``BRPOP`` the channel sends one ``fetch`` script per round
   trip. The pool's weighted round-robin (``sampler``) picks up to ``prefetch``
   candidate queues among those believed non-empty; the script pops one job per
@@ -41,20 +42,19 @@ from kombu.transport import redis as kredis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.eventio import READ
-from kombu.utils.json import dumps, loads
+from kombu.utils.json import loads
 
 from . import scripts as _scripts
 from .clock import now_s
 from .config import Settings
 from .dead import dead_letter, one_line
 from .envelope import envelope_problem
-from .errors import BrokerOutOfMemory, check_payload_size, job_name
+from .errors import BrokerOutOfMemory, job_name
 from .heartbeater import current_pool_id
 from .keys import Keys
 from .pool import WorkerPool, pool_for
+from .producer import Enqueuer
 from .readiness import ReadyQueues
-from .scheduled import eta_delay_ms, retries_of, schedule, schedule_args
-from .unique import UniqueRequest, take_pending
 from .weights import weight_of
 
 logger = logging.getLogger("celery_ext.transport")
@@ -262,80 +262,33 @@ class Channel(kredis.Channel):
         return client
 
     # -- producing ---------------------------------------------------------------------
-    def _enqueue_args(self, queue: str, message: Any) -> tuple[list[str], list[Any]]:
-        props = message.get("properties")
-        if isinstance(props, dict):
-            # Queue latency (age of the oldest job) is read from this stamp.
-            props.setdefault("enqueued_at", round(time.time() + self._clock_offset, 3))
-        keys = [self.keys.queue(queue), self.keys.ready, self.keys.queues]
-        payload = dumps(message)
-        check_payload_size(payload, message, queue, self.settings.max_payload_bytes)
-        return keys, [payload, queue, self.keys.wake_channel, self._expires.get(queue, 0)]
+    @property
+    def enqueuer(self) -> Enqueuer:
+        """Writes this channel's published jobs (the producer path, :mod:`.producer`)."""
+        enqueuer = self.__dict__.get("_enqueuer")
+        if enqueuer is None:
+            enqueuer = self.__dict__["_enqueuer"] = Enqueuer(
+                self.settings, self.keys, self._scripts, self.conn_or_acquire, self._expires,
+                clock_offset=getattr(self, "_clock_offset", 0.0))
+        return enqueuer
 
     def basic_publish(self, message: Any, exchange: str, routing_key: str,
                       **kwargs: Any) -> Any:
         try:
-            return super().basic_publish(message, exchange, routing_key, **kwargs)
+            result = super().basic_publish(message, exchange, routing_key, **kwargs)
         except redis.exceptions.OutOfMemoryError as exc:
             # Not retried as a connection error: Redis stays full until someone acts.
             raise BrokerOutOfMemory(
                 f"job {job_name(message, routing_key)} was not enqueued", exc) from None
+        Enqueuer.published(message)
+        return result
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
-        publish_batch = kwargs.pop("_publish_batch", None)
-        delay = eta_delay_ms(message)
-        uniq = take_pending(message)
-        if delay is not None or uniq is not None:
-            self._put_scheduled_or_unique(queue, message, delay, uniq, publish_batch)
-            return
-        keys, args = self._enqueue_args(queue, message)
-        if publish_batch is not None:
-            publish_batch.add("evalsha", _scripts.sha("enqueue"), len(keys), *keys, *args)
-            return
-        with self.conn_or_acquire() as client:
-            self._scripts("enqueue", keys, args, client=client)
-
-    def _put_scheduled_or_unique(self, queue: str, message: Any, delay: int | None,
-                                 uniq: UniqueRequest | None, publish_batch: Any) -> None:
-        """A job with a future ``eta`` goes to the scheduled (or retry) set in Redis,
-        never into a worker's memory; a unique job is pushed (or scheduled) only if no
-        identical job is pending, in the same script that takes its lock."""
-        props = message.get("properties")
-        if delay is not None and isinstance(props, dict):
-            # It counts as enqueued when it is due (queue latency starts then).
-            offset = getattr(self, "_clock_offset", 0.0)
-            props.setdefault("enqueued_at", round(time.time() + offset + delay / 1000, 3))
-        lock: tuple[str, str, int, bool] | None = None
-        if uniq is not None:
-            ttl_ms = int((uniq.ttl or self.settings.unique_ttl) * 1000)
-            lock = (self.keys.unique(uniq.digest), str(message["headers"].get("id")), ttl_ms,
-                    retries_of(message) > 0)
-        if delay is not None and lock is None and publish_batch is not None:
-            keys, args = schedule_args(self.keys, queue, message, delay,
-                                       max_payload=self.settings.max_payload_bytes)
-            publish_batch.add("evalsha", _scripts.sha("schedule"), len(keys), *keys, *args)
-            return
-        with self.conn_or_acquire() as client:
-            if delay is not None:
-                _, holder = schedule(self._scripts, self.keys, queue, message, delay, client,
-                                     lock=lock, max_payload=self.settings.max_payload_bytes)
-            else:
-                assert lock is not None
-                lock_key, task_id, ttl_ms, force = lock
-                keys, args = self._enqueue_args(queue, message)
-                _, raw = self._scripts("enqueue_unique", [lock_key, *keys],
-                                       [*args, task_id, ttl_ms, "1" if force else "0"],
-                                       client=client)
-                holder = bytes_to_str(raw)
-        if uniq is not None:
-            uniq.holder = holder
+        self.enqueuer.put(queue, message, kwargs.pop("_publish_batch", None))
 
     def create_publish_batch(self, max_size: int) -> Any:
         batch = super().create_publish_batch(max_size)
-        # EVALSHA inside a pipeline cannot recover from NOSCRIPT; make sure it is loaded.
-        with self.conn_or_acquire() as client:
-            client.script_load(_scripts.source("enqueue"))
-            client.script_load(_scripts.source("schedule"))
+        self.enqueuer.load_batch_scripts()
         return batch
 
     # -- queue management --------------------------------------------------------------

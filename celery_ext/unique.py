@@ -7,8 +7,8 @@ Task options::
     @app.task(unique=True, unique_ttl=600)          # lock safety net, seconds
 
 ``install(app)`` wraps ``app.send_task`` (which ``apply_async`` and ``delay`` call):
-for a unique task it computes the key, and the transport's ``_put`` enqueues (or
-schedules) the job with one script that checks and takes the lock
+for a unique task it computes the key, and the producer (``producer.Enqueuer``)
+enqueues (or schedules) the job with one script that checks and takes the lock
 ``{ns}:unique:<name>:<sha1>`` atomically. If the lock is held, nothing is pushed
 and the caller's ``AsyncResult`` carries the id of the job already pending.
 
@@ -47,7 +47,7 @@ HEADER = "celery_ext_unique"
 
 @dataclass
 class UniqueRequest:
-    """One pending unique publish, handed from ``send_task`` to ``Channel._put``."""
+    """One pending unique publish, handed from ``send_task`` to ``Enqueuer.put``."""
 
     name: str
     digest: str

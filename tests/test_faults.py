@@ -9,7 +9,9 @@ says which job ran where. What ours must show (DESIGN.md promises 1-3):
   second of writes: that scenario reports instead of asserting);
 - duplicates no more than the jobs the hit pools owned at the faults, and every job
   run twice was one of them; no live pool reaped when Redis stalls or restarts;
-- no pool crashed by a fault it was not the target of; every fault recovered from.
+- no pool crashed by a fault it was not the target of; every fault recovered from;
+- no job stored twice by a publish retried after its write landed (``publish_cut``
+  loses the reply of an enqueue that Redis ran).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def test_ours_loses_nothing_and_duplicates_at_most_what_was_in_flight(
         assert r.unrecovered_faults == 0
     assert r.duplicates <= r.in_flight_at_faults
     assert r.unexplained_duplicates == 0  # every job run twice was owned by a hit pool
+    assert r.publish_retry_duplicates == 0  # a publish retried after its write landed
     if name in ("redis_stall", "redis_kill", "oom", "sigterm", "kill_child"):
         assert r.pools_reaped == 0  # no live pool declared dead (stall guard, clean exits)
     if name == "oom":

@@ -2,24 +2,33 @@
 -- KEYS[1]  job queue list            {ns}:queue:<name>
 -- KEYS[2]  ready set                 {ns}:ready
 -- KEYS[3]  known queues set          {ns}:queues (job queues only)
+-- KEYS[4]  (optional) publish marker {ns}:published:<id>, one per publish call
 -- ARGV[1]  message payload (kombu JSON)
 -- ARGV[2]  queue name
 -- ARGV[3]  wake channel              {ns}:wake
 -- ARGV[4]  queue expiry in ms (x-expires), 0 = never
+-- ARGV[5]  (with KEYS[4]) marker TTL in ms
 -- Kombu's remote-control replies (queues named "<id>.reply.<mailbox>.pidbox", one per
 -- `celery inspect`/`control` call) use the same path but are not job queues: they are
 -- not recorded in the known queues set (queue_info.lua drops such names too).
--- Returns the queue length after the push.
-local n = redis.call('LPUSH', KEYS[1], ARGV[1])
+-- Returns the queue length after the push, or -1 when the publish marker was there
+-- already: a retry of a publish whose write landed (nothing pushed again).
+local queueKey, readyKey, queuesKey, markerKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]
+local expiresMs, markerTtlMs = tonumber(ARGV[4]), ARGV[5]
+if markerKey and not redis.call('SET', markerKey, '1', 'NX', 'PX', markerTtlMs) then
+  return -1
+end
+local n = redis.call('LPUSH', queueKey, payload)
 -- SADD on every push keeps the ready set self-healing; only a queue that just
 -- became non-empty is announced, so busy systems publish almost nothing.
-if redis.call('SADD', KEYS[2], ARGV[2]) == 1 then
-  if string.sub(ARGV[2], -7) ~= '.pidbox' then
-    redis.call('SADD', KEYS[3], ARGV[2])
+if redis.call('SADD', readyKey, queueName) == 1 then
+  if string.sub(queueName, -7) ~= '.pidbox' then
+    redis.call('SADD', queuesKey, queueName)
   end
-  redis.call('PUBLISH', ARGV[3], ARGV[2])
+  redis.call('PUBLISH', wakeChannel, queueName)
 end
-if tonumber(ARGV[4]) > 0 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if expiresMs > 0 then
+  redis.call('PEXPIRE', queueKey, expiresMs)
 end
 return n

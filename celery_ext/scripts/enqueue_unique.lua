@@ -4,6 +4,7 @@
 -- KEYS[2]  job queue list               {ns}:queue:<name>
 -- KEYS[3]  ready set                    {ns}:ready
 -- KEYS[4]  known queues set             {ns}:queues
+-- KEYS[5]  (optional) publish marker    {ns}:published:<id>, one per publish call
 -- ARGV[1]  message payload (kombu JSON)
 -- ARGV[2]  queue name
 -- ARGV[3]  wake channel                 {ns}:wake
@@ -11,22 +12,38 @@
 -- ARGV[5]  lock value: the job's task id
 -- ARGV[6]  lock TTL in ms (the safety net if the lock is never released)
 -- ARGV[7]  "1" = enqueue even if the lock is held (a retry), else "0"
+-- ARGV[8]  (with KEYS[5]) marker TTL in ms
 -- The lock is released by the worker when the job starts (unique_release).
 -- Returns {1, task id} when enqueued, {0, holder} when a job with the same key is
--- pending (nothing pushed; the same task id published twice counts as pending).
-local holder = redis.call('GET', KEYS[1])
-if holder and ARGV[7] ~= '1' then
+-- pending (nothing pushed; the same task id published twice counts as pending),
+-- {0, task id} when the publish marker was there already: a retry of a publish
+-- that pushed its job (nothing pushed again).
+local lockKey, queueKey, readyKey, queuesKey, markerKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]
+local expiresMs, taskId, lockTtlMs, force = tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7]
+local markerTtlMs = ARGV[8]
+if markerKey then
+  local pushed = redis.call('GET', markerKey)
+  if pushed then
+    return {0, pushed}
+  end
+end
+local holder = redis.call('GET', lockKey)
+if holder and force ~= '1' then
   return {0, holder}
 end
-if not holder or holder == ARGV[5] then
-  redis.call('SET', KEYS[1], ARGV[5], 'PX', ARGV[6])
+if not holder or holder == taskId then
+  redis.call('SET', lockKey, taskId, 'PX', lockTtlMs)
 end
-redis.call('LPUSH', KEYS[2], ARGV[1])
-if redis.call('SADD', KEYS[3], ARGV[2]) == 1 then
-  redis.call('SADD', KEYS[4], ARGV[2])
-  redis.call('PUBLISH', ARGV[3], ARGV[2])
+redis.call('LPUSH', queueKey, payload)
+if redis.call('SADD', readyKey, queueName) == 1 then
+  redis.call('SADD', queuesKey, queueName)
+  redis.call('PUBLISH', wakeChannel, queueName)
 end
-if tonumber(ARGV[4]) > 0 then
-  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+if expiresMs > 0 then
+  redis.call('PEXPIRE', queueKey, expiresMs)
 end
-return {1, ARGV[5]}
+if markerKey then
+  redis.call('SET', markerKey, taskId, 'PX', markerTtlMs)
+end
+return {1, taskId}

@@ -5,44 +5,66 @@
 -- KEYS[3]  the other zset               {ns}:retry or {ns}:scheduled
 -- KEYS[4]  known queues set             {ns}:queues
 -- KEYS[5]  (unique jobs only) lock      {ns}:unique:<digest>
+-- KEYS[5 or 6, after the lock if any] (optional) publish marker {ns}:published:<id>
 -- ARGV[1]  job id (delivery tag)
 -- ARGV[2]  delay in ms from now (Redis time)
 -- ARGV[3]  meta JSON object (one line); "scheduled_at" is added here
 -- ARGV[4]  queue name
 -- ARGV[5]  message payload (kombu JSON)
 -- ARGV[6]  schedule channel             {ns}:schedule
--- ARGV[7]  (unique) lock value: the job's task id
+-- ARGV[7]  (unique) lock value: the job's task id; "" = not a unique job
 -- ARGV[8]  (unique) lock TTL in ms, counted from the due time
 -- ARGV[9]  (unique) "1" = schedule even if the lock is held (a retry), else "0"
+-- ARGV[10] (with the marker) marker TTL in ms
 -- Returns {1, due ms, task id} when scheduled, {0, 0, holder} when a unique job
 -- with the same key is already pending (nothing stored; the same task id
--- published twice counts as pending).
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local due = now + tonumber(ARGV[2])
-if #KEYS >= 5 then
-  local holder = redis.call('GET', KEYS[5])
-  if holder and ARGV[9] ~= '1' then
-    return {0, 0, holder}
-  end
-  if not holder or holder == ARGV[7] then
-    redis.call('SET', KEYS[5], ARGV[7], 'PX', tonumber(ARGV[2]) + tonumber(ARGV[8]))
+-- published twice counts as pending), {0, 0, marker value} when the publish marker
+-- was there already: a retry of a publish that stored its job (nothing stored again).
+local targetKey, jobsKey, otherKey, queuesKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local jobId, delayMs, metaJson, queueName = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local payload, scheduleChannel = ARGV[5], ARGV[6]
+local taskId, lockTtlMs, force, markerTtlMs = ARGV[7] or '', ARGV[8], ARGV[9], ARGV[10]
+local lockKey, markerKey = nil, nil
+if taskId ~= '' then
+  lockKey, markerKey = KEYS[5], KEYS[6]
+else
+  markerKey = KEYS[5]
+end
+if markerKey then
+  local stored = redis.call('GET', markerKey)
+  if stored then
+    return {0, 0, stored}
   end
 end
-local meta = cjson.decode(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local due = now + delayMs
+if lockKey then
+  local holder = redis.call('GET', lockKey)
+  if holder and force ~= '1' then
+    return {0, 0, holder}
+  end
+  if not holder or holder == taskId then
+    redis.call('SET', lockKey, taskId, 'PX', delayMs + tonumber(lockTtlMs))
+  end
+end
+local meta = cjson.decode(metaJson)
 meta['scheduled_at'] = now
 -- The earliest due time before this job, over both sets.
 local earliest = nil
-for _, k in ipairs({KEYS[1], KEYS[3]}) do
+for _, k in ipairs({targetKey, otherKey}) do
   local head = redis.call('ZRANGE', k, 0, 0, 'WITHSCORES')
   if head[2] and (not earliest or tonumber(head[2]) < earliest) then
     earliest = tonumber(head[2])
   end
 end
-redis.call('HSET', KEYS[2], ARGV[1], cjson.encode(meta) .. '\n' .. ARGV[4] .. '\n' .. ARGV[5])
-redis.call('ZADD', KEYS[1], due, ARGV[1])
-redis.call('SADD', KEYS[4], ARGV[4])
-if not earliest or due < earliest then
-  redis.call('PUBLISH', ARGV[6], due)
+redis.call('HSET', jobsKey, jobId, cjson.encode(meta) .. '\n' .. queueName .. '\n' .. payload)
+redis.call('ZADD', targetKey, due, jobId)
+redis.call('SADD', queuesKey, queueName)
+if markerKey then
+  redis.call('SET', markerKey, taskId ~= '' and taskId or '1', 'PX', markerTtlMs)
 end
-return {1, due, ARGV[7] or ''}
+if not earliest or due < earliest then
+  redis.call('PUBLISH', scheduleChannel, due)
+end
+return {1, due, taskId}

@@ -32,19 +32,21 @@ def table(results: list[Result]) -> str:
     """Markdown table: one row per scenario, stock and ours side by side."""
     by = {(r.scenario, r.mode): r for r in results}
     names = list(dict.fromkeys(r.scenario for r in results))
-    head = ("| scenario | faults | stock lost | stock dup | stock recovery s (med/max) "
-            "| ours lost | ours dup (in flight) | ours recovery s (med/max) | refused (ours) "
+    head = ("| scenario | faults | stock lost | stock dup | stock publish-retry dup "
+            "| stock recovery s (med/max) | ours lost | ours dup (in flight) "
+            "| ours publish-retry dup | ours recovery s (med/max) | refused (ours) "
             "| pools reaped (ours) |")
-    rows = [head, "|" + "---|" * 10]
+    rows = [head, "|" + "---|" * 12]
     for name in names:
         s, o = by.get((name, "stock")), by.get((name, "ours"))
         cells = [name, str(len((o or s).faults)) if (o or s) else "-"]  # type: ignore[union-attr]
         for r, ours in ((s, False), (o, True)):
             if r is None:
-                cells += ["-", "-", "-"]
+                cells += ["-", "-", "-", "-"]
                 continue
             cells.append(f"{r.lost}/{r.accepted}")
             cells.append(f"{r.duplicates} ({r.in_flight_at_faults})" if ours else str(r.duplicates))
+            cells.append(str(r.publish_retry_duplicates))
             cells.append(_fmt_recovery(r))
         cells.append(str(o.refused) if o else "-")
         cells.append(str(o.pools_reaped) if o else "-")
@@ -84,9 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append(result)
             print(f"  lost {result.lost}/{result.accepted}, duplicates {result.duplicates}, "
                   f"in flight at faults {result.in_flight_at_faults}, refused {result.refused}, "
-                  f"recovery {_fmt_recovery(result)}, unexplained duplicates "
-                  f"{result.unexplained_duplicates} (publish retried: "
-                  f"{result.publish_retry_duplicates}), "
+                  f"recovery {_fmt_recovery(result)}, publish-retry duplicates "
+                  f"{result.publish_retry_duplicates}, unexplained duplicates "
+                  f"{result.unexplained_duplicates}, "
                   f"pools reaped {result.pools_reaped}, crashed pools {result.crashed_pools}, "
                   f"{result.seconds} s"
                   + "".join(f"\n  note: {n}" for n in result.notes), flush=True)

@@ -6,16 +6,19 @@ One module for both contenders, chosen by environment variables the harness sets
 - ``FAULTS_MODE``            ``stock`` or ``ours`` (``ours`` calls ``celery_ext.install``)
 - ``FAULTS_RECORD``          the append-only file every execution writes to
 
-Every execution appends ``S <job> <pid> <time>`` when it starts and ``D ...`` when
-it is done to ``FAULTS_RECORD``: a record outside the system under test, so a Redis
-crash cannot take the evidence with it. One ``write`` on an ``O_APPEND`` file is
-atomic with respect to the other processes' writes.
+Every execution appends ``S <job> <pid> <time> <first|again>`` when it starts
+(``again``: the message was redelivered, e.g. requeued from a dead pool) and
+``D <job> <pid> <time>`` when it is done to ``FAULTS_RECORD``: a record outside the
+system under test, so a Redis crash cannot take the evidence with it. A job started
+twice as ``first`` was stored twice: a publish retried after its write landed. One
+``write`` on an ``O_APPEND`` file is atomic with respect to the other processes' writes.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from celery import Celery
 
@@ -39,7 +42,7 @@ def make_app(mode: str, broker_url: str) -> Celery:
         worker_send_task_events=False,
         task_send_sent_event=False,
     )
-    app.task(name=JOB)(job)
+    app.task(name=JOB, bind=True)(job)
     if mode == "ours":
         celery_ext.install(app)
     elif mode != "stock":
@@ -47,19 +50,21 @@ def make_app(mode: str, broker_url: str) -> Celery:
     return app
 
 
-def _record(kind: str, job_id: str) -> None:
+def _record(kind: str, job_id: str, *extra: str) -> None:
     path = os.environ["FAULTS_RECORD"]
-    line = f"{kind} {job_id} {os.getpid()} {time.time():.6f}\n".encode()
+    line = " ".join((kind, job_id, str(os.getpid()), f"{time.time():.6f}", *extra))
+    line += "\n"
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line)
+        os.write(fd, line.encode())
     finally:
         os.close(fd)
 
 
-def job(job_id: str, seconds: float) -> None:
+def job(task: Any, job_id: str, seconds: float) -> None:
     """A job that takes ``seconds`` and records its start and its end."""
-    _record("S", job_id)
+    redelivered = (task.request.delivery_info or {}).get("redelivered")
+    _record("S", job_id, "again" if redelivered else "first")
     time.sleep(seconds)
     _record("D", job_id)
 

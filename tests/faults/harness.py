@@ -12,6 +12,8 @@ Counting comes only from the append-only record the jobs write (``tests.faults.a
 
 - **accepted**: ``apply_async`` returned; **refused**: it raised (the caller knows)
 - **lost** = accepted jobs never done; **duplicates** = starts - distinct jobs started
+- **publish-retry duplicates**: extra starts of a job that no redelivery explains
+  (both copies were fresh messages): Kombu's publish retry stored it twice
 - **in flight at a fault**: jobs the hit pool owned then (ours: its in-flight record;
   stock: ``unacked`` of the whole server for server faults, started-not-done for pools)
 - **recovery** per fault: from the fault until every job running on the hit pool (or
@@ -38,6 +40,7 @@ from typing import Any
 import psutil
 import redis
 
+from celery_ext import scripts as _scripts
 from celery_ext.config import DEFAULT_NAMESPACE
 from celery_ext.keys import Keys
 from celery_ext.server import RedisServer
@@ -53,6 +56,10 @@ SCHEMES = {"stock": "redis", "ours": "celery-ext"}
 #: Fault kinds; a scenario is a list of them, injected in turn.
 POOL_FAULTS = ("kill_main", "kill_child", "sigterm", "sigstop", "partition")
 SERVER_FAULTS = ("redis_kill", "debug_sleep", "client_pause", "oom")
+#: Faults of the producer's connection (it reaches Redis through a proxy of its own).
+PRODUCER_FAULTS = ("publish_cut",)
+#: What the producer's enqueue request contains: the command (stock) or the script.
+ENQUEUE_REQUEST = {"stock": b"LPUSH", "ours": _scripts.sha("enqueue").encode()}
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("oom", "maxmemory reached with noeviction, then lifted", ("oom",)),
     Scenario("partition", "a pool cut off from Redis past dead_after, then reconnected",
              ("partition",)),
+    Scenario("publish_cut", "the producer's connection dies after Redis ran an enqueue, "
+             "before the reply", ("publish_cut",)),
     Scenario("soak", "all of the above in turn, in one run",
              ("kill_main", "sigstop", "kill_child", "redis_stall", "sigterm", "partition",
               "redis_kill", "oom")),
@@ -137,8 +146,9 @@ class Result:
     #: ours: jobs run twice that no hit pool (or, for server faults, no pool) owned at
     #: a fault; promise 2 says there are none.
     unexplained_duplicates: int | None = None
-    #: jobs run twice whose apply_async spanned an outage: Kombu's publish retry sent
-    #: the job again after the first write had reached Redis (enqueue is at-least-once).
+    #: extra starts of jobs stored twice: both copies were fresh messages (not
+    #: redelivered), so Kombu's publish retry sent the job again after the first write
+    #: had reached Redis (a fault inside the round trip).
     publish_retry_duplicates: int = 0
     #: ours: dead pools the reapers declared (from the worker logs).
     pools_reaped: int | None = None
@@ -156,22 +166,27 @@ class Result:
 
 @dataclass
 class Record:
-    """The parsed append-only record: (kind, job, pid, time) per line."""
+    """The parsed append-only record: (kind, job, pid, time) per line, and how often
+    each job started from a fresh (not redelivered) message."""
 
     lines: list[tuple[str, str, int, float]]
+    first_starts: Counter[str] = field(default_factory=Counter)
 
     @classmethod
     def read(cls, path: Path) -> Record:
         lines = []
+        first: Counter[str] = Counter()
         try:
             text = path.read_text()
         except FileNotFoundError:
             text = ""
         for raw in text.splitlines():
             parts = raw.split()
-            if len(parts) == 4:
+            if len(parts) in (4, 5):
                 lines.append((parts[0], parts[1], int(parts[2]), float(parts[3])))
-        return cls(lines)
+                if parts[0] == "S" and parts[4:] == ["first"]:
+                    first[parts[1]] += 1
+        return cls(lines, first)
 
     def done_ids(self) -> set[str]:
         return {job for kind, job, _, _ in self.lines if kind == "D"}
@@ -205,18 +220,19 @@ class Run:
                                   appendfsync=scenario.appendfsync,
                                   extra_args=["--enable-debug-command", "yes"])
         self.proxy: Proxy | None = None
+        self.producer_proxy: Proxy | None = None  # publish_cut only
         self.pools: list[WorkerProcess] = []
         self._retired: list[WorkerProcess] = []  # stopped or killed on purpose
         self._lock = threading.Lock()
         self._producer_done = threading.Event()
         self._accepted: list[str] = []
-        self._slow_publish: set[str] = set()  # apply_async took long enough to retry
         self._errors: list[str] = []
 
     # -- set-up -----------------------------------------------------------------------
-    def _url(self, via_proxy: bool) -> str:
-        assert self.proxy is not None
-        port = self.proxy.port if via_proxy else self.server.port
+    def _url(self, via_proxy: bool, proxy: Proxy | None = None) -> str:
+        proxy = proxy or self.proxy
+        assert proxy is not None
+        port = proxy.port if via_proxy else self.server.port
         return f"{SCHEMES[self.mode]}://127.0.0.1:{port}/0"
 
     def _env(self) -> dict[str, str]:
@@ -250,6 +266,8 @@ class Run:
         started = time.monotonic()
         self.server.start()
         self.proxy = Proxy(("127.0.0.1", self.server.port)).start()
+        if any(kind in PRODUCER_FAULTS for kind in self.scenario.kinds):
+            self.producer_proxy = Proxy(("127.0.0.1", self.server.port)).start()
         try:
             self.pools = [self._new_pool(i) for i in range(self.opt.pools)]
             self._start_pools(self.pools)
@@ -279,7 +297,8 @@ class Run:
 
     def _produce(self) -> None:
         """Enqueue every job, paced over the fault window, counting refusals."""
-        app = make_app(self.mode, self._url(via_proxy=False))
+        app = make_app(self.mode, self._url(self.producer_proxy is not None,
+                                            self.producer_proxy))
         task = app.tasks[JOB]
         window = self.opt.warmup + len(self._fault_plan()) * self.opt.interval
         burst = int(self.opt.jobs * self.opt.backlog)
@@ -294,15 +313,12 @@ class Run:
             options: dict[str, Any] = {"task_id": job_id}
             if self.rng.random() < self.opt.countdown_share:
                 options["countdown"] = round(self.rng.uniform(0, self.opt.countdown_max), 3)
-            sent = time.monotonic()
             try:
                 task.apply_async((job_id, round(seconds, 4)), **options)
             except Exception as exc:  # the caller learns: this job was never accepted
                 self._errors.append(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
             else:
                 self._accepted.append(job_id)
-            if time.monotonic() - sent > 0.2:
-                self._slow_publish.add(job_id)
             delay = t0 + (i + 1 - burst) * gap - time.monotonic()
             if i >= burst and delay > 0:
                 time.sleep(delay)
@@ -353,12 +369,12 @@ class Run:
         r.lost, r.lost_sample = len(lost), lost[:5]
         r.starts = len(starts)
         r.duplicates = len(starts) - len(set(starts))
+        stored_twice = {job for job, n in rec.first_starts.items() if n > 1}
+        r.publish_retry_duplicates = sum(rec.first_starts[job] - 1 for job in stored_twice)
         if self.mode == "ours":
             twice = {job for job, n in Counter(starts).items() if n > 1}
             owned = {job for f in r.faults for job in f.owned}
-            retried = (twice - owned) & self._slow_publish
-            r.publish_retry_duplicates = len(retried)
-            r.unexplained_duplicates = len(twice - owned - retried)
+            r.unexplained_duplicates = len(twice - owned - stored_twice)
             r.pools_reaped = sum(
                 int(m.group(1)) for w in self.pools + self._retired if w.started
                 for m in re.finditer(r"reaped (\d+) dead worker pool", w.log_text()))
@@ -393,8 +409,9 @@ class Run:
             t.start()
         for t in threads:
             t.join()
-        if self.proxy is not None:
-            self.proxy.stop()
+        for proxy in (self.proxy, self.producer_proxy):
+            if proxy is not None:
+                proxy.stop()
         self.server.stop()
 
     # -- fault helpers --------------------------------------------------------------
@@ -517,6 +534,22 @@ class Run:
         time.sleep(self.opt.dead_after * 2)
         self.proxy.start()
         return fault
+
+    def _fault_publish_cut(self) -> Fault:
+        """The producer's next enqueue runs in Redis; its reply is lost with the
+        connection. Kombu's publish retry (Celery's default policy) sends it again."""
+        proxy = self.producer_proxy
+        assert proxy is not None
+        lost = proxy.replies_cut
+        now = time.time()
+        proxy.cut_on_reply(ENQUEUE_REQUEST[self.mode])
+        deadline = time.monotonic() + self.opt.interval / 2
+        while proxy.replies_cut == lost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if proxy.replies_cut == lost:
+            proxy.disarm()
+            raise RuntimeError("no enqueue went through the producer's proxy")
+        return Fault("publish_cut", now, None, 0)
 
     def _fault_redis_kill(self) -> Fault:
         fault = self._server_fault("redis_kill")

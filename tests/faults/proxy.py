@@ -56,6 +56,12 @@ class Proxy:
         with self._lock:
             self._triggers += [trigger] * times
 
+    def disarm(self) -> None:
+        """Forget the cuts and drops not yet struck."""
+        with self._lock:
+            self._triggers.clear()
+            self._drops.clear()
+
     def start(self) -> Self:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,0 +1,179 @@
+"""The producer path: how one published job gets into Redis, in one straight line.
+
+Kombu's ``Channel._put`` ("deliver this message to this job queue") is a thin call
+to :meth:`Enqueuer.put`, which does, in this order:
+
+1. stamps ``enqueued_at`` on the Redis clock (the due time for a job with a future
+   ``eta``): queue latency is read from it;
+2. takes the message's publish id (below) and encodes the payload without it,
+   refusing it with ``PayloadTooLarge`` over ``max_payload_bytes`` before anything
+   is written;
+3. writes it with one script: a job due later (countdown, eta, retry backoff) goes
+   to the scheduled or retry set (``schedule``), a unique job is pushed only if no
+   identical job is pending (``enqueue_unique``, or ``schedule`` with its lock),
+   any other job is pushed to its job queue (``enqueue``). Inside a Kombu publish
+   batch (``Producer.batch()``) plain and scheduled jobs are added to the batch's
+   pipeline instead; unique jobs are written at once (the caller needs the holder).
+
+``BrokerOutOfMemory`` (Redis at ``maxmemory``) is raised by ``Channel.basic_publish``
+around all of it, so Kombu's publish retry does not loop on a full Redis.
+
+Exactly once across an outage
+-----------------------------
+Celery publishes with a retry policy: when the connection breaks during a publish,
+``kombu.Connection.ensure`` reconnects and calls ``Producer._publish`` again. If
+the first write reached Redis and only its reply was lost, a plain push would store
+the job twice. Kombu builds the message dict afresh for every attempt (with a new
+``delivery_tag``) but hands every attempt of one ``Producer.publish`` call the same
+``properties`` dict. The first attempt stores a random publish id there
+(:data:`PUBLISH_ID`); every attempt sends the marker key derived from it and the job
+queue (``{ns}:published:<marker>``), and the script writes the job only if that key
+is absent, setting it for ``publish_idempotency_ttl``. A publish that succeeded drops
+its id (:meth:`Enqueuer.published`): only a failed one is retried. A retry within that time
+writes nothing; a retry after it (or with the setting 0) writes the job again.
+Jobs added to a publish batch's pipeline carry no marker: Kombu does not retry a
+batch (a failed flush raises ``BatchPublishError``, "delivery is uncertain").
+
+The publish id is never part of the stored payload: a consumer that republishes a
+job (``celery migrate``) copies its properties, and its copy must not be mistaken
+for a retry. The marker of one publish is per job queue because one publish to an
+exchange may deliver to several queues.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+from kombu.utils.json import dumps
+
+from . import scripts as _scripts
+from .config import Settings
+from .errors import check_payload_size
+from .keys import Keys
+from .scheduled import eta_delay_ms, retries_of, schedule, schedule_args
+from .unique import UniqueRequest, take_pending
+
+#: Message property holding the publish id while Kombu may retry the publish; removed
+#: from the payload before it is written.
+PUBLISH_ID = "celery_ext_publish_id"
+
+
+def publish_marker(publish_id: str, queue: str) -> str:
+    """The marker of one publish to one job queue: 16 characters (96 bits)."""
+    digest = hashlib.blake2b(queue.encode("utf-8"), key=publish_id.encode("utf-8")[:64],
+                             digest_size=12).digest()
+    return base64.urlsafe_b64encode(digest).decode("ascii")
+
+
+class Enqueuer:
+    """Writes published jobs to Redis for one channel (see the module docstring).
+
+    ``acquire`` is the channel's ``conn_or_acquire``: one client per channel, reused
+    by every publish. ``expires`` is the channel's queue-expiry dict (``x-expires``),
+    read at each publish.
+    """
+
+    def __init__(self, settings: Settings, keys: Keys, scripts: _scripts.Scripts,
+                 acquire: Callable[[], AbstractContextManager[Any]],
+                 expires: Mapping[str, int], clock_offset: float) -> None:
+        self.settings = settings
+        self.keys = keys
+        self._scripts = scripts
+        self._acquire = acquire
+        self._expires = expires
+        self._clock_offset = clock_offset
+        self._marker_ttl_ms = int(settings.publish_idempotency_ttl * 1000)
+
+    def put(self, queue: str, message: dict[str, Any], batch: Any = None) -> None:
+        """Write one job to ``queue`` (or to ``batch``, a Kombu ``PublishBatch``)."""
+        delay = eta_delay_ms(message)
+        uniq = take_pending(message)
+        props = message.get("properties")
+        if not isinstance(props, dict):  # not a Kombu message: written as it is
+            self._write(queue, message, delay, uniq, None, batch)
+            return
+        # Enqueued when due: queue latency counts from then.
+        enqueued_at = time.time() + self._clock_offset + (delay or 0) / 1000
+        props.setdefault("enqueued_at", round(enqueued_at, 3))
+        publish_id = str(props.pop(PUBLISH_ID, None) or secrets.token_hex(16))
+        try:
+            marker = None
+            # A job added to a batch's pipeline is never retried by Kombu (a failed
+            # flush raises BatchPublishError): no marker, no memory spent on one.
+            if self._marker_ttl_ms and (batch is None or uniq is not None):
+                marker = (self.keys.published(publish_marker(publish_id, queue)),
+                          self._marker_ttl_ms)
+            self._write(queue, message, delay, uniq, marker, batch)
+        finally:
+            props[PUBLISH_ID] = publish_id  # for Kombu's next attempt of this publish
+
+    @staticmethod
+    def published(message: Any) -> None:
+        """The publish of ``message`` succeeded: forget its publish id, so that the same
+        dict published again (only a retry reuses it on purpose) is a new publish."""
+        props = message.get("properties") if isinstance(message, dict) else None
+        if isinstance(props, dict):
+            props.pop(PUBLISH_ID, None)
+
+    def _write(self, queue: str, message: dict[str, Any], delay: int | None,
+               uniq: UniqueRequest | None, marker: tuple[str, int] | None,
+               batch: Any) -> None:
+        max_payload = self.settings.max_payload_bytes
+        marker_keys, marker_args = ([marker[0]], [marker[1]]) if marker else ([], [])
+        if delay is not None and uniq is None:
+            keys, args = schedule_args(self.keys, queue, message, delay,
+                                       max_payload=max_payload, marker=marker)
+            self._run("schedule", keys, args, batch)
+        elif delay is not None:
+            assert uniq is not None
+            with self._acquire() as client:
+                _, uniq.holder = schedule(self._scripts, self.keys, queue, message, delay,
+                                          client, lock=self._lock(uniq, message),
+                                          max_payload=max_payload, marker=marker)
+        elif uniq is not None:
+            lock_key, task_id, ttl_ms, force = self._lock(uniq, message)
+            _, holder = self._run(
+                "enqueue_unique",
+                [lock_key, *self._queue_keys(queue), *marker_keys],
+                [*self._queue_args(queue, message), task_id, ttl_ms, "1" if force else "0",
+                 *marker_args],
+                None)
+            uniq.holder = holder.decode() if isinstance(holder, bytes) else str(holder)
+        else:
+            self._run("enqueue", [*self._queue_keys(queue), *marker_keys],
+                      [*self._queue_args(queue, message), *marker_args], batch)
+
+    def _queue_keys(self, queue: str) -> list[str]:
+        """KEYS the ``enqueue`` and ``enqueue_unique`` scripts share."""
+        return [self.keys.queue(queue), self.keys.ready, self.keys.queues]
+
+    def _queue_args(self, queue: str, message: dict[str, Any]) -> list[Any]:
+        """ARGV the ``enqueue`` and ``enqueue_unique`` scripts share, payload first."""
+        payload = dumps(message)
+        check_payload_size(payload, message, queue, self.settings.max_payload_bytes)
+        return [payload, queue, self.keys.wake_channel, self._expires.get(queue, 0)]
+
+    def _lock(self, uniq: UniqueRequest, message: dict[str, Any]) -> tuple[str, str, int, bool]:
+        """(lock key, task id, TTL ms, force) of a unique job; a retry is always written."""
+        ttl_ms = int((uniq.ttl or self.settings.unique_ttl) * 1000)
+        return (self.keys.unique(uniq.digest), str(message["headers"].get("id")), ttl_ms,
+                retries_of(message) > 0)
+
+    def _run(self, script: str, keys: list[str], args: list[Any], batch: Any) -> Any:
+        if batch is not None:
+            batch.add("evalsha", _scripts.sha(script), len(keys), *keys, *args)
+            return None
+        with self._acquire() as client:
+            return self._scripts(script, keys, args, client=client)
+
+    def load_batch_scripts(self) -> None:
+        """EVALSHA inside a pipeline cannot recover from NOSCRIPT: load what a batch sends."""
+        with self._acquire() as client:
+            client.script_load(_scripts.source("enqueue"))
+            client.script_load(_scripts.source("schedule"))
