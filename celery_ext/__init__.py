@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
+from .config import SCHEME, TLS_SCHEME
 from .flower import enable as _enable_flower
 from .install import install
 from .observer import checkin
-from .transport import SCHEME, TLS_SCHEME
 
 __version__ = "0.1.0"
 

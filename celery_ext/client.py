@@ -24,7 +24,7 @@ import redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps
 
-from .config import Settings
+from .config import Settings, redis_url
 from .dead import split_record
 from .keys import Keys
 from .scripts import Scripts
@@ -176,9 +176,7 @@ class Client:
     def from_url(cls, url: str, **options: Any) -> Client:
         """Connect to a ``celery-ext://`` (or ``redis://``) URL; ``options`` are the
         transport options (``namespace=...``), overridden by ``CELERY_EXT_*``."""
-        scheme, sep, rest = url.partition("://")
-        scheme = {"celery-ext": "redis", "celery-exts": "rediss"}.get(scheme, scheme)
-        return cls(redis.Redis.from_url(f"{scheme}{sep}{rest}"), Settings.load(options))
+        return cls(redis.Redis.from_url(redis_url(url)), Settings.load(options))
 
     @classmethod
     def from_app(cls, app: Any) -> Client:

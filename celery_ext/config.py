@@ -183,6 +183,19 @@ class Settings:
         return replace(self, **changes)
 
 
+#: URL schemes of this transport (plain and TLS), and the redis-py scheme of each.
+SCHEME = "celery-ext"
+TLS_SCHEME = "celery-exts"
+REDIS_SCHEMES = {SCHEME: "redis", TLS_SCHEME: "rediss"}
+
+
+def redis_url(url: str) -> str:
+    """``url`` with our scheme replaced by redis-py's (``celery-exts`` -> ``rediss``);
+    any other URL unchanged."""
+    scheme, sep, rest = url.partition("://")
+    return f"{REDIS_SCHEMES.get(scheme, scheme)}{sep}{rest}"
+
+
 def mask_url(url: str) -> str:
     """``url`` with its password replaced by ``**`` (parses nothing, so it works on
     URLs too broken for Kombu to mask)."""

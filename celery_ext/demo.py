@@ -19,18 +19,11 @@ from typing import Any
 
 import redis
 
-from .config import Settings
+from .config import Settings, redis_url
 from .server import RedisServer
 from .state import State
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _redis_url(broker_url: str) -> str:
-    for ours, theirs in (("celery-exts://", "rediss://"), ("celery-ext://", "redis://")):
-        if broker_url.startswith(ours):
-            return theirs + broker_url[len(ours):]
-    return broker_url
 
 
 def _render(state: State, started: float, results: dict[str, Any]) -> str:
@@ -84,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             results[f"notice{i}"] = send_notice.delay(i)
         for i in range(args.accounts):
             results[f"account{i}"] = sync_account.delay(i, fail_rate=0.6)
-        state = State(redis.Redis.from_url(_redis_url(broker_url)), Settings.load())
+        state = State(redis.Redis.from_url(redis_url(broker_url)), Settings.load())
         started = time.time()
         tty = sys.stdout.isatty()
         while time.time() - started < args.timeout:

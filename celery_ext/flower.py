@@ -27,12 +27,12 @@ from types import ModuleType
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from .config import Settings
+from .config import SCHEME, TLS_SCHEME, Settings
 from .keys import Keys
 
 logger = logging.getLogger("celery_ext.flower")
 
-SCHEMES = ("celery-ext", "celery-exts")
+SCHEMES = (SCHEME, TLS_SCHEME)
 _BROKER_MODULE = "flower.utils.broker"
 _PATCHED = "_celery_ext_patched"
 
@@ -62,7 +62,7 @@ def _broker_class(base: type) -> type:
                 "socket_timeout": options.get("socket_timeout", 2.0),
             }
             use_ssl = kwargs.get("broker_use_ssl")
-            if parts.scheme == "celery-exts" or use_ssl:
+            if parts.scheme == TLS_SCHEME or use_ssl:
                 params["ssl"] = True
                 if isinstance(use_ssl, dict):
                     params.update(use_ssl)

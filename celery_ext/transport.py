@@ -46,7 +46,7 @@ from kombu.utils.json import loads
 
 from . import scripts as _scripts
 from .clock import now_s
-from .config import Settings
+from .config import TLS_SCHEME, Settings
 from .dead import dead_letter, one_line
 from .envelope import envelope_problem
 from .errors import BrokerOutOfMemory, job_name
@@ -59,9 +59,6 @@ from .weights import weight_of
 
 logger = logging.getLogger("celery_ext.transport")
 
-#: URL schemes registered for this transport (plain and TLS).
-SCHEME = "celery-ext"
-TLS_SCHEME = "celery-exts"
 
 #: Errors of the connection while delivering a job (not of the job): they propagate.
 _IO_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
