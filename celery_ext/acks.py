@@ -22,13 +22,12 @@ from typing import Any
 import redis
 
 from . import scripts as _scripts
+from .errors import CONNECTION_ERRORS
 
 #: Ack replies left unread before an ack waits for the oldest ones.
 MAX_UNREAD = 64
 #: Seconds ``close()`` waits for the replies still unread.
 CLOSE_TIMEOUT = 2.0
-
-_CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 class AckSender:
@@ -49,7 +48,7 @@ class AckSender:
         with self._lock:
             try:
                 self._connection().connect()
-            except _CONNECTION_ERRORS:
+            except CONNECTION_ERRORS:
                 self._disconnect()  # the first ack tries again, or falls back
 
     def ack(self, keys: list[str], args: list[Any], tags: list[str]) -> None:
@@ -62,7 +61,7 @@ class AckSender:
                 self._read(conn, MAX_UNREAD - 1, resend, confirmed)
                 conn.send_command("EVALSHA", _scripts.sha("ack"), len(keys), *keys, *args)
                 self._unread.append(tags)
-            except _CONNECTION_ERRORS:
+            except CONNECTION_ERRORS:
                 resend += self._drop()
                 resend += tags
         self._report(resend, confirmed)
@@ -77,7 +76,7 @@ class AckSender:
             if conn is not None and self._pid == os.getpid() and self._unread:
                 try:
                     self._read(conn, len(self._unread), resend, confirmed)
-                except _CONNECTION_ERRORS:
+                except CONNECTION_ERRORS:
                     resend += self._drop()
         self._report(resend, confirmed)
 
@@ -97,7 +96,7 @@ class AckSender:
             if conn is not None and self._pid == os.getpid():
                 try:
                     self._read(conn, 0, resend, confirmed, timeout=CLOSE_TIMEOUT)
-                except _CONNECTION_ERRORS:
+                except CONNECTION_ERRORS:
                     resend += self._drop()
             if drop:
                 self._unread.clear()

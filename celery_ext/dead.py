@@ -17,10 +17,9 @@ from typing import Any
 
 from celery import signals
 from celery.exceptions import NotRegistered
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .config import Settings
+from .errors import CONNECTION_ERRORS
 from .keys import Keys
 from .scripts import Scripts
 
@@ -40,8 +39,6 @@ REASONS = {
     "worker_lost": "its worker died under it too often (a poison pill)",
 }
 
-#: Errors of the connection, not of the message: they still restart the consumer.
-_IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 #: Tracebacks are cut to their last this many characters (the frames nearest the error).
 MAX_TRACEBACK = 8000
@@ -197,7 +194,7 @@ def wrap_consumer_handlers(consumer: Any) -> None:
         def on_task_received(message: Any) -> Any:
             try:
                 return handler(message)
-            except _IO_ERRORS:
+            except CONNECTION_ERRORS:
                 raise  # the consumer reconnects, as before
             except Exception as exc:
                 # Celery lets anything but InvalidTaskError and DecodeError escape here

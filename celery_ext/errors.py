@@ -1,6 +1,7 @@
-"""Errors a producer gets back when celery_ext refuses to enqueue a job.
+"""Errors a producer gets back when celery_ext refuses to enqueue a job, and which
+Redis errors are the connection's (not the command's).
 
-Both are raised by the transport before (or instead of) writing anything, so a
+The two refusals are raised by the transport before (or instead of) writing anything, so a
 job is either fully enqueued or not at all. They are not connection errors:
 Kombu's publish retry does not loop on them, and ``apply_async`` raises them to
 the caller at once.
@@ -8,7 +9,12 @@ the caller at once.
 
 from __future__ import annotations
 
+import redis
 from kombu.exceptions import OperationalError
+
+#: Errors of the connection: the command may or may not have run, so whoever sent it
+#: must find out (reconcile, resend an idempotent script), never assume either way.
+CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 class PayloadTooLarge(ValueError):

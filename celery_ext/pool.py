@@ -45,6 +45,7 @@ import redis
 from .acks import AckSender
 from .config import Settings
 from .dead import one_line
+from .errors import CONNECTION_ERRORS
 from .heartbeater import Heartbeater, current_pool_id
 from .inflight import InflightRecord, recover_tags
 from .keys import Keys
@@ -54,8 +55,6 @@ from .requeuer import Requeuer
 
 logger = logging.getLogger("celery_ext.pool")
 
-#: Errors of the connection (the command may or may not have run).
-CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 #: Shortest gap between two reconcile attempts after one failed (seconds).
 RECONCILE_RETRY_INTERVAL = 0.5
 

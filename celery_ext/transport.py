@@ -49,7 +49,7 @@ from .clock import now_s
 from .config import TLS_SCHEME, Settings
 from .dead import dead_letter, one_line
 from .envelope import envelope_problem
-from .errors import BrokerOutOfMemory, job_name
+from .errors import CONNECTION_ERRORS, BrokerOutOfMemory, job_name
 from .heartbeater import current_pool_id
 from .keys import Keys
 from .pool import WorkerPool, pool_for
@@ -58,10 +58,6 @@ from .readiness import ReadyQueues
 from .weights import weight_of
 
 logger = logging.getLogger("celery_ext.transport")
-
-
-#: Errors of the connection while delivering a job (not of the job): they propagate.
-_IO_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 class QoS(virtual.QoS):
@@ -578,7 +574,7 @@ class Channel(kredis.Channel):
             if raw is not None:
                 try:
                     self.connection._deliver(raw, bytes_to_str(qname))
-                except _IO_ERRORS:
+                except CONNECTION_ERRORS:
                     # The rest of this fetch is in the record, never delivered.
                     self.worker_pool.needs_reconcile()
                     raise
@@ -738,7 +734,7 @@ class Channel(kredis.Channel):
         try:
             return dead_letter(pool.client, self.settings, pool.pool_id, tag,
                                reason=reason, error=error, **meta)
-        except _IO_ERRORS:
+        except CONNECTION_ERRORS:
             pool.needs_reconcile()  # not held anymore: returned to its queue instead
             raise
 
