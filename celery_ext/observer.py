@@ -36,7 +36,7 @@ CHECKIN_MIN_INTERVAL = 1.0
 ARGS_PREVIEW_CHARS = 200
 #: A job's busy record is written only once it has run this long (seconds): short
 #: jobs cost no round trip from the executing process, while the long jobs the busy
-#: view is for still show (profiled: per-job records were 40% of a worker's CPU).
+#: view is for still show (a record per job costs more than a short job itself).
 BUSY_RECORD_DELAY = 0.1
 #: Processed/failed/retried counters are summed in memory and written this often.
 STATS_FLUSH_INTERVAL = 1.0
@@ -99,7 +99,7 @@ class Observer:
         self._thread: threading.Thread | None = None
         #: When the background thread will look again on its own (monotonic; None:
         #: not before it is woken). Jobs wake it only when they need it sooner: two
-        #: thread switches per job were a sixth of a prefork child's time (profiled).
+        #: thread switches per job are a large share of a short job's cost.
         self._sleep_until: float | None = None
         self._last_stats = time.monotonic()
 
