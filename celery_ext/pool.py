@@ -106,9 +106,12 @@ class Holdings:
             return sorted(self._replay)
 
     def held(self) -> set[str]:
+        """What the process holds now; forgets the messages nothing references."""
         with self._lock:
-            held = {t for t, ref in self._messages.items() if ref() is not None}
-            return held | self._acking | self._replay
+            gone = [t for t, ref in self._messages.items() if ref() is None]
+            for tag in gone:
+                del self._messages[tag]
+            return set(self._messages) | self._acking | self._replay
 
     def delivery_order(self) -> list[str]:
         with self._lock:
