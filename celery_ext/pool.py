@@ -50,6 +50,7 @@ from .heartbeater import Heartbeater, current_pool_id
 from .inflight import InflightRecord, recover_tags
 from .keys import Keys
 from .memory import eviction_warning
+from .observer import flush_observers
 from .reaper import Reaper
 from .requeuer import Requeuer
 
@@ -172,8 +173,6 @@ class WorkerPool:
         self.state = "stopped"
         self.requeuer.stop()
         self.reaper.stop()
-        from .observer import flush_observers  # (imports celery signals: worker side only)
-
         flush_observers()
         try:
             self._return_everything()
