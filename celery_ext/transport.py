@@ -84,22 +84,19 @@ class QoS(virtual.QoS):
         super().ack(delivery_tag)
 
     def restore_unacked(self, client: Any = None) -> list[Any]:
-        """The channel closes: return only what nobody holds anymore.
+        """The channel closes: return nothing now, and let the pool reconcile before
+        its next fetch.
 
-        A job whose message the process still references (running, queued in a threads
-        pool, reserved by a consumer that goes on) stays owned and is acked when it
-        ends; its pool returns what Celery dropped at its next reconcile (now, if Redis
-        answers and no fetch is on the wire) or at shutdown."""
+        At this moment Celery still references every job it reserved; only after the
+        channel closed does it drop those it will never run (a prefork pool's), while a
+        threads pool still runs the ones it queued. The reconcile before the next fetch
+        (or the return at shutdown) tells them apart: a job whose message is still
+        referenced stays owned and is acked when it ends; the rest go back."""
         self._flush()
         self._delivered.clear()
         pool = self.channel._worker_pool
         if pool is not None:
             pool.needs_reconcile()
-            try:
-                pool.maybe_reconcile()
-            except Exception as exc:
-                logger.debug("celery_ext: reconcile at channel close failed (%s); "
-                             "retried before the next fetch", exc)
         return []
 
     def restore_visible(self, *args: Any, **kwargs: Any) -> None:

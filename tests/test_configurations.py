@@ -247,3 +247,32 @@ def test_gevent_and_eventlet_pools_are_refused_with_one_line(pool: str) -> None:
     assert "not supported" in message and "prefork, threads or solo" in message
     assert "\n" not in message
     validate_settings(instance=SimpleNamespace(app=app), options={"pool_cls": "threads"})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reserved_jobs_dropped_at_a_lost_fetch_reply_run_after_the_reconnect(
+        mode: str, sender: Callable[[str], Celery], worker_factory: Factory, broker_url: str,
+        proxy: Proxy, redis_client: redis.Redis, rec: redis.Redis) -> None:
+    """A prefork pool runs two jobs and holds four reserved when a fetch reply is lost
+    (Redis reachable). Celery drops the reserved four only after the channel closed;
+    the pool must return them after the reconnect, not count them as held at the
+    close and forget them: every job runs, once."""
+    worker = start_worker(worker_factory, mode, broker_url, proxy=proxy, pool="prefork",
+                          concurrency=2)
+    app = sender(mode)
+    first = [f"r{i}" for i in range(6)]
+    for i, k in enumerate(first):
+        send(app, "slow_late", k, 2.0 if i < 2 else 0.01)
+    wait_for(lambda: len([k for k in first if recorded(rec, "start", k)]) >= 2, 10,
+             "two long jobs running, the rest reserved")
+    proxy.cut_on_reply(scripts.sha("fetch").encode())
+    later = [f"s{i}" for i in range(6)]
+    for k in later:
+        send(app, "slow_late", k, 0.01)
+    wait_for(lambda: proxy.replies_cut, 10, "a fetch reply cut")
+    keys = first + later
+    wait_for(lambda: all(recorded(rec, "runs", k) for k in keys), 20,
+             "every job, the reserved ones too")
+    assert {k: len(recorded(rec, "start", k)) for k in keys} == dict.fromkeys(keys, 1)
+    wait_for(lambda: inflight(redis_client) == 0, 5, "an empty in-flight record")
+    assert worker.alive
