@@ -505,7 +505,7 @@ class Run:
     def _fault_kill_main(self) -> Fault:
         worker = self._pick_pool()
         pids = self._pids(worker)
-        worker.kill()  # the main process only: its prefork children are orphaned
+        worker.kill()  # the main process; its prefork children die with it (pdeathsig)
         fault = self._pool_fault("kill_main", worker, pids)  # its records are frozen now
         self._replace(worker)
         return fault
