@@ -4,6 +4,11 @@ One module for both contenders, chosen by environment variables the harness sets
 
 - ``CELERY_EXT_BROKER_URL``  the broker (``redis://`` = stock, ``celery-ext://`` = ours)
 - ``FAULTS_MODE``            ``stock`` or ``ours`` (``ours`` calls ``celery_ext.install``)
+- ``CELERY_EXT_NO_INSTALL``  ``1``: ours in drop-in mode (only the URL changed, no
+  ``install``), so jobs go to Celery's default ``celery`` queue
+- ``FAULTS_ACKS_LATE``       ``0``: the app leaves ``task_acks_late`` and
+  ``task_reject_on_worker_lost`` alone (Celery's defaults: acked when a job starts,
+  unless ``install`` sets them); otherwise the app sets both (the default)
 - ``FAULTS_RECORD``          the append-only file every execution writes to
 
 Every execution appends ``S <job> <pid> <time> <first|again>`` when it starts
@@ -28,25 +33,28 @@ import celery_ext
 JOB = "faults.job"
 
 
-def make_app(mode: str, broker_url: str) -> Celery:
-    """The app for ``mode``: stock gets ``acks_late`` and ``reject_on_worker_lost``
-    (its best settings against crashes), ours gets ``install()`` (same defaults)."""
+def make_app(mode: str, broker_url: str, *, install: bool = True,
+             acks_late: bool = True) -> Celery:
+    """The app for ``mode``: by default stock gets ``acks_late`` and
+    ``reject_on_worker_lost`` (its best settings against crashes), ours gets
+    ``install()`` (same defaults). ``install=False`` is ours in drop-in mode;
+    ``acks_late=False`` leaves both settings to Celery (or ``install``)."""
     app = Celery("faults", broker=broker_url, set_as_current=False)
+    if acks_late:
+        app.conf.update(task_acks_late=True, task_reject_on_worker_lost=True)
     app.conf.update(
         task_ignore_result=True,
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
         worker_send_task_events=False,
         task_send_sent_event=False,
     )
-    app.task(name=JOB, bind=True)(job)
-    if mode == "ours":
-        celery_ext.install(app)
-    elif mode != "stock":
+    if mode not in ("stock", "ours"):
         raise ValueError(f"FAULTS_MODE must be stock or ours, got {mode!r}")
+    app.task(name=JOB, bind=True)(job)
+    if mode == "ours" and install:
+        celery_ext.install(app)
     return app
 
 
@@ -71,4 +79,6 @@ def job(task: Any, job_id: str, seconds: float) -> None:
 
 if "FAULTS_MODE" in os.environ:
     app = make_app(os.environ["FAULTS_MODE"],
-                   os.environ.get("CELERY_EXT_BROKER_URL", "redis://127.0.0.1:6379/0"))
+                   os.environ.get("CELERY_EXT_BROKER_URL", "redis://127.0.0.1:6379/0"),
+                   install=os.environ.get("CELERY_EXT_NO_INSTALL") != "1",
+                   acks_late=os.environ.get("FAULTS_ACKS_LATE") != "0")

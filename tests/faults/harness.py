@@ -54,7 +54,8 @@ KEYS = Keys(DEFAULT_NAMESPACE)
 SCHEMES = {"stock": "redis", "ours": "celery-ext"}
 
 #: Fault kinds; a scenario is a list of them, injected in turn.
-POOL_FAULTS = ("kill_main", "kill_child", "sigterm", "sigstop", "partition")
+POOL_FAULTS = ("kill_main", "kill_child", "sigterm", "sigstop", "partition",
+               "fetch_reply_lost", "cut", "ack_lost")
 SERVER_FAULTS = ("redis_kill", "debug_sleep", "client_pause", "oom")
 #: Faults of the producer's connection (it reaches Redis through a proxy of its own).
 PRODUCER_FAULTS = ("publish_cut",)
@@ -70,6 +71,14 @@ class Scenario:
     appendfsync: str = "always"
     #: What ours must show: no job lost (everysec may lose the last second of writes).
     promise_no_loss: bool = True
+    #: The proxied pool's execution pool and concurrency, if not prefork like the others.
+    proxied_pool: tuple[str, int] | None = None
+    #: Drop-in mode: neither the workers' app nor the producer's calls install(app)
+    #: (ours; stock never does), so every job goes to Celery's ``celery`` queue.
+    dropin: bool = False
+    #: The app sets task_acks_late and task_reject_on_worker_lost; False leaves them
+    #: to Celery (acked when a job starts) or, if called, to install(app).
+    acks_late: bool = True
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
@@ -91,6 +100,20 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("soak", "all of the above in turn, in one run",
              ("kill_main", "sigstop", "kill_child", "redis_stall", "sigterm", "partition",
               "redis_kill", "oom")),
+    # Faults inside a round trip, other pools and drop-in mode (not in soak).
+    Scenario("fetch_reply_lost", "the proxied pool's fetch runs, its reply is lost",
+             ("fetch_reply_lost",)),
+    Scenario("threads_cut", "every connection of a threads pool cut briefly, under dead_after",
+             ("cut",), proxied_pool=("threads", 4)),
+    # Early acks: a running job was acked when it started and dies with the pool (its
+    # prefork children get SIGKILL with the main process): lost by design.
+    Scenario("kill_main_dropin", "SIGKILL a pool's main process, drop-in, Celery's early acks",
+             ("kill_main",), dropin=True, acks_late=False, promise_no_loss=False),
+    Scenario("kill_main_dropin_late",
+             "SIGKILL a pool's main process, drop-in, the app sets acks_late",
+             ("kill_main",), dropin=True),
+    Scenario("ack_lost", "the proxied pool's ack never reaches Redis, reconnects refused 1 s",
+             ("ack_lost",)),
 )}
 
 
@@ -242,13 +265,18 @@ class Run:
             "CELERY_EXT_HEARTBEAT_INTERVAL": str(self.opt.heartbeat_interval),
             "CELERY_EXT_DEAD_AFTER": str(self.opt.dead_after),
             "CELERY_EXT_REAP_INTERVAL": str(self.opt.reap_interval),
+            "CELERY_EXT_NO_INSTALL": "1" if self.scenario.dropin else "0",
+            "FAULTS_ACKS_LATE": "1" if self.scenario.acks_late else "0",
         }
 
     def _new_pool(self, slot: int) -> WorkerProcess:
         via_proxy = slot == self.opt.pools - 1
+        pool, concurrency = "prefork", self.opt.concurrency
+        if via_proxy and self.scenario.proxied_pool is not None:
+            pool, concurrency = self.scenario.proxied_pool
         worker = WorkerProcess(
-            "tests.faults.app", self._url(via_proxy), pool="prefork",
-            concurrency=self.opt.concurrency, env=self._env(), log_dir=self.dir / "logs",
+            "tests.faults.app", self._url(via_proxy), pool=pool,
+            concurrency=concurrency, env=self._env(), log_dir=self.dir / "logs",
             hostname=f"p{slot}-{len(self.pools) + len(self._retired)}@%h")
         worker.slot = slot  # type: ignore[attr-defined]
         return worker
@@ -278,6 +306,7 @@ class Run:
             producer.join()
             self._settle()
             self._count()
+            self._note_reconciles()
         finally:
             self._teardown()
         self.result.seconds = round(time.monotonic() - started, 1)
@@ -298,7 +327,8 @@ class Run:
     def _produce(self) -> None:
         """Enqueue every job, paced over the fault window, counting refusals."""
         app = make_app(self.mode, self._url(self.producer_proxy is not None,
-                                            self.producer_proxy))
+                                            self.producer_proxy),
+                       install=not self.scenario.dropin, acks_late=self.scenario.acks_late)
         task = app.tasks[JOB]
         window = self.opt.warmup + len(self._fault_plan()) * self.opt.interval
         burst = int(self.opt.jobs * self.opt.backlog)
@@ -491,7 +521,7 @@ class Run:
     def _fault_kill_main(self) -> Fault:
         worker = self._pick_pool()
         pids = self._pids(worker)
-        worker.kill()  # the main process only: its prefork children are orphaned
+        worker.kill()  # the main process; its prefork children die with it (pdeathsig)
         fault = self._pool_fault("kill_main", worker, pids)  # its records are frozen now
         self._replace(worker)
         return fault
@@ -583,3 +613,72 @@ class Run:
             finally:
                 client.config_set("maxmemory", "0")
         return fault
+
+    # -- faults inside a round trip, on the proxied pool ------------------------------
+    def _proxied(self) -> tuple[Proxy, WorkerProcess]:
+        assert self.proxy is not None
+        return self.proxy, next(w for w in self.pools
+                                if w.slot == self.opt.pools - 1)  # type: ignore[attr-defined]
+
+    def _request(self, what: str) -> bytes:
+        """Bytes only the proxied pool's fetch (or ack) request contains: our scripts'
+        SHAs; stock fetches with ``BRPOP`` and acks with ``MULTI``, ``ZREM
+        unacked_index``, ``HDEL unacked``, ``EXEC`` in one write."""
+        if self.mode == "stock":
+            return {"fetch": b"BRPOP", "ack": b"ZREM"}[what]
+        return _scripts.sha(what).encode()
+
+    def _await_strike(self, count: Callable[[], int], before: int, what: str) -> None:
+        deadline = time.monotonic() + self.opt.interval * 0.75
+        while count() <= before:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no {what} within {self.opt.interval * 0.75:.1f} s")
+            time.sleep(0.01)
+
+    def _fault_fetch_reply_lost(self) -> Fault:
+        """The next fetch of the proxied pool runs in Redis; its connection is cut as
+        the reply comes back (stock: the jobs BRPOP popped are gone with it)."""
+        proxy, worker = self._proxied()
+        fault = self._pool_fault("fetch_reply_lost", worker)
+        before = proxy.replies_cut
+        proxy.cut_on_reply(self._request("fetch"))
+        self._await_strike(lambda: proxy.replies_cut, before, "fetch reply cut")
+        return fault
+
+    def _fault_cut(self) -> Fault:
+        """Every connection of the proxied pool reset, reconnects refused, for well
+        under ``dead_after``: the pool is not declared dead and keeps what it holds."""
+        proxy, worker = self._proxied()
+        proxy.stop()
+        healed = time.monotonic() + min(0.5, self.opt.dead_after / 4)
+        fault = self._pool_fault("cut", worker)  # cut off: it can fetch no more
+        time.sleep(max(0.0, healed - time.monotonic()))
+        proxy.start()
+        return fault
+
+    def _fault_ack_lost(self) -> Fault:
+        """The next ack of the proxied pool never reaches Redis: its connection is cut
+        and new connections are refused for 1 s (the others stay up)."""
+        proxy, worker = self._proxied()
+        fault = self._pool_fault("ack_lost", worker)
+        before = proxy.requests_dropped
+        proxy.drop_request(self._request("ack"), refuse_for=1.0)
+        self._await_strike(lambda: proxy.requests_dropped, before, "ack dropped")
+        return fault
+
+    def _note_reconciles(self) -> None:
+        """Ours: what the pools' logs say they put right after a lost reply or ack."""
+        if self.mode != "ours":
+            return
+        returned = acks = 0
+        for w in self.pools + self._retired:
+            if w.started:
+                text = w.log_text()
+                returned += sum(int(n) for n in re.findall(r"returned (\d+) job\(s\) of pool",
+                                                           text))
+                acks += sum(int(n) for n in re.findall(r"(\d+) ack\(s\) could not reach",
+                                                       text))
+        if returned or acks:
+            self.result.notes.append(f"pools returned {returned} job(s) to their queues after "
+                                     f"a lost reply or connection; {acks} ack(s) applied at "
+                                     "reconnect")
