@@ -12,7 +12,11 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
+from tests.workers import WorkerProcess
+
 T = TypeVar("T")
+#: The ``worker_factory`` fixture: builds a :class:`WorkerProcess` (call ``.start()``).
+Factory = Callable[..., WorkerProcess]
 
 
 def wait_for(cond: Callable[[], T], timeout: float, what: str, step: float = 0.05) -> T:
@@ -30,6 +34,27 @@ def wait_for(cond: Callable[[], T], timeout: float, what: str, step: float = 0.0
 def recorded(rec: redis.Redis, kind: str, key: str) -> list[str]:
     """What the test apps' tasks pushed to ``<kind>:<key>`` (``runs``, ``start``)."""
     return [v.decode() for v in rec.lrange(f"{kind}:{key}", 0, -1)]
+
+
+def start_workers(factory: Factory, n: int, app: str = "tests.proj_sets",
+                  **kw: Any) -> list[WorkerProcess]:
+    """Start ``n`` pools of ``app`` at once (startup dominates these tests) and wait for
+    all of them to be ready."""
+    workers = [factory(app, **kw) for _ in range(n)]
+    for w in workers:
+        w.start(wait_ready=False)
+    for w in workers:
+        assert w.ready_pattern
+        w.wait_for_log(w.ready_pattern, timeout=60)
+    return workers
+
+
+def message(tag: str, queue: str, retries: int = 0) -> dict[str, Any]:
+    """A minimal kombu message as ``Channel._put`` sees it."""
+    return {"body": "", "content-type": "application/json", "content-encoding": "utf-8",
+            "headers": {"task": queue, "id": f"id-{tag}", "retries": retries},
+            "properties": {"delivery_tag": tag, "body_encoding": "base64",
+                           "delivery_info": {"exchange": "", "routing_key": queue}}}
 
 
 # -- the two ways of using the plugin --------------------------------------------------------

@@ -28,9 +28,8 @@ from celery_ext.retry import Backoff, backoff_for
 from celery_ext.scheduled import schedule
 from celery_ext.scripts import Scripts
 from tests import proj
-from tests.helpers import Mode
+from tests.helpers import Factory, Mode, message, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
-from tests.test_scheduled import Factory, message, start_workers, wait_for
 
 K = Keys("celery_ext")
 

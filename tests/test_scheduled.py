@@ -14,7 +14,6 @@ import statistics
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -30,13 +29,11 @@ from celery_ext.scheduled import schedule
 from celery_ext.scripts import Scripts
 from celery_ext.server import RedisServer
 from tests import proj
-from tests.helpers import Mode
+from tests.helpers import Factory, Mode, message, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
-from tests.workers import WorkerProcess
 
 K = Keys("celery_ext")
 APP = "tests.proj_sets"
-Factory = Callable[..., WorkerProcess]
 
 
 @pytest.fixture
@@ -47,28 +44,6 @@ def app(broker_url: str, redis_client: redis.Redis) -> Any:
     return proj_sets
 
 
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, step: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(step)
-
-
-def start_workers(factory: Factory, n: int, **kw: Any) -> list[WorkerProcess]:
-    """Start ``n`` pools at once (startup dominates these tests) and wait for all."""
-    workers = [factory(APP, **kw) for _ in range(n)]
-    for w in workers:
-        w.start(wait_ready=False)
-    for w in workers:
-        assert w.ready_pattern
-        w.wait_for_log(w.ready_pattern, timeout=60)
-    return workers
-
-
 def timed_runs(rec: redis.Redis, key: str) -> list[tuple[str, float, float]]:
     """(task id, started at, eta) per run of ``timed``."""
     out = []
@@ -76,14 +51,6 @@ def timed_runs(rec: redis.Redis, key: str) -> list[tuple[str, float, float]]:
         task_id, start, eta = raw.decode().split(" ", 2)
         out.append((task_id, float(start), datetime.fromisoformat(eta).timestamp()))
     return out
-
-
-def message(tag: str, queue: str, retries: int = 0) -> dict[str, Any]:
-    """A minimal kombu message as ``Channel._put`` sees it."""
-    return {"body": "", "content-type": "application/json", "content-encoding": "utf-8",
-            "headers": {"task": queue, "id": f"id-{tag}", "retries": retries},
-            "properties": {"delivery_tag": tag, "body_encoding": "base64",
-                           "delivery_info": {"exchange": "", "routing_key": queue}}}
 
 
 # -- promotion, in-process ---------------------------------------------------------------------
@@ -147,7 +114,7 @@ def test_requeuer_wakes_for_an_earlier_job_and_sleeps_when_idle(
         assert requeuer.passes == passes  # asleep: no polling
         schedule(Scripts(redis_client), K, "q", message("t1", "q"), 300, redis_client)
         t0 = time.monotonic()
-        wait_for(lambda: redis_client.llen(K.queue("q")), 2, "promotion")
+        wait_for(lambda: redis_client.llen(K.queue("q")), 2, "promotion", step=0.01)
         assert 0.28 < time.monotonic() - t0 < 0.5
     finally:
         requeuer.stop()

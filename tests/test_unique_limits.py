@@ -22,9 +22,8 @@ from celery_ext.client import Client
 from celery_ext.keys import Keys
 from celery_ext.limits import write_limits
 from tests import proj
-from tests.helpers import Mode
+from tests.helpers import Factory, Mode, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
-from tests.test_scheduled import Factory, start_workers, wait_for
 
 K = Keys("celery_ext")
 FAST_REAPER = {
