@@ -175,9 +175,8 @@ def test_killed_prefork_child_leaves_no_busy_record_or_checkin(
     job = mode.send(app.checkin_once, "lost", 60)
     first = wait_for(lambda: starts(rec, "lost"), 10, "job start")[0]
     wait_for(lambda: redis_client.hget(KEYS.checkins, job.id), 10, "its checkin")
-    if not mode.dropin:  # (a drop-in pool's busy records: test_stop_request_and_stalled_jobs)
-        wait_for(lambda: [b for b in state.busy_workers() if b["job_id"] == job.id], 10,
-                 "its busy record")
+    wait_for(lambda: [b for b in state.busy_workers() if b["job_id"] == job.id], 10,
+             "its busy record")
     os.kill(int(first.split(":")[0]), signal.SIGKILL)
     wait_for(lambda: "WorkerLostError" in w.log_text() or runs(rec, "lost"), 20,
              "Celery reporting the lost child")
