@@ -2,7 +2,9 @@
 
 The broker URL comes from ``CELERY_EXT_BROKER_URL``; results go to the same server's
 db 1 over plain ``redis://``. Tasks record what they do in Redis so tests can count
-runs without relying on results.
+runs without relying on results. ``CELERY_EXT_NO_INSTALL=1`` runs it drop-in (no
+``install(app)``); with it, ``TEST_ACKS_LATE=1`` sets Celery's ``task_acks_late`` and
+``task_reject_on_worker_lost`` as a drop-in user who wants them does.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ app.conf.update(
 )
 if os.environ.get("CELERY_EXT_NO_INSTALL") != "1":
     celery_ext.install(app)
+elif os.environ.get("TEST_ACKS_LATE") == "1":
+    # A drop-in user who wants a running job back when its process dies sets Celery's
+    # own options (install(app) defaults them): the job is acked when it ends, and a
+    # job whose prefork child died is rejected with requeue.
+    app.conf.update(task_acks_late=True, task_reject_on_worker_lost=True)
 
 _record: redis.Redis | None = None
 

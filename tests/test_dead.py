@@ -1,7 +1,9 @@
 """The dead set and the retry set (issue 4): why jobs die, and the client API on them.
 
-End-to-end tests run ``tests.proj_sets`` workers; the client API tests build dead
-and scheduled records in-process on the real server.
+End-to-end tests run ``tests.proj_sets`` workers, once with ``install(app)`` and once
+drop-in (the ``mode`` fixture: only the broker URL changed, a stock Celery app sends
+to the ``celery`` queue); the client API tests build dead and scheduled records
+in-process on the real server.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from celery_ext.retry import Backoff, backoff_for
 from celery_ext.scheduled import schedule
 from celery_ext.scripts import Scripts
 from tests import proj
-from tests.test_scheduled import Factory, message, start_workers, wait_for
+from tests.helpers import Factory, Mode, message, start_workers, wait_for
+from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 
 K = Keys("celery_ext")
 
@@ -48,10 +51,11 @@ def client(redis_client: redis.Redis) -> Client:
 
 
 def test_failing_job_retries_then_dies_with_traceback_and_retry_from_dead_runs_it(
-        app: Any, client: Client, rec: redis.Redis, worker_factory: Factory) -> None:
-    (worker,) = start_workers(worker_factory, 1)
-    result = app.flaky.delay("f")
-    backing = app.backing_off.delay("b")
+        app: Any, mode: Mode, client: Client, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    (worker,) = start_workers(worker_factory, 1, env=mode.env())
+    result = mode.send(app.flaky, "f")
+    backing = mode.send(app.backing_off, "b")
 
     # While it waits for its retry, it is in the retry set with attempt and last error.
     (retry,) = wait_for(lambda: client.retries(name="tests.proj_sets.flaky")["items"], 10,
@@ -78,7 +82,7 @@ def test_failing_job_retries_then_dies_with_traceback_and_retry_from_dead_runs_i
     rec.set("heal:f", 1)
     assert client.retry_dead(dead["id"]) is True
     assert client.retry_dead(dead["id"]) is False  # pressed twice: requeued once
-    meta = wait_for(lambda: (m := proj.app.backend.get_task_meta(result.id, cache=False))
+    meta = wait_for(lambda: (m := mode.app.backend.get_task_meta(result.id, cache=False))
                     ["status"] == "SUCCESS" and m, 10, "the retried job to succeed")
     assert meta["result"] == "healed"
     runs = [r.decode() for r in rec.lrange("runs:f", 0, -1)]
@@ -96,11 +100,12 @@ def test_failing_job_retries_then_dies_with_traceback_and_retry_from_dead_runs_i
 
 
 def test_unknown_task_and_garbage_land_in_dead_set_worker_keeps_going(
-        app: Any, client: Client, redis_client: redis.Redis, worker_factory: Factory) -> None:
+        app: Any, mode: Mode, client: Client, redis_client: redis.Redis,
+        worker_factory: Factory) -> None:
     """Stock Celery logs and drops these; here each one is dead with its reason."""
-    start_workers(worker_factory, 1)
-    queue = "tests.proj.add"
-    unknown = proj.app.send_task("tests.no_such_task", args=(1,), queue=queue)
+    start_workers(worker_factory, 1, env=mode.env())
+    queue = mode.queue(proj.add)
+    unknown = mode.app.send_task("tests.no_such_task", args=(1,), queue=queue)
     redis_client.lpush(K.queue(queue), b"\x00 this is not a message")
     bad_body = {  # a kombu envelope whose JSON body does not parse
         "body": base64.b64encode(b"{not json").decode(), "content-encoding": "utf-8",
@@ -109,7 +114,7 @@ def test_unknown_task_and_garbage_land_in_dead_set_worker_keeps_going(
                        "delivery_info": {"exchange": "", "routing_key": queue}, "priority": 0},
     }
     redis_client.lpush(K.queue(queue), json.dumps(bad_body))
-    assert proj.add.delay(2, 3).get(timeout=10) == 5
+    assert mode.send(proj.add, 2, 3).get(timeout=10) == 5
 
     page = wait_for(lambda: (p := client.dead())["total"] == 3 and p, 10, "three dead jobs")
     by_reason = sorted((j["reason"], j["name"]) for j in page["items"])
@@ -118,7 +123,7 @@ def test_unknown_task_and_garbage_land_in_dead_set_worker_keeps_going(
     unknown_job = next(j for j in page["items"] if j["reason"] == "unknown_task")
     assert unknown_job["task_id"] == unknown.id and "NotRegistered" in unknown_job["error"]
     assert {j["id"] for j in page["items"] if j["reason"] == "undecodable"} >= {"bad-body-1"}
-    assert proj.add.delay(4, 5).get(timeout=10) == 9  # and it keeps going
+    assert mode.send(proj.add, 4, 5).get(timeout=10) == 9  # and it keeps going
     wait_for(lambda: int(redis_client.hget(K.running, queue) or 0) == 0, 5,
              "no job of the queue in flight")
 

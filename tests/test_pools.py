@@ -1,7 +1,9 @@
 """Worker pools: heartbeats, reaper, busy workers, checkin, poison pills (issue 3).
 
 Real server, real ``celery worker`` subprocesses, timings shrunk through the
-``CELERY_EXT_*`` environment variables (the one place timings live).
+``CELERY_EXT_*`` environment variables (the one place timings live). Tests taking the
+``mode`` fixture run twice: with ``install(app)`` and drop-in (only the broker URL
+changed; a stock Celery app sends to the ``celery`` queue).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from celery_ext.keys import Keys
 from celery_ext.reaper import Reaper
 from celery_ext.state import State
 from tests import proj
+from tests.helpers import Mode, wait_for
+from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 from tests.workers import WorkerProcess
 
 FAST = {
@@ -48,16 +52,6 @@ def start_worker(factory: Callable[..., WorkerProcess], **kw: Any) -> WorkerProc
     return factory(APP, env=env, **kw).start()
 
 
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, step: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 def runs(rec: redis.Redis, key: str) -> list[str]:
     return [v.decode() for v in rec.lrange(f"runs:{key}", 0, -1)]
 
@@ -70,16 +64,20 @@ def pools(client: redis.Redis) -> dict[str, float]:
     return {k.decode(): s for k, s in client.zrange(KEYS.pools, 0, -1, withscores=True)}
 
 
-def test_pool_registers_and_heartbeats_with_redis_time(app: Any, worker_factory: Any,
+def test_pool_registers_and_heartbeats_with_redis_time(app: Any, mode: Mode, worker_factory: Any,
                                                        redis_client: redis.Redis) -> None:
-    w = start_worker(worker_factory, pool="prefork", concurrency=2)
+    w = start_worker(worker_factory, pool="prefork", concurrency=2, env=mode.env())
     pool_id = wait_for(lambda: next(iter(pools(redis_client)), None), 10, "pool registration")
     info = wait_for(lambda: (h := redis_client.hgetall(KEYS.pool(pool_id))) and b"node" in h and h,
                     10, "pool details from the bootstep")
     assert info[b"concurrency"] == b"2"
     assert info[b"pool_type"] == b"prefork"
     assert str(w.pid).encode() == info[b"pid"]
-    assert b"tests.proj_pools.slow" in info[b"queues"]
+    consumed = info[b"queues"].decode().split(",")
+    if mode.dropin:  # Celery's default queue only: no install(app), no job queue per task
+        assert consumed == ["celery"]
+    else:
+        assert "tests.proj_pools.slow" in consumed
     first = pools(redis_client)[pool_id]
     second = wait_for(lambda: (s := pools(redis_client).get(pool_id, 0)) > first and s, 5,
                       "a second heartbeat")
@@ -89,16 +87,22 @@ def test_pool_registers_and_heartbeats_with_redis_time(app: Any, worker_factory:
     assert pools(redis_client) == {}  # warm shutdown deregisters
 
 
-def test_sigkill_main_process_jobs_rerun_elsewhere(app: Any, worker_factory: Any,
+def test_sigkill_main_process_jobs_rerun_elsewhere(app: Any, mode: Mode, worker_factory: Any,
                                                    redis_client: redis.Redis,
                                                    rec: redis.Redis) -> None:
-    survivor = start_worker(worker_factory, pool="threads", concurrency=4, hostname="b@%h")
-    victim = start_worker(worker_factory, pool="prefork", concurrency=2, hostname="a@%h")
+    """Drop-in: the jobs the victim was running come back only if they were not acked
+    when they started: the drop-in app sets Celery's own ``task_acks_late`` (and
+    ``task_reject_on_worker_lost``), as ``install(app)`` does by default."""
+    env = mode.env(acks_late=True)
+    survivor = start_worker(worker_factory, pool="threads", concurrency=4, hostname="b@%h",
+                            env=env)
+    victim = start_worker(worker_factory, pool="prefork", concurrency=2, hostname="a@%h",
+                          env=env)
     # Fill the victim only: pause the survivor's consumption by starting it first is not
     # enough, so send jobs and wait until the victim runs at least one.
     keys = [f"k{i}" for i in range(8)]
     for k in keys:
-        app.slow.delay(k, 1.0)
+        mode.send(app.slow, k, 1.0)
     victim_pid = str(victim.pid)
     victim_children = set(map(str, victim.child_pids()))
     wait_for(lambda: any(s.split(":")[0] in victim_children
@@ -130,11 +134,15 @@ def test_sigkill_main_process_jobs_rerun_elsewhere(app: Any, worker_factory: Any
     survivor.stop()
 
 
-def test_sigkill_prefork_child_reruns_promptly(app: Any, worker_factory: Any,
+def test_sigkill_prefork_child_reruns_promptly(app: Any, mode: Mode, worker_factory: Any,
                                                redis_client: redis.Redis,
                                                rec: redis.Redis) -> None:
-    w = start_worker(worker_factory, pool="prefork", concurrency=2)
-    app.slow.delay("child", 3.0)
+    """Drop-in: a job whose child died is requeued only with Celery's own
+    ``task_acks_late`` and ``task_reject_on_worker_lost`` (``install(app)`` defaults
+    them): the drop-in app sets them here."""
+    w = start_worker(worker_factory, pool="prefork", concurrency=2,
+                     env=mode.env(acks_late=True))
+    mode.send(app.slow, "child", 3.0)
     first = wait_for(lambda: starts(rec, "child"), 10, "job start")[0]
     child_pid = int(first.split(":")[0])
     killed_at = time.time()
@@ -149,32 +157,30 @@ def test_sigkill_prefork_child_reruns_promptly(app: Any, worker_factory: Any,
     wait_for(lambda: runs(rec, "child"), 15, "the rerun to finish")
     assert w.alive
     # The job records its run before it returns; the pool acks it just after.
-    wait_for(lambda: int(redis_client.hget(KEYS.running, "tests.proj_pools.slow") or 0) == 0,
+    wait_for(lambda: int(redis_client.hget(KEYS.running, mode.queue(app.slow)) or 0) == 0,
              5, "the rerun's ack")
 
 
-@pytest.mark.parametrize("mode", ["install", "drop-in"])
 def test_killed_prefork_child_leaves_no_busy_record_or_checkin(
-        app: Any, worker_factory: Any, redis_client: redis.Redis, rec: redis.Redis,
-        mode: str) -> None:
+        app: Any, mode: Mode, worker_factory: Any, redis_client: redis.Redis,
+        rec: redis.Redis) -> None:
     """A prefork child SIGKILLed mid-job cannot clear its busy record and checkin: the
     pool's main process drops them when Celery reports the loss, with ``install(app)``
-    (the job is requeued and reruns) and without it (Celery fails the job)."""
-    env = {"CELERY_EXT_NO_INSTALL": "1"} if mode == "drop-in" else {}
-    w = start_worker(worker_factory, pool="prefork", concurrency=2, env=env)
+    (the job is requeued and reruns) and drop-in with Celery's default ack settings
+    (Celery fails the job). Drop-in leaves Celery's ack settings alone here on purpose:
+    it is the path where Celery reports the loss as a task failure."""
+    w = start_worker(worker_factory, pool="prefork", concurrency=2, env=mode.env())
     (pool_id,) = wait_for(lambda: list(pools(redis_client)), 10, "pool registration")
     state = State(redis_client, SETTINGS)
-    # (This process has install(app): a drop-in worker consumes Celery's default queue.)
-    job = app.checkin_once.apply_async(("lost", 60), queue="celery" if env else None)
+    job = mode.send(app.checkin_once, "lost", 60)
     first = wait_for(lambda: starts(rec, "lost"), 10, "job start")[0]
     wait_for(lambda: redis_client.hget(KEYS.checkins, job.id), 10, "its checkin")
-    if mode == "install":  # busy records are written by install(app)'s observer
-        wait_for(lambda: [b for b in state.busy_workers() if b["job_id"] == job.id], 10,
-                 "its busy record")
+    wait_for(lambda: [b for b in state.busy_workers() if b["job_id"] == job.id], 10,
+             "its busy record")
     os.kill(int(first.split(":")[0]), signal.SIGKILL)
     wait_for(lambda: "WorkerLostError" in w.log_text() or runs(rec, "lost"), 20,
              "Celery reporting the lost child")
-    if mode == "install":
+    if not mode.dropin:
         wait_for(lambda: runs(rec, "lost"), 15, "the rerun (it does not check in)")
     wait_for(lambda: redis_client.hget(KEYS.checkins, job.id) is None, 5,
              "the dead child's checkin to be dropped")
@@ -184,13 +190,15 @@ def test_killed_prefork_child_leaves_no_busy_record_or_checkin(
     assert w.alive and list(pools(redis_client)) == [pool_id]
 
 
-def test_long_job_checks_in_and_is_never_duplicated(app: Any, worker_factory: Any,
+def test_long_job_checks_in_and_is_never_duplicated(app: Any, mode: Mode, worker_factory: Any,
                                                     redis_client: redis.Redis,
                                                     rec: redis.Redis) -> None:
-    start_worker(worker_factory, pool="prefork", concurrency=2, hostname="a@%h")
-    start_worker(worker_factory, pool="prefork", concurrency=2, hostname="b@%h")
+    start_worker(worker_factory, pool="prefork", concurrency=2, hostname="a@%h",
+                 env=mode.env())
+    start_worker(worker_factory, pool="prefork", concurrency=2, hostname="b@%h",
+                 env=mode.env())
     duration = SETTINGS.dead_after * 3
-    result = app.long_checkin.delay("long", duration)
+    result = mode.send(app.long_checkin, "long", duration)
     state = State(redis_client, SETTINGS)
     # The busy record appears once the job has run BUSY_RECORD_DELAY; checkins at once.
     (busy,) = wait_for(lambda: [b for b in state.busy_workers()
@@ -206,11 +214,11 @@ def test_long_job_checks_in_and_is_never_duplicated(app: Any, worker_factory: An
              "the checkin record to be cleared when the job ends")
 
 
-def test_checkin_says_stop_on_warm_shutdown(app: Any, worker_factory: Any,
+def test_checkin_says_stop_on_warm_shutdown(app: Any, mode: Mode, worker_factory: Any,
                                             redis_client: redis.Redis,
                                             rec: redis.Redis) -> None:
-    w = start_worker(worker_factory, pool="prefork", concurrency=1)
-    app.long_checkin.delay("stopme", 60)
+    w = start_worker(worker_factory, pool="prefork", concurrency=1, env=mode.env())
+    mode.send(app.long_checkin, "stopme", 60)
     wait_for(lambda: starts(rec, "stopme"), 10, "job start")
     time.sleep(0.5)
     t0 = time.time()
@@ -219,12 +227,17 @@ def test_checkin_says_stop_on_warm_shutdown(app: Any, worker_factory: Any,
     assert rec.lrange("stopped:stopme", 0, -1), "checkin did not report the shutdown"
 
 
-def test_poison_job_lands_in_dead_set_others_keep_flowing(app: Any, worker_factory: Any,
+def test_poison_job_lands_in_dead_set_others_keep_flowing(app: Any, mode: Mode,
+                                                          worker_factory: Any,
                                                           redis_client: redis.Redis,
                                                           rec: redis.Redis) -> None:
-    w = start_worker(worker_factory, pool="prefork", concurrency=2)
-    app.poison.delay("p")
-    others = [proj.add.delay(i, i) for i in range(20)]
+    """Drop-in: a job that kills its child comes back (and is counted) only with
+    Celery's own ``task_acks_late`` and ``task_reject_on_worker_lost`` (``install(app)``
+    defaults them): the drop-in app sets them here."""
+    w = start_worker(worker_factory, pool="prefork", concurrency=2,
+                     env=mode.env(acks_late=True))
+    mode.send(app.poison, "p")
+    others = [mode.send(proj.add, i, i) for i in range(20)]
     assert [r.get(timeout=30) for r in others] == [2 * i for i in range(20)]
     wait_for(lambda: redis_client.zcard(KEYS.dead) == 1, 30, "the poison job in the dead set")
     starts_p = rec.lrange("start:p", 0, -1)
@@ -233,18 +246,19 @@ def test_poison_job_lands_in_dead_set_others_keep_flowing(app: Any, worker_facto
     meta = json.loads(redis_client.hget(KEYS.dead_jobs, job_id).decode().split("\n", 1)[0])
     assert meta["reason"] == "worker_lost"
     assert f"{SETTINGS.max_recoveries + 1} times" in meta["error"]
-    assert proj.add.delay(1, 1).get(timeout=10) == 2
+    assert mode.send(proj.add, 1, 1).get(timeout=10) == 2
     assert w.alive
 
 
-def test_sigstop_past_dead_after_then_sigcont(app: Any, worker_factory: Any,
+def test_sigstop_past_dead_after_then_sigcont(app: Any, mode: Mode, worker_factory: Any,
                                               redis_client: redis.Redis,
                                               rec: redis.Redis) -> None:
-    start_worker(worker_factory, pool="threads", concurrency=2, hostname="b@%h")
-    sleeper = start_worker(worker_factory, pool="solo", hostname="a@%h")
+    start_worker(worker_factory, pool="threads", concurrency=2, hostname="b@%h",
+                 env=mode.env())
+    sleeper = start_worker(worker_factory, pool="solo", hostname="a@%h", env=mode.env())
     keys = [f"s{i}" for i in range(6)]
     for k in keys:
-        app.slow.delay(k, 0.5)
+        mode.send(app.slow, k, 0.5)
     time.sleep(0.3)
     os.kill(sleeper.pid, signal.SIGSTOP)
     try:
@@ -257,7 +271,7 @@ def test_sigstop_past_dead_after_then_sigcont(app: Any, worker_factory: Any,
     wait_for(lambda: any(str(sleeper.pid) in p for p in pools(redis_client)), 10,
              "the revived pool to re-register")
     assert "declared dead" in sleeper.log_text()
-    assert proj.add.delay(2, 2).get(timeout=10) == 4
+    assert mode.send(proj.add, 2, 2).get(timeout=10) == 4
 
 
 def test_two_reapers_requeue_each_job_once(redis_client: redis.Redis) -> None:
@@ -318,12 +332,12 @@ def test_orphaned_inflight_records_are_requeued(redis_client: redis.Redis) -> No
     assert redis_client.lrange(KEYS.queue("q"), 0, -1) == [b'{"properties": {}}']
 
 
-def test_stop_request_and_stalled_jobs(app: Any, worker_factory: Any,
+def test_stop_request_and_stalled_jobs(app: Any, mode: Mode, worker_factory: Any,
                                        redis_client: redis.Redis, rec: redis.Redis) -> None:
-    start_worker(worker_factory, pool="threads", concurrency=2)
+    start_worker(worker_factory, pool="threads", concurrency=2, env=mode.env())
     state = State(redis_client, SETTINGS)
-    quiet = app.quiet.delay("quiet", 3.0)  # never checks in; stall_after=1
-    chatty = app.long_checkin.delay("chatty", 30)
+    quiet = mode.send(app.quiet, "quiet", 3.0)  # never checks in; stall_after=1
+    chatty = mode.send(app.long_checkin, "chatty", 30)
     wait_for(lambda: len(state.busy_workers()) == 2, 10, "both jobs running")
     state.request_stop(chatty.id)
     assert chatty.get(timeout=10) == "stopped"  # its next checkin returned True
@@ -337,7 +351,8 @@ def test_redis_outage_does_not_reap_live_pools(worker_factory: Any, tmp_path: An
     """Redis goes away for twice dead_after and comes back from its AOF: every
     heartbeat now looks stale at once, yet no live pool is reaped (each reaper waits
     until it has seen Redis answer steadily), and the job running across the outage
-    completes exactly once."""
+    completes exactly once. (install(app) only: the reaper's stall guard is the worker
+    pool's, which the transport runs alike in both modes; a second run costs 15 s.)"""
     from celery_ext.server import RedisServer
 
     with RedisServer(data_dir=tmp_path / "outage") as server:
@@ -377,7 +392,9 @@ def test_each_pool_is_judged_by_its_own_dead_after(app: Any, worker_factory: Any
     """Pools record their own dead_after and heartbeat interval when they register; a
     reaper started with other values judges each pool by the pool's own: a small
     dead_after does not reap a pool that heartbeats more slowly, a large one does not
-    keep a stopped fast pool's jobs waiting. recover.lua's re-check agrees."""
+    keep a stopped fast pool's jobs waiting. recover.lua's re-check agrees. (install(app)
+    only: registration and reaping are the worker pool's, alike in both modes; drop-in
+    registration: test_pool_registers_and_heartbeats_with_redis_time.)"""
     from celery_ext.clock import now_ms
     from celery_ext.reaper import recover_tags
 
@@ -429,7 +446,8 @@ def test_manual_reap_after_a_redis_outage_spares_live_pools_unless_forced(
     """Right after Redis was away for longer than dead_after every heartbeat is old.
     ``Client.reap()`` (``celery ext reap``) first watches Redis answer steadily for two
     heartbeat intervals and a second, in which the live pool stamps again: nothing is
-    reaped. ``force=True`` does not watch and declares the live pool dead."""
+    reaped. ``force=True`` does not watch and declares the live pool dead. (install(app)
+    only: this is the client's and the worker pool's, alike in both modes.)"""
     from celery_ext.client import Client as ExtClient
     from celery_ext.server import RedisServer
 

@@ -1,6 +1,8 @@
 """Scheduled and retry sets (issue 4): countdown/eta jobs live in Redis, not in workers.
 
-Real server, real ``celery worker`` subprocesses running ``tests.proj_sets``.
+Real server, real ``celery worker`` subprocesses running ``tests.proj_sets``. Tests
+taking the ``mode`` fixture run twice: with ``install(app)`` and drop-in (only the
+broker URL changed; a stock Celery app sends to the ``celery`` queue).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import statistics
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -28,11 +29,11 @@ from celery_ext.scheduled import schedule
 from celery_ext.scripts import Scripts
 from celery_ext.server import RedisServer
 from tests import proj
-from tests.workers import WorkerProcess
+from tests.helpers import Factory, Mode, message, start_workers, wait_for
+from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 
 K = Keys("celery_ext")
 APP = "tests.proj_sets"
-Factory = Callable[..., WorkerProcess]
 
 
 @pytest.fixture
@@ -43,28 +44,6 @@ def app(broker_url: str, redis_client: redis.Redis) -> Any:
     return proj_sets
 
 
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, step: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(step)
-
-
-def start_workers(factory: Factory, n: int, **kw: Any) -> list[WorkerProcess]:
-    """Start ``n`` pools at once (startup dominates these tests) and wait for all."""
-    workers = [factory(APP, **kw) for _ in range(n)]
-    for w in workers:
-        w.start(wait_ready=False)
-    for w in workers:
-        assert w.ready_pattern
-        w.wait_for_log(w.ready_pattern, timeout=60)
-    return workers
-
-
 def timed_runs(rec: redis.Redis, key: str) -> list[tuple[str, float, float]]:
     """(task id, started at, eta) per run of ``timed``."""
     out = []
@@ -72,14 +51,6 @@ def timed_runs(rec: redis.Redis, key: str) -> list[tuple[str, float, float]]:
         task_id, start, eta = raw.decode().split(" ", 2)
         out.append((task_id, float(start), datetime.fromisoformat(eta).timestamp()))
     return out
-
-
-def message(tag: str, queue: str, retries: int = 0) -> dict[str, Any]:
-    """A minimal kombu message as ``Channel._put`` sees it."""
-    return {"body": "", "content-type": "application/json", "content-encoding": "utf-8",
-            "headers": {"task": queue, "id": f"id-{tag}", "retries": retries},
-            "properties": {"delivery_tag": tag, "body_encoding": "base64",
-                           "delivery_info": {"exchange": "", "routing_key": queue}}}
 
 
 # -- promotion, in-process ---------------------------------------------------------------------
@@ -143,7 +114,7 @@ def test_requeuer_wakes_for_an_earlier_job_and_sleeps_when_idle(
         assert requeuer.passes == passes  # asleep: no polling
         schedule(Scripts(redis_client), K, "q", message("t1", "q"), 300, redis_client)
         t0 = time.monotonic()
-        wait_for(lambda: redis_client.llen(K.queue("q")), 2, "promotion")
+        wait_for(lambda: redis_client.llen(K.queue("q")), 2, "promotion", step=0.01)
         assert 0.28 < time.monotonic() - t0 < 0.5
     finally:
         requeuer.stop()
@@ -183,7 +154,10 @@ def test_thousand_countdowns_run_once_none_early_p99_lateness(
     before the first is due: on two cores the producer's own CPU would otherwise be
     measured as lateness (the pools are idle but for these jobs). Lateness is CPU
     contention too: when other processes on the host take the CPU, a second round is
-    measured (exactly-once and none-early are asserted on every round)."""
+    measured (exactly-once and none-early are asserted on every round). (install(app)
+    only: promotion is the pool's requeuer in both modes, checked drop-in by the
+    visibility-timeout and expiry tests below and tests/test_configurations.py; a
+    second 1,000-job round costs ~20 s of a CPU-bound measure.)"""
     start_workers(worker_factory, 3, concurrency=2)
     # Warm up (each prefork child connects and imports on its first job).
     for _ in range(60):
@@ -218,15 +192,15 @@ def test_thousand_countdowns_run_once_none_early_p99_lateness(
 
 
 def test_countdown_longer_than_visibility_timeout_runs_once(
-        app: Any, redis_client: redis.Redis, rec: redis.Redis, worker_factory: Factory) -> None:
+        app: Any, mode: Mode, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
     """Stock Celery redelivers an ETA job after visibility_timeout; here it is not in
     flight until due, and in-flight jobs have no timeout at all."""
-    env = {"TEST_VISIBILITY_TIMEOUT": "1"}
-    start_workers(worker_factory, 2, env=env)
-    app.timed.apply_async(("vt",), countdown=3)
+    start_workers(worker_factory, 2, env=mode.env(TEST_VISIBILITY_TIMEOUT="1"))
+    mode.send(app.timed, "vt", countdown=3)
     # It waits in Redis, not in a worker's memory (stock Celery: inspect().scheduled()).
     assert Client(redis_client).counts()["scheduled"] == 1
-    held = proj.app.control.inspect(timeout=1).scheduled() or {}
+    held = mode.app.control.inspect(timeout=1).scheduled() or {}
     assert len(held) == 2 and not any(held.values()), held
     wait_for(lambda: rec.llen("runs:vt"), 10, "the countdown job")
     time.sleep(2.5)
@@ -235,7 +209,8 @@ def test_countdown_longer_than_visibility_timeout_runs_once(
 
 def test_scheduled_jobs_survive_a_redis_restart(tmp_path: Path, worker_factory: Factory) -> None:
     """Redis is killed (AOF, appendfsync always) and restarted while jobs wait in the
-    scheduled set: the worker reconnects and every job runs once."""
+    scheduled set: the worker reconnects and every job runs once. (install(app) only:
+    what is tested is the server's AOF and the pool's reconnect, alike in both modes.)"""
     with RedisServer(data_dir=tmp_path / "data") as server:
         url = server.url(scheme="celery-ext")
         proj.configure(url)
@@ -258,17 +233,18 @@ def test_scheduled_jobs_survive_a_redis_restart(tmp_path: Path, worker_factory: 
 
 
 def test_expired_job_is_not_run_and_lands_in_the_dead_set(
-        app: Any, redis_client: redis.Redis, rec: redis.Redis, worker_factory: Factory) -> None:
-    start_workers(worker_factory, 1)
+        app: Any, mode: Mode, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    start_workers(worker_factory, 1, env=mode.env())
     # A job in a job queue is due by the Redis clock, whatever its eta header says (a
     # worker whose clock runs behind must not hold it): run a 60 s countdown now.
-    early = app.timed.apply_async(("now",), countdown=60)
+    early = mode.send(app.timed, "now", countdown=60)
     (job,) = Client(redis_client).scheduled()["items"]
     assert job["task_id"] == early.id and Client(redis_client).run_scheduled_now(job["id"])
     wait_for(lambda: rec.llen("runs:now"), 3, "the job made due by hand")
 
-    late = app.timed.apply_async(("ex",), countdown=1, expires=0.5)
-    ok = app.timed.apply_async(("ok",), countdown=0.5, expires=30)
+    late = mode.send(app.timed, "ex", countdown=1, expires=0.5)
+    ok = mode.send(app.timed, "ok", countdown=0.5, expires=30)
     client = Client(redis_client)
     dead = wait_for(lambda: client.dead()["items"], 10, "the expired job in the dead set")
     assert rec.llen("runs:ex") == 0

@@ -1,6 +1,10 @@
 """Unique jobs, per-job concurrency limits, pause and resume (issue 4).
 
-Real server, real ``celery worker`` subprocesses running ``tests.proj_sets``.
+Real server, real ``celery worker`` subprocesses running ``tests.proj_sets``. Pause and
+resume run with ``install(app)`` and drop-in (the ``mode`` fixture); ``unique`` and
+``max_concurrency`` are ``install(app)`` only: a unique job is enqueued through
+install's ``send_task``, and a limit belongs to a task's own job queue, which a drop-in
+producer does not route to (every task goes to the ``celery`` queue).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from celery_ext.client import Client
 from celery_ext.keys import Keys
 from celery_ext.limits import write_limits
 from tests import proj
-from tests.test_scheduled import Factory, start_workers, wait_for
+from tests.helpers import Factory, Mode, start_workers, wait_for
+from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 
 K = Keys("celery_ext")
 FAST_REAPER = {
@@ -62,6 +67,24 @@ def pool_of(client: redis.Redis, worker: Any) -> str | None:
     """The registered pool id of a worker process (ids are host:pid:random)."""
     return next((p.decode() for p in client.zrange(K.pools, 0, -1)
                  if f":{worker.pid}:" in p.decode()), None)
+
+
+def test_paused_job_queue_keeps_its_jobs_until_resumed(
+        app: Any, mode: Mode, client: Client, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """Pause holds a job queue's jobs (fetch skips it) and resume releases them at once,
+    whichever queue it is: the task's own (``install(app)``) or ``celery`` (drop-in)."""
+    start_workers(worker_factory, 1, env=mode.env())
+    queue = mode.queue(proj.record)
+    assert client.pause(queue) is True and client.pause(queue) is False
+    sent = [mode.send(proj.record, "p", i) for i in range(3)]
+    time.sleep(0.7)
+    assert rec.llen("runs:p") == 0 and redis_client.llen(K.queue(queue)) == 3
+    assert client.job_queues(prefix=queue)[0]["paused"]
+    assert client.resume(queue) is True
+    assert [r.get(timeout=5) for r in sent] == [0, 1, 2]
+    # (A drained queue with no weight, as drop-in's ``celery``, leaves the listing.)
+    assert not any(q["paused"] for q in client.job_queues(prefix=queue))
 
 
 def test_unique_job_enqueued_once_while_pending(
