@@ -30,7 +30,7 @@ from celery.signals import celeryd_init, worker_ready, worker_shutdown, worker_s
 from kombu import Queue
 
 from . import pool as _pool
-from .config import SCHEME, TLS_SCHEME, ConfigError, Settings, check_broker_url
+from .config import ConfigError, Settings, check_broker_url, uses_our_transport
 from .dead import wrap_consumer_handlers
 from .keys import Keys
 from .limits import job_limits, write_limits
@@ -165,16 +165,6 @@ def validate_settings(sender: Any = None, instance: Any = None, **kwargs: Any) -
                              "threads or solo (-P threads gives many concurrent jobs)")
         add_worker_parts(app)
     _one_line_connection_errors()
-
-
-def uses_our_transport(conf: Any) -> bool:
-    """Whether the app's broker is this plugin's transport (by scheme or by
-    ``broker_transport``)."""
-    urls = [u for u in (conf.broker_url, conf.broker_read_url, conf.broker_write_url)
-            if isinstance(u, str) and u]
-    if any(u.startswith((f"{SCHEME}:", f"{TLS_SCHEME}:")) for u in urls):
-        return True
-    return str(conf.broker_transport or "").startswith("celery_ext.")
 
 
 def _pool_name(pool: Any) -> str:

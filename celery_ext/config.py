@@ -196,6 +196,16 @@ def redis_url(url: str) -> str:
     return f"{REDIS_SCHEMES.get(scheme, scheme)}{sep}{rest}"
 
 
+def uses_our_transport(conf: Any) -> bool:
+    """Whether the app's broker is this plugin's transport (by scheme or by
+    ``broker_transport``)."""
+    urls = [u for u in (conf.broker_url, conf.broker_read_url, conf.broker_write_url)
+            if isinstance(u, str) and u]
+    if any(u.startswith((f"{SCHEME}:", f"{TLS_SCHEME}:")) for u in urls):
+        return True
+    return str(conf.broker_transport or "").startswith("celery_ext.")
+
+
 def mask_url(url: str) -> str:
     """``url`` with its password replaced by ``**`` (parses nothing, so it works on
     URLs too broken for Kombu to mask)."""

@@ -22,7 +22,7 @@ from billiard.exceptions import WorkerLostError
 from celery import current_task
 from celery.signals import task_failure, task_postrun, task_prerun, worker_process_shutdown
 
-from .config import Settings
+from .config import Settings, uses_our_transport
 from .dead import one_line
 from .heartbeater import owning_pool_id
 from .keys import Keys
@@ -252,10 +252,20 @@ def _task_checkin(self: Any, message: str | None = None, progress: float | None 
     return checkin(message, progress, task=self)
 
 
+def _observed(app: Any) -> bool:
+    """Busy records and counters are kept for the apps whose broker is ours, with or
+    without ``install(app)`` (decided once per app: this runs for every job)."""
+    ours = app.__dict__.get("_celery_ext_observed")
+    if ours is None:
+        ours = app.__dict__["_celery_ext_observed"] = (
+            getattr(app, "_celery_ext_installed", False) or uses_our_transport(app.conf))
+    return bool(ours)
+
+
 @task_prerun.connect(weak=False)
 def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
                args: Any = None, kwargs: Any = None, **kw: Any) -> None:
-    if task is None or task_id is None or not getattr(task.app, "_celery_ext_installed", False):
+    if task is None or task_id is None or not _observed(task.app):
         return
     try:
         obs = Observer.for_app(task.app)
@@ -273,7 +283,7 @@ OUTCOMES = {"SUCCESS": "processed", "FAILURE": "failed", "RETRY": "retried"}
 @task_postrun.connect(weak=False)
 def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None,
                 state: str | None = None, **kw: Any) -> None:
-    if task is None or task_id is None or not getattr(task.app, "_celery_ext_installed", False):
+    if task is None or task_id is None or not _observed(task.app):
         return
     try:
         obs = Observer.for_app(task.app)
