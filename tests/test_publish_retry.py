@@ -24,6 +24,7 @@ from celery_ext.producer import PUBLISH_ID
 from celery_ext.server import RedisServer
 from tests import proj, proj_sets
 from tests.faults.proxy import Proxy
+from tests.helpers import wait_for
 from tests.workers import WorkerProcess
 
 K = Keys("celery_ext")
@@ -39,15 +40,6 @@ def proxy(redis_server: RedisServer, redis_client: redis.Redis) -> Iterator[Prox
         yield p
     finally:
         p.stop()
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-    return value
 
 
 def stored_payloads(client: redis.Redis, queue: str) -> list[dict[str, Any]]:

@@ -37,6 +37,7 @@ from celery_ext.keys import Keys
 from celery_ext.server import RedisServer, ServerError, find_server_binary
 from tests import proj
 from tests.debian_redis import debian_redis_server
+from tests.helpers import wait_for
 from tests.workers import REPO_ROOT, WorkerProcess
 
 K = Keys("celery_ext")
@@ -44,19 +45,6 @@ Factory = Callable[..., WorkerProcess]
 
 
 # -- helpers -----------------------------------------------------------------------------
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
-               interval: float = 0.02) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail with ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def free_port() -> int:
@@ -92,7 +80,7 @@ def running_count(client: redis.Redis, queue: str) -> int:
 
 def only_pool(client: redis.Redis, timeout: float = 10) -> str:
     """The id of the one registered worker pool."""
-    pools = wait_until(lambda: client.zrange(K.pools, 0, -1), timeout, "a registered pool")
+    pools = wait_for(lambda: client.zrange(K.pools, 0, -1), timeout, "a registered pool")
     assert len(pools) == 1, pools
     return str(pools[0].decode())
 
@@ -143,7 +131,7 @@ def test_pool_runs_jobs_returns_results_and_answers_ping(
     # The jobs went through our job queue and the pool's in-flight record, now empty.
     assert redis_client.sismember(K.queues, "tests.proj.add")
     pool_id = only_pool(redis_client)
-    wait_until(lambda: redis_client.hlen(K.inflight(pool_id)) == 0, 5, "in-flight record empty")
+    wait_for(lambda: redis_client.hlen(K.inflight(pool_id)) == 0, 5, "in-flight record empty")
     assert running_count(redis_client, "tests.proj.add") == 0
     assert redis_client.llen(K.queue("tests.proj.add")) == 0
     assert not redis_client.exists("celery")  # nothing went to the stock default queue
@@ -342,7 +330,7 @@ def test_weighted_shares_under_saturation(
             proj.heavy_weight.apply_async((i,), producer=producer, ignore_result=True)
             proj.light_weight.apply_async((i,), producer=producer, ignore_result=True)
     worker_factory("tests.proj", pool="solo", concurrency=1).start()
-    wait_until(lambda: rec.llen("order") >= 2 * n, 60, "every weighted job to run", 0.1)
+    wait_for(lambda: rec.llen("order") >= 2 * n, 60, "every weighted job to run", 0.1)
 
     order = [o.decode().split(":")[0] for o in rec.lrange("order", 0, -1)]
     assert Counter(order) == {"heavy": n, "light": n}
@@ -378,17 +366,17 @@ def test_slow_thousand_job_names(
     assert queued_ids(redis_client, names[0])  # in the job queue named after it
     worker = worker_factory("tests.proj_many", pool="solo", concurrency=1)
     worker.start(timeout=60)
-    wait_until(lambda: rec.scard("many") == first, 60, "the jobs queued before start", 0.1)
+    wait_for(lambda: rec.scard("many") == first, 60, "the jobs queued before start", 0.1)
     started = time.monotonic()
     with app.producer_or_acquire() as producer:
         for name in names[first:]:
             app.send_task(name, producer=producer, ignore_result=True)
-    wait_until(lambda: rec.scard("many") == len(names), 60, "every job to run", 0.1)
+    wait_for(lambda: rec.scard("many") == len(names), 60, "every job to run", 0.1)
     elapsed = time.monotonic() - started
     assert {m.decode() for m in rec.smembers("many")} == set(names)
     assert redis_client.scard(K.ready) == 0
     pool_id = only_pool(redis_client)
-    wait_until(lambda: redis_client.hlen(K.inflight(pool_id)) == 0, 5, "in-flight record empty")
+    wait_for(lambda: redis_client.hlen(K.inflight(pool_id)) == 0, 5, "in-flight record empty")
     # Not a benchmark: 500 jobs over 500 queues must not crawl (stock drains ~800/s).
     assert elapsed < 30, elapsed
 
@@ -405,7 +393,7 @@ def test_job_is_owned_by_its_pool_until_it_finishes(
     worker_factory("tests.proj", pool="prefork", concurrency=2).start()
     pool_id = only_pool(redis_client)
     result = proj.record.delay("long", "done", 2.5)
-    wait_until(lambda: result.state == "STARTED", 10, "the long job to start")
+    wait_for(lambda: result.state == "STARTED", 10, "the long job to start")
     time.sleep(0.5)  # well into the job, long after Celery would ack an early-ack job
     owned = inflight(redis_client, pool_id)
     assert len(owned) == 1, owned
@@ -418,7 +406,7 @@ def test_job_is_owned_by_its_pool_until_it_finishes(
     assert redis_client.sismember(K.inflight_pools, pool_id)
 
     assert result.get(timeout=10) == "done"
-    wait_until(lambda: redis_client.hlen(K.inflight(pool_id)) == 0, 5, "the ack")
+    wait_for(lambda: redis_client.hlen(K.inflight(pool_id)) == 0, 5, "the ack")
     assert running_count(redis_client, "tests.proj.record") == 0
     assert len(runs(rec, "long")) == 1
 
@@ -426,7 +414,7 @@ def test_job_is_owned_by_its_pool_until_it_finishes(
     failed = proj.fail.delay("failing")
     with pytest.raises(ValueError, match="failed on purpose"):
         failed.get(timeout=10)
-    wait_until(lambda: redis_client.hlen(K.inflight(pool_id)) == 0, 5, "the failed job's ack")
+    wait_for(lambda: redis_client.hlen(K.inflight(pool_id)) == 0, 5, "the failed job's ack")
     assert running_count(redis_client, "tests.proj.fail") == 0
     assert redis_client.llen(K.queue("tests.proj.fail")) == 0
     time.sleep(0.5)
@@ -448,8 +436,8 @@ def test_warm_shutdown_returns_reserved_jobs_to_the_front_in_order(
 
     first = worker_factory("tests.proj", pool="prefork", concurrency=1).start()
     pool_id = only_pool(redis_client)
-    wait_until(lambda: jobs[0].state == "STARTED", 10, "the first job to start")
-    wait_until(lambda: redis_client.hlen(K.inflight(pool_id)) == 4, 5, "4 jobs in flight")
+    wait_for(lambda: jobs[0].state == "STARTED", 10, "the first job to start")
+    wait_for(lambda: redis_client.hlen(K.inflight(pool_id)) == 4, 5, "4 jobs in flight")
     owned = inflight(redis_client, pool_id)
     assert sorted(m["headers"]["id"] for _, m in owned.values()) == sorted(ids[:4])
     assert queued_ids(redis_client, "tests.proj.probe") == ids[4:]
@@ -700,7 +688,7 @@ def test_job_sent_to_idle_pool_starts_at_once(
         time.sleep(0.3)  # idle again: its queues all found empty
         sent = time.time()
         proj.record.apply_async((f"lat{i}",), ignore_result=True)
-        (entry,) = wait_until(lambda i=i: runs(rec, f"lat{i}"), 10, f"job lat{i} to run")
+        (entry,) = wait_for(lambda i=i: runs(rec, f"lat{i}"), 10, f"job lat{i} to run")
         delays.append(float(entry.split(":")[1]) - sent)
     assert max(delays) < 0.5, delays
 
