@@ -356,8 +356,12 @@ def live_pools() -> list[WorkerPool]:
 
 
 def stop_all() -> None:
-    """Stop every pool of this process (worker shutdown, interpreter exit)."""
-    for pool in live_pools():
+    """Stop every pool of this process and forget it (worker shutdown, interpreter
+    exit); a channel that fetches again afterwards starts a new one."""
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
         try:
             pool.stop()
         except Exception:

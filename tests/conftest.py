@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import redis
 
+from celery_ext.pool import stop_all
 from celery_ext.server import RedisServer
 from tests.workers import WorkerProcess
 
@@ -32,6 +33,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             raise KeyboardInterrupt(f"signal {signum}")
 
         signal.signal(signal.SIGTERM, on_term)
+
+
+@pytest.fixture(autouse=True)
+def _stop_this_process_pools() -> Iterator[None]:
+    """A test that consumes in this process (a Kombu consumer) starts this process's
+    worker pool: heartbeat, reaper, requeuer. Stop it when the test ends, as the
+    process's exit would, so it does not reap or promote in later tests."""
+    yield
+    stop_all()
 
 
 @pytest.fixture(scope="session")
