@@ -1,8 +1,14 @@
-"""Helpers shared by the end-to-end tests: waiting, reading what the jobs recorded, and
-the two ways of using the plugin (``install(app)`` or drop-in) as a fixture."""
+"""Helpers shared by the end-to-end tests: waiting, reading what the jobs recorded and
+what Redis holds, running the ``celery`` command, and the two ways of using the plugin
+(``install(app)`` or drop-in) as a fixture."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -12,9 +18,13 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
-from tests.workers import WorkerProcess
+from celery_ext.keys import Keys
+from celery_ext.scripts import Scripts
+from tests.workers import REPO_ROOT, WorkerProcess
 
 T = TypeVar("T")
+#: Keys of the default namespace, which the test apps use.
+K = Keys("celery_ext")
 #: The ``worker_factory`` fixture: builds a :class:`WorkerProcess` (call ``.start()``).
 Factory = Callable[..., WorkerProcess]
 
@@ -127,3 +137,48 @@ def mode_fixture(request: pytest.FixtureRequest, broker_url: str,
     mode = Mode(request.param, broker_url)
     yield mode
     mode.close()
+
+
+# -- Redis, the celery command, the network -------------------------------------------
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def node_name(worker: WorkerProcess) -> str:
+    return worker.hostname.replace("%h", socket.gethostname())
+
+
+def inflight(client: redis.Redis, pool_id: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """A pool's in-flight record: delivery tag -> (queue, message)."""
+    out = {}
+    for tag, rec in client.hgetall(K.inflight(pool_id)).items():
+        queue, payload = rec.decode().split("\n", 1)
+        out[tag.decode()] = (queue, json.loads(payload))
+    return out
+
+
+def only_pool(client: redis.Redis, timeout: float = 10) -> str:
+    """The id of the one registered worker pool."""
+    pools = wait_for(lambda: client.zrange(K.pools, 0, -1), timeout, "a registered pool")
+    assert len(pools) == 1, pools
+    return str(pools[0].decode())
+
+
+def celery_cli(*args: str, broker_url: str, env: dict[str, str] | None = None,
+               timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m celery ...`` like a user would, against ``broker_url``."""
+    full_env = {**os.environ, "CELERY_EXT_BROKER_URL": broker_url,
+                "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "celery", *args], cwd=REPO_ROOT,
+                          env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def push(client: redis.Redis, queue: str, payload: bytes | str) -> None:
+    """Enqueue a raw payload as a producer does (the ``enqueue`` script: push, ready
+    set, wake-up)."""
+    Scripts(client)("enqueue", [K.queue(queue), K.ready, K.queues],
+                    [payload, queue, K.wake_channel, 0])

@@ -30,23 +30,15 @@ from celery_ext.client import Client
 from celery_ext.config import DEFAULT_MAX_PAYLOAD_BYTES
 from celery_ext.errors import BrokerOutOfMemory, PayloadTooLarge
 from celery_ext.keys import Keys
-from celery_ext.scripts import Scripts
 from celery_ext.server import RedisServer
 from tests import proj
-from tests.test_transport import celery_cli, free_port, only_pool, wait_until
+from tests.helpers import celery_cli, free_port, only_pool, push, wait_for
 from tests.workers import READY_PATTERN, REPO_ROOT, WorkerProcess
 
 K = Keys("celery_ext")
 Factory = Callable[..., WorkerProcess]
 QUEUE = "tests.proj.add"
 PASSWORD = "S3cret-Pw-4d1e"
-
-
-def push(client: redis.Redis, queue: str, payload: bytes | str) -> None:
-    """Enqueue a raw payload as a producer does (the ``enqueue`` script: push, ready
-    set, wake-up)."""
-    Scripts(client)("enqueue", [K.queue(queue), K.ready, K.queues],
-                    [payload, queue, K.wake_channel, 0])
 
 
 def envelope(tag: str, body: bytes | None = None, **changes: Any) -> dict[str, Any]:
@@ -171,7 +163,7 @@ def test_garbage_in_a_job_queue_is_dead_with_its_reason_and_the_worker_keeps_goi
     assert proj.add.delay(2, 3).get(timeout=15) == 5
 
     client = Client(redis_client)
-    page = wait_until(lambda: (p := client.dead(limit=100))["total"] >= len(GARBAGE) and p,
+    page = wait_for(lambda: (p := client.dead(limit=100))["total"] >= len(GARBAGE) and p,
                       15, "every garbage job in the dead set")
     found = match_dead(page["items"], GARBAGE)
     assert found["unregistered task"]["task_id"] == "id-g-unknown"
@@ -185,7 +177,7 @@ def test_garbage_in_a_job_queue_is_dead_with_its_reason_and_the_worker_keeps_goi
     assert proj.add.delay(4, 5).get(timeout=15) == 9  # and it keeps going
     assert worker.alive and only_pool(redis_client) == pool
     # Nothing left owned (the last job's ack follows its result by a moment).
-    wait_until(lambda: redis_client.hlen(K.inflight(pool)) == 0, 5, "an empty in-flight record")
+    wait_for(lambda: redis_client.hlen(K.inflight(pool)) == 0, 5, "an empty in-flight record")
     assert int(redis_client.hget(K.running, QUEUE) or 0) == 0
     assert redis_client.llen(K.queue(QUEUE)) == 0
     log = worker.log_text()
@@ -213,7 +205,7 @@ def test_garbage_without_install_is_dead_too_and_the_consumer_does_not_restart(
         push(redis_client, "celery", payload)
     assert app.send_task(QUEUE, (2, 3), queue="celery").get(timeout=15) == 5
     client = Client(redis_client)
-    page = wait_until(lambda: (p := client.dead())["total"] >= len(cases) and p, 10,
+    page = wait_for(lambda: (p := client.dead())["total"] >= len(cases) and p, 10,
                       "the garbage in the dead set")
     match_dead(page["items"], cases)
     assert app.send_task(QUEUE, (4, 5), queue="celery").get(timeout=15) == 9
@@ -222,7 +214,7 @@ def test_garbage_without_install_is_dead_too_and_the_consumer_does_not_restart(
         worker.log_tail(60)
     assert len(re.findall(READY_PATTERN, log)) == 1 and worker.alive
     pool = only_pool(redis_client)
-    wait_until(lambda: redis_client.hlen(K.inflight(pool)) == 0, 5, "an empty in-flight record")
+    wait_for(lambda: redis_client.hlen(K.inflight(pool)) == 0, 5, "an empty in-flight record")
 
 
 def _protocol1(tag: str, task_id: str) -> str:
@@ -256,7 +248,7 @@ def test_control_characters_in_task_id_or_name_never_reach_a_log_line(
         push(redis_client, queue, payload)
     assert app.send_task(QUEUE, (2, 3), queue=queue).get(timeout=15) == 5
     client = Client(redis_client)
-    page = wait_until(lambda: (p := client.dead())["total"] >= len(FORGERS) and p, 10,
+    page = wait_for(lambda: (p := client.dead())["total"] >= len(FORGERS) and p, 10,
                       "every forger in the dead set")
     assert page["total"] == len(FORGERS)
     assert {j["id"] for j in page["items"]} == {"f-id", "f-name", "f-esc", "f-sep", "f-p1"}
@@ -390,7 +382,7 @@ def test_full_redis_refuses_enqueue_with_one_clear_error_and_loses_nothing(
     after = proj.record.delay("full", 100).id
     worker_factory("tests.proj", broker_url=url, pool="solo", concurrency=1).start()
     runs = small_server.client(db=2)
-    wait_until(lambda: runs.llen("runs:full") >= 4, 15, "the four jobs to run")
+    wait_for(lambda: runs.llen("runs:full") >= 4, 15, "the four jobs to run")
     time.sleep(0.3)
     assert runs.llen("runs:full") == 4
     results = [proj.app.AsyncResult(i).get(timeout=5) for i in (*before, after)]

@@ -35,8 +35,7 @@ from celery_ext.keys import Keys
 from celery_ext.web import create_app
 from celery_ext.web.app import PAGE_MAX
 from tests import proj
-from tests.test_bad_input import push
-from tests.test_transport import celery_cli, only_pool, wait_until
+from tests.helpers import celery_cli, only_pool, push, wait_for
 from tests.workers import READY_PATTERN, WorkerProcess
 
 K = Keys("celery_ext")
@@ -149,7 +148,7 @@ def test_random_bytes_and_json_in_job_queues_all_end_in_the_dead_set(
         assert result.get(timeout=30) == expected, why
 
     client = Client(redis_client)
-    wait_until(lambda: client.counts()["dead"] >= len(payloads), 60,
+    wait_for(lambda: client.counts()["dead"] >= len(payloads), 60,
                f"{len(payloads)} dead jobs {why}", interval=0.1)
     time.sleep(0.5)  # nothing more may arrive
     assert client.counts()["dead"] == len(payloads), why
@@ -182,7 +181,7 @@ def test_random_bytes_and_json_in_job_queues_all_end_in_the_dead_set(
     assert all(row.isprintable() for row in rows), why
 
     assert proj.add.delay(40, 2).get(timeout=15) == 42, why  # and it still runs jobs
-    wait_until(lambda: redis_client.hlen(K.inflight(pool)) == 0, 5,
+    wait_for(lambda: redis_client.hlen(K.inflight(pool)) == 0, 5,
                f"an empty in-flight record {why}")
     assert all(int(v) == 0 for v in redis_client.hvals(K.running)), why
     assert all(redis_client.llen(K.queue(q)) == 0 for q in QUEUES), why
@@ -203,18 +202,18 @@ def test_a_forged_message_with_a_live_jobs_delivery_tag_does_not_take_its_place(
     worker_factory("tests.proj", pool="threads", concurrency=2).start()
     pool = only_pool(redis_client)
     running = proj.record.delay("forged", "done", sleep=1.5)
-    tag = wait_until(lambda: redis_client.hkeys(K.inflight(pool)), 10, "the job in flight")[0]
+    tag = wait_for(lambda: redis_client.hkeys(K.inflight(pool)), 10, "the job in flight")[0]
     forged = json.dumps({"body": "", "headers": [], "properties": {"delivery_tag": tag.decode()}})
     for payload in (forged, forged, json.dumps({"properties": {"delivery_tag": "dup"}}),
                     json.dumps({"properties": {"delivery_tag": "dup"}})):
         push(redis_client, "tests.proj.record", payload)
     client = Client(redis_client)
-    wait_until(lambda: client.counts()["dead"] == 4, 10, "four dead jobs")
+    wait_for(lambda: client.counts()["dead"] == 4, 10, "four dead jobs")
     # The real job is still owned while it runs, then finishes and is acked.
     assert redis_client.hget(K.inflight(pool), tag) is not None
     assert running.get(timeout=10) == "done"
     assert rec.llen("runs:forged") == 1
-    wait_until(lambda: redis_client.hlen(K.inflight(pool)) == 0, 5, "an empty in-flight record")
+    wait_for(lambda: redis_client.hlen(K.inflight(pool)) == 0, 5, "an empty in-flight record")
     ids = sorted(j["id"] for j in client.dead()["items"])
     assert len(set(ids)) == 4 and "dup" in ids and "dup~1" in ids, ids
     assert Counter(dead_payloads(redis_client)) == Counter(

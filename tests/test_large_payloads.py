@@ -22,8 +22,7 @@ from celery_ext.client import Client
 from celery_ext.keys import Keys
 from celery_ext.scripts import Scripts
 from tests import proj
-from tests.test_bad_input import push
-from tests.test_transport import only_pool, wait_until
+from tests.helpers import only_pool, push, wait_for
 from tests.workers import READY_PATTERN, WorkerProcess
 
 K = Keys("celery_ext")
@@ -149,7 +148,7 @@ def test_an_oversized_job_at_fetch_is_dead_with_its_reason_and_not_shipped(
     assert f"is {len(big):,} bytes, over max_payload_bytes (100,000)" in dead[0]["error"]
     assert client.dead_job("big-1")["payload"] == big  # type: ignore[index]
     assert redis_client.llen(K.queue(QUEUE)) == 0
-    wait_until(lambda: all(redis_client.hlen(K.inflight(p)) == 0
+    wait_for(lambda: all(redis_client.hlen(K.inflight(p)) == 0
                            for p in redis_client.zrange(K.pools, 0, -1)),
                5, "empty in-flight records")
 
@@ -170,12 +169,12 @@ def test_worker_dead_letters_a_job_over_its_limit_and_runs_the_others(
     assert [r.get(timeout=15) for r in before + after] == [1, 2, 3, 2, 3, 4]
     assert proj.add.delay(5, 5).get(timeout=15) == 10
     client = Client(redis_client)
-    page = wait_until(lambda: (p := client.dead())["total"] and p, 10, "the dead job")
+    page = wait_for(lambda: (p := client.dead())["total"] and p, 10, "the dead job")
     job = page["items"][0]
     assert (page["total"], job["reason"], job["task_id"]) == (1, "too_large", big.id)
     assert "bytes, over max_payload_bytes (100,000)" in job["error"]
     assert worker.alive and only_pool(redis_client) == pool
-    wait_until(lambda: redis_client.hlen(K.inflight(pool)) == 0, 5, "an empty in-flight record")
+    wait_for(lambda: redis_client.hlen(K.inflight(pool)) == 0, 5, "an empty in-flight record")
     log = worker.log_text()
     assert len(re.findall(READY_PATTERN, log)) == 1 and "Traceback" not in log
     assert len([ln for ln in log.splitlines() if "too large" in ln]) == 1, worker.log_tail(40)

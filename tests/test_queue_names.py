@@ -19,8 +19,7 @@ from celery_ext.dead import dead_letter
 from celery_ext.keys import Keys
 from celery_ext.scripts import Scripts
 from tests import proj
-from tests.test_bad_input import push
-from tests.test_transport import node_name, wait_until
+from tests.helpers import node_name, push, wait_for
 from tests.workers import WorkerProcess
 
 K = Keys("celery_ext")
@@ -88,7 +87,7 @@ def test_drained_and_purged_queues_leave_the_listing_configured_ones_stay(
     client.pause("held")
     client.set_max_concurrency("capped", 2)
     redis_client.hset(K.weights, "weighted", 3)  # as a pool consuming it writes
-    wait_until(lambda: not int(redis_client.hget(K.running, "adhoc") or 0), 5, "the ack")
+    wait_for(lambda: not int(redis_client.hget(K.running, "adhoc") or 0), 5, "the ack")
 
     names = listed(client)
     assert {"held", "capped", "weighted"} <= names

@@ -14,7 +14,7 @@ from celery.worker.request import create_request_cls
 
 from celery_ext.strategy import shared_factory
 from tests import proj
-from tests.test_transport import Factory, inflight, only_pool, wait_until
+from tests.helpers import Factory, inflight, only_pool, wait_for
 
 
 def test_one_request_class_per_task_settings() -> None:
@@ -68,14 +68,14 @@ def test_tasks_keep_their_own_settings_in_a_worker(
     proj_strategy.early_ack.delay("early", 2.0)
     proj.app.send_task("tests.proj_strategy.limited", ("limited", 3.0),
                        time_limit=None, soft_time_limit=None)  # none in its headers
-    wait_until(lambda: all(rec.llen(f"start:{k}") for k in ("late", "early", "limited")),
+    wait_for(lambda: all(rec.llen(f"start:{k}") for k in ("late", "early", "limited")),
                15, "the three jobs to start")
     time.sleep(0.3)
     queues = {queue for queue, _ in inflight(redis_client, pool_id).values()}
     assert "tests.proj_strategy.late_ack" in queues, queues
     assert "tests.proj_strategy.early_ack" not in queues, queues
-    wait_until(lambda: rec.llen("end:late") and rec.llen("end:early"), 10, "the ends")
-    wait_until(lambda: not inflight(redis_client, pool_id), 10, "every job acked")
+    wait_for(lambda: rec.llen("end:late") and rec.llen("end:early"), 10, "the ends")
+    wait_for(lambda: not inflight(redis_client, pool_id), 10, "every job acked")
     time.sleep(1.5)  # the limited job would have ended by now
     assert rec.llen("end:limited") == 0
     rec.close()

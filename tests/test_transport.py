@@ -16,8 +16,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -37,8 +35,8 @@ from celery_ext.keys import Keys
 from celery_ext.server import RedisServer, ServerError, find_server_binary
 from tests import proj
 from tests.debian_redis import debian_redis_server
-from tests.helpers import wait_for
-from tests.workers import REPO_ROOT, WorkerProcess
+from tests.helpers import celery_cli, free_port, inflight, node_name, only_pool, wait_for
+from tests.workers import WorkerProcess
 
 K = Keys("celery_ext")
 Factory = Callable[..., WorkerProcess]
@@ -47,55 +45,18 @@ Factory = Callable[..., WorkerProcess]
 # -- helpers -----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def node_name(worker: WorkerProcess) -> str:
-    return worker.hostname.replace("%h", socket.gethostname())
-
-
 def queued_ids(client: redis.Redis, queue: str) -> list[str]:
     """Task ids in a job queue, next-to-be-fetched first (fetch pops the right end)."""
     raw = client.lrange(K.queue(queue), 0, -1)
     return [json.loads(m)["headers"]["id"] for m in reversed(raw)]
 
 
-def inflight(client: redis.Redis, pool_id: str) -> dict[str, tuple[str, dict[str, Any]]]:
-    """A pool's in-flight record: delivery tag -> (queue, message)."""
-    out = {}
-    for tag, rec in client.hgetall(K.inflight(pool_id)).items():
-        queue, payload = rec.decode().split("\n", 1)
-        out[tag.decode()] = (queue, json.loads(payload))
-    return out
-
-
 def running_count(client: redis.Redis, queue: str) -> int:
     return int(client.hget(K.running, queue) or 0)
 
 
-def only_pool(client: redis.Redis, timeout: float = 10) -> str:
-    """The id of the one registered worker pool."""
-    pools = wait_for(lambda: client.zrange(K.pools, 0, -1), timeout, "a registered pool")
-    assert len(pools) == 1, pools
-    return str(pools[0].decode())
-
-
 def runs(rec: redis.Redis, key: str) -> list[str]:
     return [r.decode() for r in rec.lrange(f"runs:{key}", 0, -1)]
-
-
-def celery_cli(*args: str, broker_url: str, env: dict[str, str] | None = None,
-               timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m celery ...`` like a user would, against ``broker_url``."""
-    full_env = {**os.environ, "CELERY_EXT_BROKER_URL": broker_url,
-                "PYTHONPATH": str(REPO_ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "celery", *args], cwd=REPO_ROOT,
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
