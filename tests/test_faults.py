@@ -60,6 +60,9 @@ def test_ours_loses_nothing_and_duplicates_at_most_what_was_in_flight(
     elif not SCENARIOS[name].acks_late:
         running = {job for f in r.faults for job in f.running}
         assert r.lost <= len(running) and set(r.lost_sample) <= running, r.as_dict()
+    # A job running in every pool the faults killed is a poison pill past max_recoveries:
+    # in the dead set with its reason, not lost; nothing else goes there.
+    assert set(r.dead_reasons) <= {"worker_lost"}, r.dead_reasons
     assert r.duplicates <= r.in_flight_at_faults
     assert r.unexplained_duplicates == 0  # every job run twice was owned by a hit pool
     assert r.publish_retry_duplicates == 0  # a publish retried after its write landed

@@ -44,7 +44,8 @@ def table(results: list[Result]) -> str:
             if r is None:
                 cells += ["-", "-", "-", "-"]
                 continue
-            cells.append(f"{r.lost}/{r.accepted}")
+            dead = f" (+{r.dead} dead)" if r.dead else ""
+            cells.append(f"{r.lost}/{r.accepted}{dead}")
             cells.append(f"{r.duplicates} ({r.in_flight_at_faults})" if ours else str(r.duplicates))
             cells.append(str(r.publish_retry_duplicates))
             cells.append(_fmt_recovery(r))
@@ -84,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name} / {mode}: {SCENARIOS[name].title}", flush=True)
             result = Run(SCENARIOS[name], mode, opts, args.out).run()
             results.append(result)
-            print(f"  lost {result.lost}/{result.accepted}, duplicates {result.duplicates}, "
+            print(f"  lost {result.lost}/{result.accepted}, dead {result.dead} "
+                  f"{result.dead_reasons or ''}, duplicates {result.duplicates}, "
                   f"in flight at faults {result.in_flight_at_faults}, refused {result.refused}, "
                   f"recovery {_fmt_recovery(result)}, publish-retry duplicates "
                   f"{result.publish_retry_duplicates}, unexplained duplicates "

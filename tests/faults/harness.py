@@ -11,7 +11,9 @@ every accepted job is done, or until nothing has finished for ``settle`` seconds
 Counting comes only from the append-only record the jobs write (``tests.faults.app``):
 
 - **accepted**: ``apply_async`` returned; **refused**: it raised (the caller knows)
-- **lost** = accepted jobs never done; **duplicates** = starts - distinct jobs started
+- **lost** = accepted jobs never done and not in the dead set (ours: a job running in
+  every pool the faults killed goes there past ``max_recoveries``, as a poison pill);
+  **duplicates** = starts - distinct jobs started
 - **publish-retry duplicates**: extra starts of a job that no redelivery explains
   (both copies were fresh messages): Kombu's publish retry stored it twice
 - **in flight at a fault**: jobs the hit pool owned then (ours: its in-flight record;
@@ -42,6 +44,7 @@ import redis
 
 from celery_ext import scripts as _scripts
 from celery_ext.config import DEFAULT_NAMESPACE
+from celery_ext.dead import split_record
 from celery_ext.keys import Keys
 from celery_ext.server import RedisServer
 from celery_ext.state import State
@@ -163,6 +166,11 @@ class Result:
     done: int = 0
     lost: int = 0
     lost_sample: list[str] = field(default_factory=list)
+    #: ours: accepted jobs in the dead set (accounted for, not lost), by reason; a job
+    #: that was running in every pool the faults killed is a poison pill by design
+    #: (``max_recoveries``).
+    dead: int = 0
+    dead_reasons: dict[str, int] = field(default_factory=dict)
     starts: int = 0
     duplicates: int = 0
     in_flight_at_faults: int = 0
@@ -395,7 +403,10 @@ class Run:
         r.accepted, r.refused = len(accepted), len(self._errors)
         r.refused_error = self._errors[0] if self._errors else ""
         r.done = len(done & accepted)
-        lost = sorted(accepted - done)
+        dead = self._dead_jobs() if self.mode == "ours" else {}
+        dead = {job: why for job, why in dead.items() if job in accepted and job not in done}
+        r.dead, r.dead_reasons = len(dead), dict(Counter(dead.values()))
+        lost = sorted(accepted - done - set(dead))
         r.lost, r.lost_sample = len(lost), lost[:5]
         r.starts = len(starts)
         r.duplicates = len(starts) - len(set(starts))
@@ -425,6 +436,17 @@ class Run:
             r.recovery_median = round(statistics.median(recoveries), 2)
             r.recovery_max = round(max(recoveries), 2)
         r.crashed_pools = sum(1 for w in self.pools if w.started and not w.alive)
+
+    def _dead_jobs(self) -> dict[str, str]:
+        """Job id -> reason of every job in our dead set."""
+        out: dict[str, str] = {}
+        for raw in self._admin().hvals(KEYS.dead_jobs):
+            meta, _queue, payload = split_record(raw)
+            try:
+                out[json.loads(payload)["headers"]["id"]] = str(meta.get("reason", ""))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return out
 
     def _teardown(self) -> None:
         for w in self.pools + self._retired:
