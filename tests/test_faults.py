@@ -21,6 +21,7 @@ says which job ran where. What ours must show (DESIGN.md promises 1-3):
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,28 @@ def test_ours_loses_nothing_and_duplicates_at_most_what_was_in_flight(
         assert "out of memory" in r.refused_error and "\n" not in r.refused_error
     else:
         assert r.refused == 0, r.refused_error
+
+
+#: Scenarios that exercise the worker pool's life also run in drop-in mode: only the
+#: URL changed, no install(app), the app sets Celery's own acks_late (what a drop-in
+#: user does who wants at-least-once; kill_main_dropin above covers early acks).
+DROPIN = ("kill_child", "sigterm", "redis_kill", "partition", "fetch_reply_lost")
+
+
+@pytest.mark.parametrize("name", DROPIN)
+def test_ours_in_drop_in_mode_loses_nothing(name: str, tmp_path: Path) -> None:
+    scenario = replace(SCENARIOS[name], name=f"{name}_dropin", dropin=True, acks_late=True)
+    r = Run(scenario, "ours", SHORT, tmp_path).run()
+    print(f"{scenario.name}/ours: {r.as_dict()}")
+    assert len(r.faults) == SHORT.faults, r.notes
+    assert r.accepted == SHORT.jobs and r.crashed_pools == 0
+    assert r.lost == 0, f"lost {r.lost_sample}"
+    assert r.unrecovered_faults == 0
+    assert set(r.dead_reasons) <= {"worker_lost"}, r.dead_reasons
+    assert r.duplicates <= r.in_flight_at_faults
+    assert r.unexplained_duplicates == 0
+    if name in ("sigterm", "redis_kill", "kill_child", *POOL_LIVES):
+        assert r.pools_reaped == 0
 
 
 def test_stock_runs_in_the_same_harness(tmp_path: Path) -> None:
