@@ -43,7 +43,10 @@ POOL_LIVES = ("fetch_reply_lost", "threads_cut", "ack_lost")
 
 
 def run(name: str, mode: str, tmp_path: Path) -> Result:
-    result = Run(SCENARIOS[name], mode, SHORT, tmp_path).run()
+    # Where jobs are lost by design (early acks), settling waits out `settle` after the
+    # last job finished: a shorter wait still outlasts dead_after + reap_interval.
+    options = SHORT if SCENARIOS[name].promise_no_loss else replace(SHORT, settle=6.0)
+    result = Run(SCENARIOS[name], mode, options, tmp_path).run()
     print(f"{name}/{mode}: {result.as_dict()}")
     return result
 

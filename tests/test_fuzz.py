@@ -149,7 +149,7 @@ def test_random_bytes_and_json_in_job_queues_all_end_in_the_dead_set(
 
     client = Client(redis_client)
     wait_for(lambda: client.counts()["dead"] >= len(payloads), 60,
-               f"{len(payloads)} dead jobs {why}", interval=0.1)
+               f"{len(payloads)} dead jobs {why}", step=0.1)
     time.sleep(0.5)  # nothing more may arrive
     assert client.counts()["dead"] == len(payloads), why
     assert Counter(dead_payloads(redis_client)) == Counter(payloads), why
