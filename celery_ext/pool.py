@@ -244,7 +244,7 @@ class WorkerPool:
     def maybe_reconcile(self) -> None:
         """Reconcile if something happened that may have left the record wrong, no
         fetch is on the wire, and the last failed attempt is not too recent. Runs in
-        the consumer's thread; connection errors propagate (the consumer reconnects)."""
+        the consumer's thread; connection errors propagate to the caller."""
         if not self._needs_reconcile or self._fetches_on_wire:
             return
         if time.monotonic() - self._reconcile_failed_at < RECONCILE_RETRY_INTERVAL:

@@ -500,7 +500,13 @@ class Channel(kredis.Channel):
         """Send one fetch (instead of BRPOP) for up to the free prefetch slots; first
         make the pool's in-flight record match what the process holds, if needed."""
         if self._worker_pool is not None:
-            self._worker_pool.maybe_reconcile()
+            try:
+                self._worker_pool.maybe_reconcile()
+            except CONNECTION_ERRORS as exc:
+                # The pool's own connection failed. Fetching goes on (what is not yet
+                # reconciled stays owned); the fetch itself says if Redis is gone, and
+                # the reconcile is tried again before a later fetch.
+                logger.debug("celery_ext: reconcile before fetch failed (%s)", exc)
         ready = self._ready
         if not ready.has_active():
             return  # idle: the WAKE listener and the ready refresh take over
