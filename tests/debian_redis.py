@@ -13,6 +13,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from tests.debian import machine_lock
+
 PACKAGES = ("redis-tools", "libjemalloc2", "liblzf1")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "celery-ext" / "redis-tls"
 
@@ -27,6 +29,13 @@ def _run(args: list[str], cwd: Path | None = None) -> bool:
 def debian_redis_server() -> str | None:
     """Path of a wrapper that runs Debian's redis-server, or None if not obtainable."""
     wrapper = CACHE / "redis-server"
+    if wrapper.exists():
+        return str(wrapper)
+    with machine_lock():  # test processes running at once unpack it once
+        return _unpack(wrapper)
+
+
+def _unpack(wrapper: Path) -> str | None:
     if wrapper.exists():
         return str(wrapper)
     if not (shutil.which("apt-get") and shutil.which("dpkg")):
@@ -46,9 +55,11 @@ def debian_redis_server() -> str | None:
     binary = root / "usr" / "bin" / "redis-check-rdb"  # redis-server links to it
     if not binary.exists():
         return None
-    wrapper.write_text(
+    staged = wrapper.with_suffix(".staged")  # appears whole: a reader never runs half a file
+    staged.write_text(
         "#!/bin/bash\n"
         f"export LD_LIBRARY_PATH={root / 'usr' / 'lib' / 'x86_64-linux-gnu'}\n"
         f'exec -a redis-server {binary} "$@"\n')
-    wrapper.chmod(0o755)
+    staged.chmod(0o755)
+    staged.replace(wrapper)
     return str(wrapper)

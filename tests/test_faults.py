@@ -75,8 +75,10 @@ def test_ours_loses_nothing_and_duplicates_at_most_what_was_in_flight(
         assert r.lost == 0, f"lost {r.lost_sample}"
         assert r.unrecovered_faults == 0
     elif not SCENARIOS[name].acks_late:
-        running = {job for f in r.faults for job in f.running}
-        assert r.lost <= len(running) and set(r.lost_sample) <= running, r.as_dict()
+        # Early acks lose what the killed pool's children held: Celery acks a job when
+        # a child accepts it, a moment before the task's first line records its start
+        # (longer on a loaded machine), so the bound is the children, not the starts.
+        assert r.lost <= SHORT.faults * SHORT.concurrency, r.as_dict()
     # A job running in every pool the faults killed is a poison pill past max_recoveries:
     # in the dead set with its reason, not lost; nothing else goes there.
     assert set(r.dead_reasons) <= {"worker_lost"}, r.dead_reasons
