@@ -97,11 +97,10 @@ class Child:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
 
-    def kill(self) -> None:
+    def kill_group(self) -> None:
         """SIGKILL the whole group (the pool's main process and its children), as a
         lost host would."""
         self._signal_group(signal.SIGKILL)
-        self.proc.wait()
 
     def terminate(self) -> None:
         self._signal_group(signal.SIGTERM)
@@ -181,7 +180,7 @@ class Out:
             print("\033[H\033[J" + "\n".join(lines), flush=True)
 
 
-def _status_lines(state: State, pools: dict[str, str]) -> list[str]:
+def _status_lines(state: State) -> list[str]:
     """Queues, pools and busy workers, read from Redis as the dashboard does."""
     lines = [f"{'job queue':28} {'queued':>6} {'in flight':>9} {'done':>6} {'failed':>6}"]
     for q in state.job_queues():
@@ -190,8 +189,7 @@ def _status_lines(state: State, pools: dict[str, str]) -> list[str]:
                          f"{q['processed']:>6} {q['failed']:>6}")
     lines.append("")
     for p in state.worker_pools():
-        node = pools.get(p["pool_id"], p["node"])
-        lines.append(f"pool {node:24} {p['state']:8} in flight {p['in_flight']}")
+        lines.append(f"pool {p['node']:24} {p['state']:8} in flight {p['in_flight']}")
     busy = state.busy_workers()
     lines.append(f"busy workers: {len(busy)}")
     for b in busy[:8]:
@@ -202,8 +200,9 @@ def _status_lines(state: State, pools: dict[str, str]) -> list[str]:
 
 def _owns(client: redis.Redis, keys: Keys, pool_id: str, task: Any) -> bool:
     """Does the pool own a job of ``task`` (a long one is there to show running on)?"""
-    queue = (getattr(task, "queue", None) or task.name).encode()
-    return any(rec.split(b"\n", 1)[0] == queue for rec in client.hvals(keys.inflight(pool_id)))
+    queue = getattr(task, "queue", None) or task.name
+    return any(bytes_to_str(rec).split("\n", 1)[0] == queue
+               for rec in client.hvals(keys.inflight(pool_id)))
 
 
 def _summary(state: State) -> str:
@@ -249,7 +248,7 @@ class Producer:
         return self.tasks.send_notice.delay(i)
 
     def _long(self, i: int) -> Any:
-        return self.tasks.build_report.delay(i, steps=16, step_seconds=0.5)
+        return self.tasks.build_report.delay(i, steps=12, step_seconds=0.4)
 
     def _flaky(self, i: int) -> Any:
         return self.tasks.sync_account.delay(i, fail_rate=0.6)
@@ -293,6 +292,7 @@ class Recovery:
 
     state: State
     pool_id: str
+    node: str
     killed_at_ms: int
     #: delivery tag -> (job id, job name), from the killed pool's in-flight record.
     jobs: dict[str, tuple[str, str]]
@@ -305,20 +305,20 @@ class Recovery:
     done: bool = False
 
     @classmethod
-    def snapshot(cls, state: State, pool_id: str) -> Recovery:
+    def snapshot(cls, state: State, pool_id: str, node: str) -> Recovery:
         """Read the killed pool's in-flight record (it stays in Redis until reaped)."""
         jobs: dict[str, tuple[str, str]] = {}
         for tag, record in state.client.hgetall(state.keys.inflight(pool_id)).items():
             _queue, payload = bytes_to_str(record).split("\n", 1)
             headers = json.loads(payload).get("headers") or {}
             jobs[bytes_to_str(tag)] = (str(headers.get("id")), str(headers.get("task")))
-        return cls(state, pool_id, now_ms(state.client), jobs)
+        return cls(state, pool_id, node, now_ms(state.client), jobs)
 
     def note_results(self, app: Any) -> None:
         self.before = {job_id: app.AsyncResult(job_id).date_done
                        for job_id, _name in self.jobs.values()}
 
-    def poll(self, app: Any, out: Out, nodes: dict[str, str]) -> None:
+    def poll(self, app: Any, out: Out) -> None:
         client, k = self.state.client, self.state.keys
         tags = list(self.jobs)
         if self.reaped_after is None:
@@ -332,7 +332,7 @@ class Recovery:
             self.reaped_after = (now_ms(client) - self.killed_at_ms) / 1000
             self.recoveries = {t: int(c) for t, c in zip(tags, counts, strict=False) if c}
             out.event(
-                f"reaper: pool {nodes.get(self.pool_id, self.pool_id)} declared dead "
+                f"reaper: pool {self.node} declared dead "
                 f"{self.reaped_after:.1f}s after the kill; its in-flight record is empty and "
                 f"its {len(self.jobs)} job(s) are back at the front of their queues "
                 f"({len(self.recoveries)} with recovery count 1 in Redis now, the others "
@@ -351,7 +351,7 @@ class Recovery:
             self.done = True
             by = sorted(set(self.finished.values()))
             out.event(f"recovery complete: all {len(self.jobs)} job(s) pool "
-                      f"{nodes.get(self.pool_id, self.pool_id)} owned when it was killed "
+                      f"{self.node} owned when it was killed "
                       f"ran again on {', '.join(by) or '-'}; none lost")
 
 
@@ -381,32 +381,42 @@ def main(argv: list[str] | None = None) -> int:
     if args.rate <= 0 or args.concurrency < 1:
         parser.error("--rate must be positive and --concurrency at least 1")
 
+    # Ctrl-C and SIGTERM both stop the demo cleanly, even when it was started with
+    # SIGINT ignored (a shell's background job).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     for name, value in DEMO_TIMINGS.items():
         os.environ.setdefault(f"CELERY_EXT_{name}", value)
     server: RedisServer | None = None
-    broker_url = os.environ.get("CELERY_EXT_BROKER_URL")
-    if not broker_url:
-        server = RedisServer().start()
-        broker_url = server.url(scheme="celery-ext")
-    os.environ["CELERY_EXT_BROKER_URL"] = broker_url
-    sys.path.insert(0, str(ROOT))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    log_dir = Path(tempfile.mkdtemp(prefix="celery-ext-demo-"))
     children: list[Child] = []
     try:
+        broker_url = os.environ.get("CELERY_EXT_BROKER_URL")
+        if not broker_url:
+            server = RedisServer().start()
+            broker_url = server.url(scheme="celery-ext")
+        os.environ["CELERY_EXT_BROKER_URL"] = broker_url
+        sys.path.insert(0, str(ROOT))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        log_dir = Path(tempfile.mkdtemp(prefix="celery-ext-demo-"))
         return _run(args, broker_url, env, log_dir, children, server)
     finally:
         _stop(children, server)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _run(args: argparse.Namespace, broker_url: str, env: dict[str, str], log_dir: Path,
          children: list[Child], server: RedisServer | None) -> int:
     celery = [sys.executable, "-m", "celery", "-A", APP]
     web_port, flower_port = _pick_port(args.web_port), _pick_port(args.flower_port)
-    workers = [
-        Child(node, [*celery, "worker", "-P", "prefork", "-c", str(args.concurrency), "-E",
-                     "-n", f"{node}@%h", "--loglevel=INFO"], env, log_dir)
-        for node in NODES]
+
+    def pool(node: str) -> Child:
+        return Child(node, [*celery, "worker", "-P", "prefork", "-c", str(args.concurrency),
+                            "-E", "-n", f"{node}@%h", "--loglevel=INFO"], env, log_dir)
+
+    workers = [pool(node) for node in NODES]
     children += workers
     web = Child("dashboard", [*celery, "ext", "web", "--port", str(web_port)], env, log_dir)
     flower = Child("flower", [*celery, "flower", f"--port={flower_port}",
@@ -432,14 +442,12 @@ def _run(args: argparse.Namespace, broker_url: str, env: dict[str, str], log_dir
     _wait("Flower", lambda: _answers(flower_url), children, START_TIMEOUT)
     ids = pools_by_pid()
     pool_of = {w.name: ids[w.pid] for w in workers}
-    nodes = {pool_id: name for name, pool_id in pool_of.items()}
 
-    shown_url = broker_url if server is None else server.url(scheme="celery-ext")
-    cmd = " ".join([f"CELERY_EXT_BROKER_URL={shlex.quote(shown_url)}",
+    cmd = " ".join([f"CELERY_EXT_BROKER_URL={shlex.quote(broker_url)}",
                     *map(shlex.quote, _celery_cmd())])
     header = [
         f"celery_ext demo: ready in {time.monotonic() - started:.1f}s; Ctrl-C stops everything",
-        f"  broker     {shown_url}" + ("  (embedded server)" if server is not None else ""),
+        f"  broker     {broker_url}" + ("  (embedded server)" if server is not None else ""),
         f"  dashboard  {web_url}",
         f"  flower     {flower_url}",
         f"  pools      {', '.join(f'{w.name} (pid {w.pid})' for w in workers)}, "
@@ -477,20 +485,26 @@ def _run(args: argparse.Namespace, broker_url: str, env: dict[str, str], log_dir
             kill_asked = kill_asked or now
             if _owns(client, keys, pool_of[victim.name], producer.tasks.build_report) \
                     or now - kill_asked > KILL_WAIT:
-                victim.kill()
-                recovery = Recovery.snapshot(state, pool_of[victim.name])
+                victim.kill_group()
+                victim.proc.wait()
+                recovery = Recovery.snapshot(state, pool_of[victim.name], victim.name)
                 recovery.note_results(app)
-                out.event(f"SIGKILLed pool demo-b (process group {victim.pid}): it owned "
+                out.event(f"SIGKILLed pool {victim.name} (process group {victim.pid}): it owned "
                           f"{len(recovery.jobs)} job(s) in flight: "
                           + ", ".join(f"{n.split('.')[-1]}[{j[:8]}]"
                                       for j, n in recovery.jobs.values()))
         if recovery is not None and not recovery.done and now - last_poll >= 0.3:
             last_poll = now
-            recovery.poll(app, out, nodes)
+            recovery.poll(app, out)
+            if recovery.done:  # a supervisor (systemd, compose) would start it again
+                children.remove(victim)
+                victim = pool(victim.name)
+                children.append(victim)
+                out.event(f"started a new pool {victim.name} (pid {victim.pid})")
         if now - last_status >= (1.0 if out.tty else args.status_every):
             last_status = now
             if out.tty:
-                out.screen(_status_lines(state, nodes))
+                out.screen(_status_lines(state))
             else:
                 out.event(_summary(state) + f"  (sent {sum(producer.sent.values())}, "
                           f"{producer.deduplicated} unique duplicates dropped)")
@@ -499,20 +513,20 @@ def _run(args: argparse.Namespace, broker_url: str, env: dict[str, str], log_dir
 
 def _stop(children: list[Child], server: RedisServer | None) -> None:
     """Stop every child (SIGTERM to its group, SIGKILL after ``STOP_TIMEOUT``), then
-    the server. A second Ctrl-C skips the wait."""
+    the server. A second Ctrl-C (or SIGTERM) SIGKILLs the children at once."""
+
+    def force(signum: int, frame: object) -> None:
+        for child in children:
+            child.kill_group()
+
+    signal.signal(signal.SIGINT, force)
+    signal.signal(signal.SIGTERM, force)
     print("\nstopping: " + ", ".join(c.name for c in children if c.running), flush=True)
     for child in children:
         if child.running:
             child.terminate()
     deadline = time.monotonic() + STOP_TIMEOUT
-    unclean = []
-    for child in children:
-        try:
-            if not child.wait_stopped(deadline):
-                unclean.append(child.name)
-        except KeyboardInterrupt:
-            deadline = 0.0
-            child.wait_stopped(deadline)
+    unclean = [child.name for child in children if not child.wait_stopped(deadline)]
     if server is not None:
         server.stop()
     print("stopped" + (f" ({', '.join(unclean)} SIGKILLed after {STOP_TIMEOUT:.0f}s)"
