@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,8 @@ import redis
 import yaml
 
 from celery_ext.server import find_server_binary
-from tests.helpers import free_port, wait_for
-from tests.workers import REPO_ROOT
+from tests.helpers import Factory, free_port, wait_for
+from tests.workers import REPO_ROOT, ManagedProcess
 
 COMPOSE = REPO_ROOT / "compose"
 FILE = COMPOSE / "docker-compose.yml"
@@ -174,3 +176,45 @@ def test_valkey_is_durable_and_never_evicts(resolved: dict[str, Any], tmp_path: 
         client.close()
         server.terminate()
         server.wait(15)
+
+
+def test_the_health_checks_pass_against_real_services_and_fail_for_another_pool(
+        resolved: dict[str, Any], worker_factory: Factory, broker_url: str,
+        redis_client: redis.Redis, tmp_path: Path) -> None:
+    """The worker's and the dashboard's health-check commands, run as the containers
+    would (Docker sets HOSTNAME; Compose turns ``$$`` into ``$``), against a real pool
+    and a real dashboard of the example app."""
+    services = resolved["services"]
+    host = socket.gethostname()
+    env = {**os.environ, "CELERY_EXT_BROKER_URL": broker_url, "PYTHONPATH": str(REPO_ROOT),
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+           "CELERY_EXT_WEB_TOKEN": "s3cret"}
+    worker_check = services["worker"]["healthcheck"]["test"][1].replace("$$", "$")
+    node = services["worker"]["command"][services["worker"]["command"].index("-n") + 1]
+    worker_factory("tasks", hostname=node, concurrency=1).start()
+    port = free_port()
+    # The container's command, on loopback and a free port here.
+    argv = [a.replace("0.0.0.0", "127.0.0.1") for a in services["dashboard"]["command"][1:-1]]
+    web = ManagedProcess([sys.executable, "-m", *argv, str(port)], log_path=tmp_path / "web.log",
+                         env=env, ready_pattern=r"Uvicorn running on")
+    try:
+        web.start(timeout=30)
+
+        def run(argv: list[str], **more: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(argv, cwd=REPO_ROOT, env={**env, **more}, capture_output=True,
+                                  text=True, timeout=60)
+
+        ok = run(["sh", "-c", worker_check], HOSTNAME=host)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        # Another pool's name (its container) gets no answer from this pool.
+        other = run(["sh", "-c", worker_check.replace("-t 10", "-t 2")], HOSTNAME="elsewhere")
+        assert other.returncode != 0
+
+        web_check = [a.replace("5040", str(port)) for a in services["dashboard"]["healthcheck"]
+                     ["test"][1:]]
+        web_check[0] = sys.executable  # the container's `python`
+        healthy = run(web_check)
+        assert healthy.returncode == 0, healthy.stderr
+        assert run(web_check, CELERY_EXT_WEB_TOKEN="wrong").returncode != 0
+    finally:
+        web.stop(timeout=10)
