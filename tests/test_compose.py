@@ -194,7 +194,7 @@ def test_the_health_checks_pass_against_real_services_and_fail_for_another_pool(
     worker_factory("tasks", hostname=node, concurrency=1).start()
     port = free_port()
     # The container's command, on loopback and a free port here.
-    argv = [a.replace("0.0.0.0", "127.0.0.1") for a in services["dashboard"]["command"][1:-1]]
+    argv = [a.replace("0.0.0.0", "127.0.0.1") for a in services["dashboard"]["command"][:-1]]
     web = ManagedProcess([sys.executable, "-m", *argv, str(port)], log_path=tmp_path / "web.log",
                          env=env, ready_pattern=r"Uvicorn running on")
     try:
