@@ -64,6 +64,8 @@ START_TIMEOUT = 90.0
 #: Most seconds the kill waits for ``demo-b`` to own a job (there is nothing to show
 #: recovering otherwise).
 KILL_WAIT = 15.0
+#: Signals that stop the demo (its children, in their own sessions, get none of them).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 # -- child processes ---------------------------------------------------------------------
@@ -381,10 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.rate <= 0 or args.concurrency < 1:
         parser.error("--rate must be positive and --concurrency at least 1")
 
-    # Ctrl-C and SIGTERM both stop the demo cleanly, even when it was started with
-    # SIGINT ignored (a shell's background job).
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C, SIGTERM and a closed terminal all stop the demo cleanly, even when it was
+    # started with SIGINT ignored (a shell's background job).
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _interrupt)
     for name, value in DEMO_TIMINGS.items():
         os.environ.setdefault(f"CELERY_EXT_{name}", value)
     server: RedisServer | None = None
@@ -504,7 +506,7 @@ def _run(args: argparse.Namespace, broker_url: str, env: dict[str, str], log_dir
         if now - last_status >= (1.0 if out.tty else args.status_every):
             last_status = now
             if out.tty:
-                out.screen(_status_lines(state))
+                out.screen([_summary(state), "", *_status_lines(state)])
             else:
                 out.event(_summary(state) + f"  (sent {sum(producer.sent.values())}, "
                           f"{producer.deduplicated} unique duplicates dropped)")
@@ -519,9 +521,9 @@ def _stop(children: list[Child], server: RedisServer | None) -> None:
         for child in children:
             child.kill_group()
 
-    signal.signal(signal.SIGINT, force)
-    signal.signal(signal.SIGTERM, force)
-    print("\nstopping: " + ", ".join(c.name for c in children if c.running), flush=True)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, force)
+    _say("\nstopping: " + ", ".join(c.name for c in children if c.running))
     for child in children:
         if child.running:
             child.terminate()
@@ -529,8 +531,14 @@ def _stop(children: list[Child], server: RedisServer | None) -> None:
     unclean = [child.name for child in children if not child.wait_stopped(deadline)]
     if server is not None:
         server.stop()
-    print("stopped" + (f" ({', '.join(unclean)} SIGKILLed after {STOP_TIMEOUT:.0f}s)"
-                       if unclean else "") + ": nothing left running", flush=True)
+    _say("stopped" + (f" ({', '.join(unclean)} SIGKILLed after {STOP_TIMEOUT:.0f}s)"
+                      if unclean else "") + ": nothing left running")
+
+
+def _say(text: str) -> None:
+    """Print while stopping: the terminal may be gone (SIGHUP), the stop goes on."""
+    with contextlib.suppress(OSError):
+        print(text, flush=True)
 
 
 def run() -> int:
