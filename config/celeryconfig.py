@@ -33,3 +33,6 @@ task_reject_on_worker_lost = True
 task_track_started = True
 worker_prefetch_multiplier = 4
 result_expires = 24 * 3600
+# Results also record the worker that ran the job (the demo shows where a killed
+# pool's jobs ran again).
+result_extended = True

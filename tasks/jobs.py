@@ -37,3 +37,18 @@ def sync_account(self: Any, account_id: int, fail_rate: float = 0.5) -> str:
     if random.random() < fail_rate:
         raise TransientError(f"account {account_id}: upstream timed out")
     return f"account {account_id} synced"
+
+
+@app.task(unique=True)
+def refresh_cache(key: str) -> str:
+    """A unique job: enqueuing it again while one for the same key is pending is a
+    no-op (the caller gets the pending job's id)."""
+    time.sleep(0.5)
+    return f"cache {key} refreshed"
+
+
+@app.task(rate_limit="2/s")
+def call_partner_api(request_id: int) -> str:
+    """A rate-limited job: Celery's ``rate_limit`` option, at most 2 starts a second."""
+    time.sleep(0.05)
+    return f"partner request {request_id} answered"

@@ -1,0 +1,220 @@
+"""compose/: the stack file is valid Compose and keeps the broker's promises.
+
+No Docker engine here: Debian's ``docker-compose`` (installed with apt-get when
+missing, like the browser test's chromium) validates the file against its Compose
+specification schema and resolves it with ``config``, which needs no engine. The
+resolved file is then checked for what the README promises: AOF on, noeviction,
+health checks that ask the real thing, restart policies, one image built from
+compose/Dockerfile. ``valkey.conf`` itself is loaded by a real server.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import yaml
+
+from celery_ext.server import find_server_binary
+from tests.helpers import Factory, free_port, wait_for
+from tests.workers import REPO_ROOT, ManagedProcess
+
+COMPOSE = REPO_ROOT / "compose"
+FILE = COMPOSE / "docker-compose.yml"
+APP_SERVICES = ("worker", "dashboard", "flower")
+
+
+def _ensure_docker_compose() -> str:
+    """Debian's docker-compose, installed with apt-get when missing; skip if impossible."""
+    found = shutil.which("docker-compose")
+    if found:
+        return found
+    if shutil.which("apt-get") is None:
+        pytest.skip("docker-compose is missing and apt-get is not available to install it")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    argv = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "docker-compose"]
+    try:
+        if subprocess.run(argv, env=env, capture_output=True, timeout=600).returncode != 0:
+            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True,
+                           timeout=300)
+            subprocess.run(argv, env=env, capture_output=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"could not install docker-compose with apt-get: {exc}")
+    found = shutil.which("docker-compose")
+    if not found:
+        pytest.skip("`apt-get install docker-compose` did not provide docker-compose")
+    return found
+
+
+def compose_config(path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``docker-compose -f path config`` with no engine reachable."""
+    full_env = {**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock", **env}
+    return subprocess.run([_ensure_docker_compose(), "-f", str(path), "config"],
+                          cwd=REPO_ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict[str, Any]:
+    """The stack as Compose resolves it (anchors merged, variables filled in)."""
+    result = compose_config(FILE, CELERY_EXT_DASHBOARD_TOKEN="s3cret")
+    assert result.returncode == 0, result.stderr
+    config: dict[str, Any] = yaml.safe_load(result.stdout)
+    return config
+
+
+def test_the_validator_rejects_what_the_specification_does(tmp_path: Path) -> None:
+    """The same file with one field the specification does not allow fails, so a pass
+    means something."""
+    broken = yaml.safe_load(FILE.read_text())
+    broken["services"]["worker"]["healthcheck"]["every"] = "5s"
+    path = tmp_path / "docker-compose.yml"
+    path.write_text(yaml.safe_dump(broken))
+    result = compose_config(path, CELERY_EXT_DASHBOARD_TOKEN="s3cret")
+    assert result.returncode != 0
+    assert "every" in result.stderr
+
+
+def test_the_dashboard_token_is_required() -> None:
+    result = compose_config(FILE)
+    assert result.returncode != 0
+    assert "CELERY_EXT_DASHBOARD_TOKEN" in result.stderr
+
+
+def test_every_service_restarts_and_has_a_health_check(resolved: dict[str, Any]) -> None:
+    services = resolved["services"]
+    assert set(services) == {"valkey", *APP_SERVICES}
+    for name, service in services.items():
+        assert service["restart"] in ("unless-stopped", "always"), name
+        test = service["healthcheck"]["test"]
+        assert test[0] in ("CMD", "CMD-SHELL") and len(test) > 1, name
+    check = {name: " ".join(s["healthcheck"]["test"][1:]) for name, s in services.items()}
+    assert "valkey-cli ping" in check["valkey"] and "PONG" in check["valkey"]
+    # A pool's check pings that pool by its own node name (the container's hostname).
+    assert "-n" in services["worker"]["command"]
+    node = services["worker"]["command"][services["worker"]["command"].index("-n") + 1]
+    assert node == "worker@%h"
+    assert "inspect ping -d worker@$$HOSTNAME" in check["worker"]
+    assert "/api/health" in check["dashboard"] and "['ok']" in check["dashboard"]
+    assert "/healthcheck" in check["flower"]
+    for name in APP_SERVICES:
+        assert services[name]["depends_on"]["valkey"]["condition"] == "service_healthy"
+    assert services["worker"]["deploy"]["replicas"] >= 2
+
+
+def test_the_app_services_run_the_image_built_from_compose_dockerfile(
+        resolved: dict[str, Any]) -> None:
+    services = resolved["services"]
+    images = set()
+    for name in APP_SERVICES:
+        build = services[name]["build"]
+        assert Path(build["context"]).resolve() == REPO_ROOT.resolve(), name
+        assert (Path(build["context"]) / build["dockerfile"]).resolve() \
+            == (COMPOSE / "Dockerfile").resolve(), name
+        images.add(services[name]["image"])
+        assert services[name]["environment"]["CELERY_EXT_BROKER_URL"].startswith(
+            "celery-ext://valkey:6379/")
+    assert len(images) == 1  # one image, built once
+    dockerfile = (COMPOSE / "Dockerfile").read_text()
+    for part in ("celery_ext", "tasks", "config"):
+        assert f"COPY {part} " in dockerfile
+    assert "[web,flower]" in dockerfile
+
+
+def _conf(text: str) -> dict[str, str]:
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition(" ")
+            out[key] = value.strip()
+    return out
+
+
+def test_valkey_is_durable_and_never_evicts(resolved: dict[str, Any], tmp_path: Path) -> None:
+    valkey = resolved["services"]["valkey"]
+    mounts = {v.split(":")[1]: Path(v.split(":")[0]) for v in valkey["volumes"]}
+    conf_path = mounts["/etc/valkey/valkey.conf"]
+    assert conf_path.resolve() == (COMPOSE / "valkey.conf").resolve()
+    assert valkey["command"][-1] == "/etc/valkey/valkey.conf"
+    assert "/data" in mounts  # the AOF lives on a named volume
+    conf = _conf(conf_path.read_text())
+    assert conf["appendonly"] == "yes" and conf["appendfsync"] == "always"
+    assert conf["maxmemory-policy"] == "noeviction"
+
+    # A real server loads the file as it is (only where to listen and write changed).
+    port = free_port()
+    log = tmp_path / "valkey.log"
+    server = subprocess.Popen(
+        [find_server_binary(), str(conf_path), "--port", str(port), "--bind", "127.0.0.1",
+         "--dir", str(tmp_path), "--daemonize", "no"],
+        stdin=subprocess.DEVNULL, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    client = redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2,
+                         decode_responses=True)
+
+    def up() -> bool:
+        assert server.poll() is None, log.read_text()
+        try:
+            return bool(client.ping())
+        except redis.ConnectionError:
+            return False
+
+    try:
+        wait_for(up, 15, "valkey with compose/valkey.conf")
+        live = {k: v for k in ("appendonly", "appendfsync", "maxmemory-policy", "maxmemory")
+                for k, v in client.config_get(k).items()}
+        assert live == {"appendonly": "yes", "appendfsync": "always",
+                        "maxmemory-policy": "noeviction", "maxmemory": str(1 << 30)}
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(15)
+
+
+def test_the_health_checks_pass_against_real_services_and_fail_for_another_pool(
+        resolved: dict[str, Any], worker_factory: Factory, broker_url: str,
+        redis_client: redis.Redis, tmp_path: Path) -> None:
+    """The worker's and the dashboard's health-check commands, run as the containers
+    would (Docker sets HOSTNAME; Compose turns ``$$`` into ``$``), against a real pool
+    and a real dashboard of the example app."""
+    services = resolved["services"]
+    host = socket.gethostname()
+    env = {**os.environ, "CELERY_EXT_BROKER_URL": broker_url, "PYTHONPATH": str(REPO_ROOT),
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+           "CELERY_EXT_WEB_TOKEN": "s3cret"}
+    worker_check = services["worker"]["healthcheck"]["test"][1].replace("$$", "$")
+    node = services["worker"]["command"][services["worker"]["command"].index("-n") + 1]
+    worker_factory("tasks", hostname=node, concurrency=1).start()
+    port = free_port()
+    # The container's command, on loopback and a free port here.
+    argv = [a.replace("0.0.0.0", "127.0.0.1") for a in services["dashboard"]["command"][:-1]]
+    web = ManagedProcess([sys.executable, "-m", *argv, str(port)], log_path=tmp_path / "web.log",
+                         env=env, ready_pattern=r"Uvicorn running on")
+    try:
+        web.start(timeout=30)
+
+        def run(argv: list[str], **more: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(argv, cwd=REPO_ROOT, env={**env, **more}, capture_output=True,
+                                  text=True, timeout=60)
+
+        ok = run(["sh", "-c", worker_check], HOSTNAME=host)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        # Another pool's name (its container) gets no answer from this pool.
+        other = run(["sh", "-c", worker_check.replace("-t 10", "-t 2")], HOSTNAME="elsewhere")
+        assert other.returncode != 0
+
+        web_check = [a.replace("5040", str(port)) for a in services["dashboard"]["healthcheck"]
+                     ["test"][1:]]
+        web_check[0] = sys.executable  # the container's `python`
+        healthy = run(web_check)
+        assert healthy.returncode == 0, healthy.stderr
+        assert run(web_check, CELERY_EXT_WEB_TOKEN="wrong").returncode != 0
+    finally:
+        web.stop(timeout=10)

@@ -1,0 +1,146 @@
+"""``./dev demo`` end to end: its own embedded server, two pools, the dashboard and
+Flower; the URLs and commands it prints work while it runs; the killed pool's jobs
+are reported recovered; Ctrl-C leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from tests.helpers import wait_for
+from tests.workers import REPO_ROOT
+
+pytest.importorskip("flower", reason="flower is not installed")
+
+#: Shorter reaper timings than the demo's own (it keeps values already set).
+FAST = {"CELERY_EXT_HEARTBEAT_INTERVAL": "0.5", "CELERY_EXT_DEAD_AFTER": "2",
+        "CELERY_EXT_REAP_INTERVAL": "0.5"}
+
+
+class Demo:
+    """The demo as a subprocess in its own session (a SIGINT sent to it is Ctrl-C),
+    its output collected line by line."""
+
+    def __init__(self, *args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_EXT_")}
+        env.update(FAST, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "celery_ext.demo", *args], cwd=REPO_ROOT, env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def line(self, pattern: str, timeout: float) -> re.Match[str]:
+        """The first output line matching ``pattern`` (waits for it)."""
+
+        def find() -> re.Match[str] | None:
+            done = not self._reader.is_alive()  # read before the lines: none come after
+            for line in list(self.lines):
+                match = re.search(pattern, line)
+                if match:
+                    return match
+            if done:
+                raise AssertionError(f"the demo exited ({self.proc.poll()})")
+            return None
+
+        try:
+            return wait_for(find, timeout, f"a line matching {pattern!r}", step=0.2)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; output so far:\n{self.output}") from None
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _ps_groups() -> dict[int, list[int]]:
+    """Process group -> pids, as ``ps`` lists them (zombies, which are not running,
+    left out)."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,pgid=,stat="], capture_output=True,
+                         text=True, check=True).stdout
+    groups: dict[int, list[int]] = {}
+    for row in out.splitlines():
+        pid, pgid, stat = row.split(None, 2)
+        if not stat.startswith("Z"):
+            groups.setdefault(int(pgid), []).append(int(pid))
+    return groups
+
+
+@pytest.fixture
+def demo() -> Iterator[Demo]:
+    d = Demo("--kill-after", "5", "--web-port", "0", "--flower-port", "0",
+             "--status-every", "2", "--concurrency", "3")
+    yield d
+    if d.proc.poll() is None:  # the test failed before its Ctrl-C: stop it all the same
+        d.proc.send_signal(signal.SIGINT)
+        try:
+            d.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            for p in _tree(d.proc.pid)[::-1]:
+                p.kill()
+
+
+def test_demo_shows_everything_and_stops_cleanly(demo: Demo) -> None:
+    dashboard = demo.line(r"^\s+dashboard\s+(http://\S+)$", 120).group(1)
+    flower = demo.line(r"^\s+flower\s+(http://\S+)$", 5).group(1)
+    status_cmd = demo.line(r"^\s+(CELERY_EXT_BROKER_URL=\S+ .* ext status)$", 5).group(1)
+    assert "celery-ext://127.0.0.1:" in status_cmd  # the embedded server's URL filled in
+
+    # While it runs, what it prints works: the dashboard, Flower, the suggested command.
+    with urllib.request.urlopen(dashboard + "api/health", timeout=10) as reply:
+        assert json.loads(reply.read())["ok"] is True
+    with urllib.request.urlopen(flower, timeout=10) as reply:
+        assert reply.status == 200
+    status = subprocess.run(["bash", "-c", status_cmd], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert "demo-a@" in status.stdout and "demo-b@" in status.stdout
+
+    # The kill, and the recovery as read from Redis and the result backend.
+    killed = demo.line(r"SIGKILLed pool demo-b \(process group \d+\): it owned (\d+) job", 60)
+    owned = int(killed.group(1))
+    assert owned >= 1  # it waits for demo-b to run a long job
+    demo.line(rf"reaper: pool demo-b declared dead [\d.]+s after the kill; .* its {owned} "
+              r"job\(s\) are back", 30)
+    demo.line(rf"recovery complete: all {owned} job\(s\) pool demo-b owned when it was "
+              r"killed ran again on demo-a; none lost", 60)
+    assert len(re.findall(r"recovered job \w+\[\w+\] ran on demo-a", demo.output)) == owned
+    demo.line(r"started a new pool demo-b \(pid \d+\)", 5)
+    assert re.search(r"\d+ unique duplicates dropped", demo.output)
+
+    # Ctrl-C: every process it started (server, pools and their children, dashboard,
+    # Flower), each in its own process group, is gone.
+    # The demo, the server, two pools of a main process and 3 children, dashboard, Flower
+    # (the new demo-b forks its children as it starts).
+    tree = wait_for(lambda: (lambda t: t if len(t) >= 1 + 1 + 2 * 4 + 2 else None)(
+        _tree(demo.proc.pid)), 60, "the new pool demo-b's children")
+    groups = {p.pid for p in tree[1:] if os.getpgid(p.pid) == p.pid}
+    assert len(groups) == 5  # server, two pools, dashboard, Flower: one group each
+    demo.proc.send_signal(signal.SIGINT)
+    assert demo.proc.wait(60) == 0, demo.output
+    demo.line(r"^stopped: nothing left running$", 5)
+    assert not set(_ps_groups()) & groups, demo.output
+    assert not [p.pid for p in tree[1:] if p.is_running()
+                and p.status() != psutil.STATUS_ZOMBIE]
