@@ -39,12 +39,15 @@ def _apt(*args: str, timeout: float) -> bool:
         return False
 
 
-def ensure_installed(package: str, path: str) -> str:
+def ensure_installed(package: str, path: str, *, recommends: bool = True) -> str:
     """``path`` once ``package`` is installed (``apt-get install``, refreshing the package
     lists once if needed), or a one-line reason it could not be: the caller skips with it.
 
     Returns the path on success; raises :class:`LookupError` with the reason otherwise.
+    ``recommends=False`` leaves out what the package merely recommends (docker-compose
+    recommends a whole Docker engine).
     """
+    flags = ["-y", "-q"] + ([] if recommends else ["--no-install-recommends"])
     if os.path.exists(path):
         return path
     if shutil.which("apt-get") is None:
@@ -52,9 +55,9 @@ def ensure_installed(package: str, path: str) -> str:
     with machine_lock():
         if os.path.exists(path):  # another test process installed it meanwhile
             return path
-        if not _apt("install", "-y", "-q", package, timeout=900):
+        if not _apt("install", *flags, package, timeout=900):
             _apt("update", "-q", timeout=300)
-            _apt("install", "-y", "-q", package, timeout=900)
+            _apt("install", *flags, package, timeout=900)
     if not os.path.exists(path):
         raise LookupError(f"`apt-get install {package}` did not provide {path}")
     return path

@@ -23,6 +23,7 @@ import redis
 import yaml
 
 from celery_ext.server import find_server_binary
+from tests.debian import ensure_installed
 from tests.helpers import Factory, free_port, wait_for
 from tests.workers import REPO_ROOT, ManagedProcess
 
@@ -36,21 +37,10 @@ def _ensure_docker_compose() -> str:
     found = shutil.which("docker-compose")
     if found:
         return found
-    if shutil.which("apt-get") is None:
-        pytest.skip("docker-compose is missing and apt-get is not available to install it")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    argv = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "docker-compose"]
     try:
-        if subprocess.run(argv, env=env, capture_output=True, timeout=600).returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True,
-                           timeout=300)
-            subprocess.run(argv, env=env, capture_output=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"could not install docker-compose with apt-get: {exc}")
-    found = shutil.which("docker-compose")
-    if not found:
-        pytest.skip("`apt-get install docker-compose` did not provide docker-compose")
-    return found
+        return ensure_installed("docker-compose", "/usr/bin/docker-compose", recommends=False)
+    except LookupError as exc:
+        pytest.skip(str(exc))
 
 
 def compose_config(path: Path, **env: str) -> subprocess.CompletedProcess[str]:
