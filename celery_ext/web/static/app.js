@@ -160,6 +160,7 @@
     svg.setAttribute("aria-label", title);
     var max = 0;
     lines.forEach(function (ln) { ln.values.forEach(function (v) { if (v !== null && v > max) max = v; }); });
+    var top = max;  // the largest value plotted (data-max: tests and scripts read it)
     max = niceMax(max);
     var t0 = t.length ? t[0] : 0, t1 = t.length ? t[t.length - 1] : 1;
     if (t1 - t0 < 60) t0 = t1 - 60;
@@ -195,7 +196,7 @@
       var sw = h("i"); sw.style.background = ln.color;
       return h("span", null, sw, ln.label + ": " + (unit === "/s" ? last.toFixed(1) + "/s" : unit === "s" ? fmtDur(last) : fmtNum(last)));
     }));
-    return h("div", { cls: "chart", "data-chart": title }, h("h3", { text: title }), svg, legend);
+    return h("div", { cls: "chart", "data-chart": title, "data-max": String(top) }, h("h3", { text: title }), svg, legend);
   }
 
   // -- pages ---------------------------------------------------------------------------
