@@ -14,6 +14,8 @@ import pytest
 import redis
 
 from celery_ext.client import Client
+from celery_ext.config import Settings
+from celery_ext.history import HistoryWriter, bucket_bounds, bucket_of, percentile
 from celery_ext.keys import Keys
 from celery_ext.search import Filters, base64_patterns
 from tests import proj_web
@@ -44,6 +46,30 @@ def test_base64_patterns_find_the_text_at_every_alignment() -> None:
         body = base64.b64encode(f'[["{prefix}order-42", 1], {{}}]'.encode()).decode()
         patterns = base64_patterns("order-42")
         assert any(p and p in body for p in patterns[0::2]), prefix
+
+
+def test_percentiles_fall_within_the_bucket_of_the_true_value() -> None:
+    runtimes = [0.0005] + [0.003] * 50 + [0.2] * 44 + [5.0] * 5  # 100 runs
+    buckets: dict[int, int] = {}
+    for r in runtimes:
+        buckets[bucket_of(r)] = buckets.get(bucket_of(r), 0) + 1
+    for q, true in ((0.5, 0.003), (0.95, 0.2), (0.99, 5.0)):
+        value = percentile(buckets, q)
+        low, high = bucket_bounds(bucket_of(true))
+        assert value is not None and low <= value <= high, (q, value)
+    assert percentile({}, 0.5) is None
+
+
+def test_a_host_clock_an_hour_off_writes_the_redis_minute(redis_client: redis.Redis) -> None:
+    writer = HistoryWriter(redis_client, Settings())
+    writer.offset = 3600.0  # this host believes it is an hour later
+    writer.add("tasks.x", "processed", 0.01)
+    writer.flush()
+    seconds, micros = redis_client.time()
+    minute = (seconds * 1000 + micros // 1000) // 60000
+    written = [redis_client.hget(K.history_minute(m), "n:tasks.x") for m in (minute - 1, minute)]
+    assert b"1 0 0 4:1" in written  # 10 ms: bucket 4, [8, 16) ms
+    assert abs(writer.offset) < 60
 
 
 def test_history_from_the_workers(web: httpx.Client, broker_url: str, tmp_path: Path,
