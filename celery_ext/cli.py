@@ -22,6 +22,7 @@ from kombu.exceptions import OperationalError
 
 from .client import Client
 from .dead import one_line
+from .search import Filters
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -123,6 +124,47 @@ def _paged(f: F) -> F:
     for option in reversed(page_options):
         f = option(f)
     return f
+
+
+def _time_arg(value: str | None) -> float | None:
+    """Seconds since the epoch, or an ISO 8601 time (without a zone: local time)."""
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(value).timestamp()
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is neither seconds nor an ISO 8601 time") from None
+
+
+search_options = [
+    click.option("--error", default=None, help="Only jobs whose error type is this, or whose "
+                                                "error text contains it."),
+    click.option("--text", default=None, help="Only jobs whose arguments contain this text."),
+    click.option("--since", default=None, help="Only jobs failed at/after this time "
+                                                "(seconds or ISO 8601)."),
+    click.option("--until", default=None, help="Only jobs failed at/before this time."),
+]
+
+
+def _searched(f: F) -> F:
+    for option in reversed(search_options):
+        f = option(f)
+    return f
+
+
+def _filters(name: str | None, error: str | None, text: str | None, since: str | None,
+             until: str | None) -> Filters:
+    try:
+        return Filters(name=name or "", error=error or "", text=text or "",
+                       since=_time_arg(since), until=_time_arg(until))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 # -- the group --------------------------------------------------------------------------------
@@ -331,14 +373,25 @@ def dead() -> None:
 
 @dead.command("ls", cls=CeleryCommand)
 @click.option("--name", default=None, help="Only jobs of this job name.")
+@_searched
+@click.option("--cursor", default=None, help="With filters: go on from a previous page.")
 @_paged
 @json_option
 @click.pass_context
 @_friendly
-def dead_ls(ctx: click.Context, name: str | None, limit: int, offset: int,
-    as_json: bool) -> None:
-    """Dead jobs, newest first."""
-    page = _client(ctx).dead(offset, limit, name)
+def dead_ls(ctx: click.Context, name: str | None, error: str | None, text: str | None,
+            since: str | None, until: str | None, cursor: str | None, limit: int, offset: int,
+            as_json: bool) -> None:
+    """Dead jobs, newest first (filtered on the server with --error/--text/--since/--until)."""
+    filters = _filters(name, error, text, since, until)
+    if cursor or error or text or since or until:
+        try:
+            found = _client(ctx).search("dead", filters, cursor, limit)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+        page: Any = {**found, "offset": 0, "limit": limit, "total": len(found["items"])}
+    else:
+        page = _client(ctx).dead(offset, limit, name)
     if as_json:
         _emit_json({**page, "items": [{k: v for k, v in j.items() if k != "payload"}
                                       for j in page["items"]]})
@@ -346,7 +399,10 @@ def dead_ls(ctx: click.Context, name: str | None, limit: int, offset: int,
     _table(["ID", "JOB", "FAILED AT", "REASON", "ERROR", "ARGS"],
            [[j["id"], j["name"], _when(j["failed_at"]), j["reason"], j["error"], _args_text(j)]
             for j in page["items"]], "the dead set is empty")
-    _more(page)
+    if page.get("cursor"):
+        click.echo(f"(more: --cursor {page['cursor']})")
+    elif "cursor" not in page:
+        _more(page)
 
 
 @dead.command("show", cls=CeleryCommand)
@@ -385,17 +441,22 @@ def _ids_or_all(ids: tuple[str, ...], all_: bool) -> list[str] | None:
 @click.argument("ids", nargs=-1)
 @click.option("--all", "all_", is_flag=True, help="Retry every dead job.")
 @click.option("--name", default=None, help="With --all: only dead jobs of this job name.")
+@_searched
 @json_option
 @click.pass_context
 @_friendly
 def dead_retry(ctx: click.Context, ids: tuple[str, ...], all_: bool, name: str | None,
+               error: str | None, text: str | None, since: str | None, until: str | None,
                as_json: bool) -> None:
-    """Put dead jobs back at the front of their job queues."""
+    """Put dead jobs back at the front of their job queues (--all: every one, or
+    every one that matches the filters)."""
     wanted = _ids_or_all(ids, all_)
     client = _client(ctx)
+    filters = _filters(name, error, text, since, until)
+    missing: list[str] = []
     if wanted is None:
-        count = client.retry_all_dead(name)
-        missing: list[str] = []
+        count = (client.retry_matching("dead", filters) if error or text or since or until
+                 else client.retry_all_dead(name))
     else:
         missing = [i for i in dict.fromkeys(wanted) if not client.retry_dead(i)]
         count = len(set(wanted)) - len(missing)
@@ -412,19 +473,23 @@ def dead_retry(ctx: click.Context, ids: tuple[str, ...], all_: bool, name: str |
 @click.option("--all", "all_", is_flag=True, help="Delete every dead job.")
 @click.option("--name", default=None, help="With --all: only dead jobs of this job name.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask before deleting --all.")
+@_searched
 @json_option
 @click.pass_context
 @_friendly
 def dead_rm(ctx: click.Context, ids: tuple[str, ...], all_: bool, name: str | None,
-            yes: bool, as_json: bool) -> None:
-    """Delete dead jobs for good."""
+            yes: bool, error: str | None, text: str | None, since: str | None,
+            until: str | None, as_json: bool) -> None:
+    """Delete dead jobs for good (--all: every one, or every one that matches)."""
     wanted = _ids_or_all(ids, all_)
     client = _client(ctx)
     missing: list[str] = []
+    filters = _filters(name, error, text, since, until)
     if wanted is None:
         if not yes and sys.stdin.isatty():
-            click.confirm("Delete every dead job? There is no undo.", abort=True)
-        count = client.delete_all_dead(name)
+            click.confirm("Delete every matching dead job? There is no undo.", abort=True)
+        count = (client.delete_matching("dead", filters) if error or text or since or until
+                 else client.delete_all_dead(name))
     else:
         missing = [i for i in dict.fromkeys(wanted) if not client.delete_dead(i)]
         count = len(set(wanted)) - len(missing)

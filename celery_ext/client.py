@@ -528,8 +528,69 @@ class Client:
         :meth:`celery_ext.reaper.Reaper.reap_now`)."""
         return Reaper(self.client, self.settings).reap_now(force=force)
 
+    # --- search in the sets, and the history (see celery_ext.search, celery_ext.history) ---
+
+    def search(self, kind: str, filters: Filters, cursor: str | None = None,
+               limit: int = 50) -> SearchPage:
+        """Jobs of the ``kind`` set ("dead", "scheduled", "retry") that match, from
+        ``cursor`` (None: the start); the page's ``cursor`` goes on (None: no more)."""
+        search = SetSearch(self.client, self.scripts, self.keys, kind)
+        matches, nxt, scanned = search.page(filters, parse_cursor(cursor), max(1, limit))
+        raws = self.client.hmget(search.records, [i for i, _ in matches]) if matches else []
+        build: Callable[[str, float, bytes], Any] = (
+            self._dead_job if kind == "dead" else self._scheduled_job)
+        items = [build(i, score, raw) for (i, score), raw in zip(matches, raws, strict=True)
+                 if raw is not None]
+        return SearchPage(items=items, cursor=f"{nxt[0]}:{nxt[1]}" if nxt else None,
+                          scanned=scanned)
+
+    def count_matching(self, kind: str, filters: Filters) -> int:
+        """How many jobs of the ``kind`` set match (scans the set in chunks)."""
+        return SetSearch(self.client, self.scripts, self.keys, kind).count(filters)
+
+    def retry_matching(self, kind: str, filters: Filters) -> int:
+        """Retry every matching dead job (as :meth:`retry_dead`), or make every matching
+        scheduled job or retry due now; returns how many."""
+        search = SetSearch(self.client, self.scripts, self.keys, kind)
+        return search.act(filters, self._retry_dead_ids if kind == "dead" else self._run_now)
+
+    def delete_matching(self, kind: str, filters: Filters) -> int:
+        """Delete every matching job of the ``kind`` set; returns how many."""
+        k = self.keys
+        pair = (k.dead_jobs, k.dead, k.dead) if kind == "dead" else (
+            k.scheduled_jobs, k.scheduled, k.retry)
+        search = SetSearch(self.client, self.scripts, self.keys, kind)
+        return search.act(filters, lambda ids: self._forget(*pair, ids))
+
+    def _run_now(self, ids: list[str]) -> set[str]:
+        k = self.keys
+        with self.client.pipeline(transaction=True) as pipe:
+            for job_id in ids:
+                pipe.zadd(k.scheduled, {job_id: 0}, xx=True, ch=True)
+                pipe.zadd(k.retry, {job_id: 0}, xx=True, ch=True)
+            pipe.publish(k.schedule_channel, "0")
+            changed = pipe.execute()
+        return {i for n, i in enumerate(ids) if changed[2 * n] or changed[2 * n + 1]}
+
+    def history(self, window: str = "1h") -> Series:
+        """Per-minute (per-hour for the long windows) counts, runtime percentiles and
+        queue sizes over ``window`` ("1h", "6h", "24h", "7d", "30d")."""
+        return HistoryReader(self.client, self.settings).series(window, self.server_time())
+
+    def runtimes(self, window: str = "1h") -> list[Runtime]:
+        """Per job name: counts and runtime p50/p95/p99 over ``window``."""
+        return HistoryReader(self.client, self.settings).runtimes(window, self.server_time())
+
+
+class SearchPage(TypedDict):
+    items: list[Any]  # DeadJob or ScheduledJob
+    cursor: str | None
+    scanned: int
+
 
 # Imports of the dashboard/CLI facade above, kept with it so it stays one appended block.
 from .clock import now_s  # noqa: E402
+from .history import HistoryReader, Runtime, Series  # noqa: E402
 from .reaper import Reaper, ReapResult  # noqa: E402
+from .search import Filters, SetSearch, parse_cursor  # noqa: E402
 from .status import JobLookup, JobStatus  # noqa: E402

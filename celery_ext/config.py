@@ -63,6 +63,9 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 #: again. Celery's default publish retry policy gives up well within it. Costs one
 #: key (about 100 bytes) per job enqueued in that time; 0 = off (at-least-once).
 DEFAULT_PUBLISH_IDEMPOTENCY_TTL = 120.0
+#: Seconds between two queue-size samples of the history (taken by the leading
+#: requeuer; the plots keep the last sample of each minute and hour).
+DEFAULT_HISTORY_SAMPLE_INTERVAL = 60.0
 
 #: Longest wait (seconds) for a Redis reply before the connection counts as lost: a
 #: fetch unanswered this long is abandoned and sent again on a new connection, and it
@@ -102,6 +105,7 @@ class Settings:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     reply_timeout: float = DEFAULT_REPLY_TIMEOUT
     publish_idempotency_ttl: float = DEFAULT_PUBLISH_IDEMPOTENCY_TTL
+    history_sample_interval: float = DEFAULT_HISTORY_SAMPLE_INTERVAL
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -116,7 +120,7 @@ class Settings:
             )
         for name in ("heartbeat_interval", "dead_after", "reap_interval", "idle_refresh_interval",
                      "promote_interval", "unique_ttl", "retry_backoff_base",
-                     "retry_backoff_max", "reply_timeout"):
+                     "retry_backoff_max", "reply_timeout", "history_sample_interval"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"celery_ext: {name} must be > 0, got {getattr(self, name)!r}")
         if self.dead_after < 2 * self.heartbeat_interval:

@@ -40,6 +40,10 @@ Layout (``ns`` = namespace)::
     {ns}:published:<id>      string  a publish that wrote its job (TTL publish_idempotency_ttl);
                                      Kombu's retry of that publish writes nothing. <id>: one
                                      per publish call and job queue (``producer.publish_marker``)
+    {ns}:history:m:<minute>  hash    job counts, runtime histograms ("*", "n:<job name>") and a
+                                     queue-size sample ("q") of one minute (ms // 60000);
+                                     expires 24 h after it (see history.py)
+    {ns}:history:h:<hour>    hash    the same per hour (ms // 3600000); expires after 30 days
 """
 
 from __future__ import annotations
@@ -162,3 +166,9 @@ class Keys:
 
     def published(self, marker: str) -> str:
         return f"{self.prefix}published:{marker}"
+
+    def history_minute(self, minute: int) -> str:
+        return f"{self.prefix}history:m:{minute}"
+
+    def history_hour(self, hour: int) -> str:
+        return f"{self.prefix}history:h:{hour}"

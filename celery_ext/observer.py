@@ -25,6 +25,7 @@ from celery.signals import task_failure, task_postrun, task_prerun, worker_proce
 from .config import Settings, uses_our_transport
 from .dead import one_line
 from .heartbeater import owning_pool_id
+from .history import HistoryWriter
 from .keys import Keys
 from .scripts import Scripts
 
@@ -91,6 +92,7 @@ class Observer:
         self.pool_id = pool_id
         self.keys = Keys(settings.namespace)
         self.scripts = Scripts(client)
+        self.history = HistoryWriter(client, settings)  # per-minute counts, with the stats
         self._checkins: dict[str, _CheckinState] = {}
         self._running: dict[str, _Running] = {}
         self._stats: dict[str, int] = {}
@@ -140,13 +142,16 @@ class Observer:
         if sleeping is None or sleeping > running.started + BUSY_RECORD_DELAY:
             self._wake.set()
 
-    def job_finished(self, job_id: str, queue: str = "", outcome: str = "") -> None:
+    def job_finished(self, job_id: str, queue: str = "", outcome: str = "",
+                     name: str = "") -> None:
         checked_in = self._checkins.pop(job_id, None) is not None
         with self._lock:
             running = self._running.pop(job_id, None)
             if outcome:
-                for name in (outcome, f"{outcome}:{queue}"):
-                    self._stats[name] = self._stats.get(name, 0) + 1
+                for field in (outcome, f"{outcome}:{queue}"):
+                    self._stats[field] = self._stats.get(field, 0) + 1
+                self.history.add(name or queue, outcome, time.monotonic() - running.started
+                                 if running is not None else None)
             if (running is not None and running.written) or checked_in:
                 # The record (or a checkin) is in Redis: clear it with the job.
                 self._busy("end", job_id, running.slot if running else slot_id())
@@ -180,6 +185,7 @@ class Observer:
                 self._last_stats = now
                 self.scripts("stats", [self.keys.stats],
                              [x for item in stats.items() for x in item])
+                self.history.flush()
             if self._stats:
                 wait = min(wait, STATS_FLUSH_INTERVAL - (now - self._last_stats))
             wait = max(wait, 0.005)
@@ -290,7 +296,8 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
         if obs is not None:
             info = task.request.delivery_info or {}
             queue = info.get("routing_key") or task.name
-            obs.job_finished(task_id, queue=queue, outcome=OUTCOMES.get(state or "", ""))
+            obs.job_finished(task_id, queue=queue, outcome=OUTCOMES.get(state or "", ""),
+                             name=task.name)
             obs.wake_for_stats()
     except Exception as exc:
         logger.warning("celery_ext: could not clear busy worker for %s: %s",

@@ -35,8 +35,10 @@ import redis
 from kombu.utils.encoding import bytes_to_str
 
 from .config import Settings
+from .history import HistoryWriter, sample_queues
 from .keys import Keys
 from .scripts import Scripts
+from .state import State
 
 logger = logging.getLogger("celery_ext.requeuer")
 
@@ -74,6 +76,8 @@ class Requeuer:
         self._failing = False
         self.passes = 0
         self.promoted = 0
+        self.history = HistoryWriter(client, settings)
+        self._sampled_at: float | None = None
 
     # -- one pass ------------------------------------------------------------------------
     def promote(self) -> PromoteResult:
@@ -110,6 +114,18 @@ class Requeuer:
         self.promoted += result.moved
         return result
 
+    def sample_history(self) -> None:
+        """Store a queue-size sample in the history (the leader does, every
+        ``history_sample_interval``, so the plots have it with no dashboard running)."""
+        k = self.keys
+        with self.client.pipeline(transaction=False) as pipe:
+            for key in (k.scheduled, k.retry, k.dead):
+                pipe.zcard(key)
+            scheduled, retry, dead = pipe.execute()
+        self._sampled_at = time.monotonic()
+        self.history.gauge(sample_queues(State(self.client, self.settings), {
+            "scheduled": int(scheduled), "retry": int(retry), "dead": int(dead)}))
+
     def release(self) -> None:
         """Give up the lease (if held) and let the other requeuers know."""
         if not self.leader:
@@ -135,12 +151,22 @@ class Requeuer:
                     # Subscribe before the pass: a job scheduled meanwhile still wakes us.
                     pubsub = self._subscribe()
                 result = self.promote()
+                if result.leader and (self._sampled_at is None or time.monotonic()
+                                      - self._sampled_at >= self.settings.history_sample_interval):
+                    try:
+                        self.sample_history()
+                    except redis.RedisError:
+                        raise
+                    except Exception:  # a plot must never stop the promotion of jobs
+                        logger.exception("celery_ext: could not sample queue sizes")
                 if self._failing:
                     logger.info("celery_ext: requeuer reached Redis again")
                     self._failing = False
                 wait = cap
+                if result.leader:
+                    wait = min(wait, self.settings.history_sample_interval)
                 if result.leader and result.next_due_in is not None:
-                    wait = max(min(result.next_due_in, cap), self.settings.promote_min_interval)
+                    wait = max(min(result.next_due_in, wait), self.settings.promote_min_interval)
                 self._sleep(pubsub, wait)
             except redis.RedisError as exc:
                 if not self._failing:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import socket
 import sys
@@ -10,6 +12,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from celery_ext.config import Settings
+from celery_ext.keys import Keys
+from celery_ext.scripts import Scripts
 from tests.workers import REPO_ROOT, ManagedProcess
 
 T = TypeVar("T")
@@ -76,3 +81,35 @@ def stop_all(procs: Sequence[ManagedProcess]) -> None:
     for proc in procs:
         if proc.started:
             proc.stop(timeout=10)
+
+
+def task_payload(tag: str, name: str, args: list[Any], kwargs: dict[str, Any] | None = None
+                 ) -> str:
+    """A task message as the transport stores it (kombu JSON, base64 body)."""
+    body = json.dumps([args, kwargs or {}, {"callbacks": None, "errbacks": None,
+                                            "chain": None, "chord": None}])
+    return json.dumps({
+        "body": base64.b64encode(body.encode()).decode(), "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": {"lang": "py", "task": name, "id": tag, "retries": 0, "root_id": tag},
+        "properties": {"correlation_id": tag, "delivery_tag": tag, "body_encoding": "base64",
+                       "delivery_mode": 2, "priority": 0,
+                       "delivery_info": {"exchange": "", "routing_key": name}}})
+
+
+def fill_dead(client: Any, jobs: Sequence[tuple[str, str, str, list[Any]]]) -> None:
+    """Dead-letter ``jobs`` (tag, job name, exception type, args) the way a worker
+    does (the ``dead`` script, with the record a job acked at its start leaves),
+    pipelined: thousands of dead jobs in a second or two, no real failures needed."""
+    settings, scripts = Settings(), Scripts(client)
+    k = Keys(settings.namespace)
+    with client.pipeline(transaction=False) as pipe:
+        for tag, name, exc_type, args in jobs:
+            meta = json.dumps({"reason": "failed", "error": f"{exc_type}: {args[0]!r} failed",
+                               "exc_type": exc_type, "name": name, "task_id": tag,
+                               "pool": "filler"})
+            scripts("dead", [k.inflight("filler"), k.dead, k.dead_jobs, k.redelivery,
+                             k.running, k.limits, k.ready],
+                    [tag, meta, 100_000, int(settings.dead_max_age * 1000),
+                     f"{name}\n{task_payload(tag, name, args)}", k.wake_channel], client=pipe)
+        pipe.execute()

@@ -32,6 +32,7 @@ from starlette.templating import Jinja2Templates
 
 from .. import __version__
 from ..client import Client
+from ..search import KINDS, Filters
 from ..status import FINAL_STATES
 from .sampler import DEFAULT_HISTORY, DEFAULT_INTERVAL, Sampler
 from .security import Guard
@@ -99,6 +100,30 @@ def _ids_or_all(body: dict[str, Any]) -> list[str] | None:
     if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
         raise HTTPException(400, "give 'ids' (a list of strings) or 'all': true")
     return ids
+
+
+def _filters(values: Any) -> Filters:
+    """Search filters from query parameters or a JSON body (name, error, text, since,
+    until; times in seconds)."""
+    def text(name: str) -> str:
+        value = values.get(name) or ""
+        if not isinstance(value, str):
+            raise HTTPException(400, f"{name!r} must be a string")
+        return value.strip()
+
+    def when(name: str) -> float | None:
+        value = values.get(name)
+        if value in (None, ""):
+            return None
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise HTTPException(400, f"{name!r} must be a time in seconds") from None
+    try:
+        return Filters(name=text("name"), error=text("error"), text=text("text"),
+                       since=when("since"), until=when("until"))
+    except ValueError as exc:
+        raise HTTPException(400, str(exc)) from None
 
 
 def _light(item: dict[str, Any]) -> dict[str, Any]:
@@ -212,6 +237,46 @@ def create_app(client: Client, *, token: str | None = None, basic_auth: str | No
             page["items"] = [_light(dict(i)) for i in page["items"]]
             return JSONResponse(page)
         return listing
+
+    def api_history(request: Request) -> JSONResponse:
+        try:
+            return JSONResponse(client.history(request.query_params.get("window", "1h")))
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+
+    def api_runtimes(request: Request) -> JSONResponse:
+        try:
+            items = client.runtimes(request.query_params.get("window", "1h"))
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        return JSONResponse({"items": items})
+
+    def _search(kind: str) -> Callable[[Request], JSONResponse]:
+        def search(request: Request) -> JSONResponse:
+            params = request.query_params
+            filters = _filters(params)
+            _offset, limit = _page_args(request)
+            try:
+                found = client.search(kind, filters, params.get("cursor") or None, limit)
+            except ValueError as exc:  # a cursor that is not ours
+                raise HTTPException(400, str(exc)) from None
+            page: dict[str, Any] = dict(found)
+            page["items"] = [_light(dict(i)) for i in page["items"]]
+            if params.get("count"):
+                page["total"] = client.count_matching(kind, filters)
+            return JSONResponse(page)
+        return search
+
+    def _search_action(kind: str, action: str) -> Callable[[Request], Any]:
+        async def act(request: Request) -> JSONResponse:
+            filters = _filters(await _json_body(request))
+            if not filters.active:
+                raise HTTPException(400, "give at least one filter (name, error, text, "
+                                         "since, until); the plain retry/delete act on all")
+            do = client.retry_matching if action == "retry" else client.delete_matching
+            count = await run_in_threadpool(do, kind, filters)
+            return JSONResponse({"count": count})
+        return act
 
     def api_dead_job(request: Request) -> JSONResponse:
         job = client.dead_job(request.path_params["dead_id"])
@@ -345,6 +410,11 @@ def create_app(client: Client, *, token: str | None = None, basic_auth: str | No
         Route("/api/dead", _set_listing("dead")),
         Route("/api/dead/retry", api_dead_retry, methods=["POST"]),
         Route("/api/dead/delete", api_dead_delete, methods=["POST"]),
+        Route("/api/history", api_history),
+        Route("/api/history/runtimes", api_runtimes),
+        *(Route(f"/api/{kind}/search", _search(kind)) for kind in KINDS),
+        *(Route(f"/api/{kind}/search/{action}", _search_action(kind, action), methods=["POST"])
+          for kind in KINDS for action in ("retry", "delete")),
         Route("/api/dead/{dead_id:path}", api_dead_job),
         Route("/api/jobs/{job_id:path}/events", api_job_events),
         Route("/api/jobs/{job_id:path}", api_job),

@@ -10,7 +10,8 @@
   var REFRESH = parseInt(body.dataset.refresh || "2000", 10) || 2000;
   var csrfMeta = document.querySelector('meta[name="csrf-token"]');
   var CSRF = csrfMeta ? csrfMeta.getAttribute("content") : "";
-  var state = { offset: 0, limit: 100, prefix: "" };
+  var state = { offset: 0, limit: 100, prefix: "", window: "1h", history: null, historyAt: 0,
+                filters: null, cursors: [], cursor: null, total: null };
   var timer = null;
   var busyAction = false;
 
@@ -158,7 +159,8 @@
     var svg = s("svg", { viewBox: "0 0 " + W + " " + H, preserveAspectRatio: "none", role: "img" });
     svg.setAttribute("aria-label", title);
     var max = 0;
-    lines.forEach(function (ln) { ln.values.forEach(function (v) { if (v > max) max = v; }); });
+    lines.forEach(function (ln) { ln.values.forEach(function (v) { if (v !== null && v > max) max = v; }); });
+    var top = max;  // the largest value plotted (data-max: tests and scripts read it)
     max = niceMax(max);
     var t0 = t.length ? t[0] : 0, t1 = t.length ? t[t.length - 1] : 1;
     if (t1 - t0 < 60) t0 = t1 - 60;
@@ -173,22 +175,28 @@
     }
     [t0, (t0 + t1) / 2, t1].forEach(function (tv, j) {
       var lab = s("text", { x: x(tv), y: H - 6, "text-anchor": j === 0 ? "start" : j === 2 ? "end" : "middle", "class": "axis-label" });
-      lab.textContent = j === 2 ? "now" : "-" + Math.round(t1 - tv) + " s";
+      lab.textContent = j === 2 ? "now" : "-" + (t1 - tv < 120 ? Math.round(t1 - tv) + " s" : fmtDur(t1 - tv));
       svg.appendChild(lab);
     });
     lines.forEach(function (ln) {
       if (!t.length) return;
-      var d = ln.values.map(function (v, k) { return (k ? "L" : "M") + x(t[k]).toFixed(1) + "," + y(v).toFixed(1); }).join(" ");
-      svg.appendChild(s("path", { d: d, fill: "none", stroke: ln.color, "stroke-width": 2, "vector-effect": "non-scaling-stroke" }));
+      var gap = true;  // null: no sample there, the line breaks
+      var d = ln.values.map(function (v, k) {
+        if (v === null || v === undefined) { gap = true; return ""; }
+        var seg = (gap ? "M" : "L") + x(t[k]).toFixed(1) + "," + y(v).toFixed(1); gap = false; return seg;
+      }).join(" ").trim();
+      if (d) svg.appendChild(s("path", { d: d, fill: "none", stroke: ln.color, "stroke-width": 2, "vector-effect": "non-scaling-stroke" }));
       var k = ln.values.length - 1;  // the latest value as a dot (visible with one sample)
+      while (k >= 0 && (ln.values[k] === null || ln.values[k] === undefined)) k--;
       if (k >= 0) svg.appendChild(s("circle", { cx: x(t[k]).toFixed(1), cy: y(ln.values[k]).toFixed(1), r: 3, fill: ln.color }));
     });
     var legend = h("div", { cls: "legend" }, lines.map(function (ln) {
-      var last = ln.values.length ? ln.values[ln.values.length - 1] : 0;
+      var last = 0;
+      ln.values.forEach(function (v) { if (v !== null && v !== undefined) last = v; });
       var sw = h("i"); sw.style.background = ln.color;
-      return h("span", null, sw, ln.label + ": " + (unit === "/s" ? last.toFixed(1) + "/s" : fmtNum(last)));
+      return h("span", null, sw, ln.label + ": " + (unit === "/s" ? last.toFixed(1) + "/s" : unit === "s" ? fmtDur(last) : fmtNum(last)));
     }));
-    return h("div", { cls: "chart", "data-chart": title }, h("h3", { text: title }), svg, legend);
+    return h("div", { cls: "chart", "data-chart": title, "data-max": String(top) }, h("h3", { text: title }), svg, legend);
   }
 
   // -- pages ---------------------------------------------------------------------------
@@ -198,23 +206,39 @@
 
   var pages = {
     overview: function () {
-      return api("/api/overview").then(function (d) {
-        var c = d.counts, s = d.series;
+      var fresh = state.history && state.history.window === state.window && Date.now() - state.historyAt < REFRESH * 5;
+      var history = fresh ? Promise.resolve(state.history) : api("/api/history?window=" + state.window).then(function (hs) {
+        state.history = hs; state.historyAt = Date.now(); return hs;
+      });
+      return Promise.all([api("/api/overview"), history]).then(function (both) {
+        var d = both[0], s = both[1];
+        var c = d.counts;
         setCounts(c);
         return [
           h("div", { cls: "cards" },
             card("Queued", c.queued), card("In flight", c.in_flight), card("Busy workers", c.busy),
             card("Worker pools", c.live_pools), card("Scheduled", c.scheduled), card("Retry", c.retry),
             card("Dead", c.dead, c.dead > 0), card("Processed", d.totals.processed), card("Failed", d.totals.failed, d.totals.failed > 0)),
+          h("div", { cls: "toolbar", "data-testid": "history-window" }, h("span", { cls: "muted", text: "History (kept in Redis):" }),
+            ["1h", "6h", "24h", "7d", "30d"].map(function (w) {
+              return h("button", { type: "button", cls: "btn" + (w === state.window ? " active" : ""), text: w, "data-window": w,
+                on: { click: function () { state.window = w; refresh(); } } });
+            })),
           h("div", { cls: "charts" },
-            chart("Throughput (jobs/s)", s.t, [
+            chart("Throughput (jobs/s, per " + (s.resolution === 60 ? "minute" : "hour") + ")", s.t, [
               { label: "processed", values: s.processed_rate, color: "#2f6fde" },
               { label: "failed", values: s.failed_rate, color: "#c53030" }], "/s"),
+            chart("Runtime", s.t, [
+              { label: "p50", values: s.p50, color: "#1f8a4c" },
+              { label: "p95", values: s.p95, color: "#b7791f" },
+              { label: "p99", values: s.p99, color: "#c53030" }], "s"),
             chart("Queue sizes", s.t, [
               { label: "queued", values: s.queued, color: "#2f6fde" },
               { label: "in flight", values: s.in_flight, color: "#1f8a4c" },
-              { label: "scheduled + retry", values: s.scheduled.map(function (v, i) { return v + s.retry[i]; }), color: "#b7791f" },
-              { label: "dead", values: s.dead, color: "#c53030" }])),
+              { label: "scheduled + retry", values: s.scheduled.map(function (v, i) { return v === null ? null : v + s.retry[i]; }), color: "#b7791f" },
+              { label: "dead", values: s.dead, color: "#c53030" }]),
+            chart("Queue latency (oldest job)", s.t, [
+              { label: "latency", values: s.latency, color: "#6b46c1" }], "s")),
           h("h2", { text: "Largest job queues" }),
           queueTable(d.top_queues, false)
         ];
@@ -277,8 +301,8 @@
     retry: function () { return setPage("retry"); },
 
     dead: function () {
-      return api("/api/dead?offset=" + state.offset + "&limit=" + state.limit).then(function (d) {
-        var bar = h("div", { cls: "toolbar" },
+      return listing("dead").then(function (d) {
+        var bar = d.search ? searchActions("dead", d) : h("div", { cls: "toolbar" },
           action("Retry all", function () { return api("/api/dead/retry", { method: "POST", body: { all: true } }); },
             { confirm: "Retry every dead job?", disabled: !d.total, name: "dead-retry-all" }),
           action("Delete all", function () { return api("/api/dead/delete", { method: "POST", body: { all: true } }); },
@@ -297,8 +321,8 @@
               action("Retry", function () { return api("/api/dead/retry", { method: "POST", body: { ids: [j.id] } }); }, { name: "dead-retry" }),
               action("Delete", function () { return api("/api/dead/delete", { method: "POST", body: { ids: [j.id] } }); }, { danger: true, name: "dead-delete" }));
           } }
-        ], d.items.map(function (j) { j.__key = j.id; return j; }), "The dead set is empty.");
-        return [bar, t, pager(d.total, d.items.length)];
+        ], d.items.map(function (j) { j.__key = j.id; return j; }), d.search ? "No dead job matches." : "The dead set is empty.");
+        return [bar, t, d.search ? searchPager(d) : pager(d.total, d.items.length)];
       });
     }
   };
@@ -323,8 +347,86 @@
     return table(cols, items.map(function (q) { q.__key = q.name; return q; }), "No job queue yet.");
   }
 
+  // -- search in the dead / scheduled / retry sets ------------------------------------------
+  function filterQuery() {
+    var f = state.filters || {};
+    return ["name", "error", "text", "since", "until"].filter(function (k) { return f[k]; })
+      .map(function (k) { return "&" + k + "=" + encodeURIComponent(f[k]); }).join("");
+  }
+  // One page of a set: offset-paged without filters, cursor-paged through /search with them.
+  function listing(kind) {
+    if (!state.filters) return api("/api/" + kind + "?offset=" + state.offset + "&limit=" + state.limit);
+    var q = "/api/" + kind + "/search?limit=" + state.limit + filterQuery() +
+      (state.cursor ? "&cursor=" + encodeURIComponent(state.cursor) : "") + (state.total === null ? "&count=1" : "");
+    return api(q).then(function (d) {
+      if (d.total !== undefined) state.total = d.total;
+      d.search = true;
+      return d;
+    });
+  }
+  function searchActions(kind, d) {
+    var n = state.total === null ? "" : fmtNum(state.total) + " ";
+    var retryLabel = kind === "dead" ? "Retry all matching" : "Run all matching now";
+    function bulk(action) {
+      return function () {
+        return api("/api/" + kind + "/search/" + action, { method: "POST", body: state.filters }).then(function (r) {
+          state.total = null; state.cursor = null; state.cursors = [];
+          var out = document.getElementById("search-result");
+          if (out) out.textContent = (action === "retry" ? (kind === "dead" ? "Retried " : "Made due: ") : "Deleted ") + fmtNum(r.count) + " job(s).";
+        });
+      };
+    }
+    return h("div", { cls: "toolbar" },
+      h("span", { "data-testid": "match-count", text: n + "matching" }),
+      action(retryLabel, bulk("retry"), { confirm: retryLabel + " (" + n + "jobs)?", disabled: !state.total, name: kind + "-retry-matching" }),
+      action("Delete all matching", bulk("delete"), { confirm: "Delete " + n + "matching jobs? There is no undo.", danger: true, disabled: !state.total, name: kind + "-delete-matching" }));
+  }
+  function searchPager(d) {
+    return h("div", { cls: "pager" },
+      h("span", { text: "scanned " + fmtNum(d.scanned) + (d.cursor ? ", more after this page" : "") }),
+      h("button", { type: "button", cls: "btn", text: "← Prev", disabled: !state.cursors.length,
+        on: { click: function () { state.cursor = state.cursors.pop() || null; refresh(); } } }),
+      h("button", { type: "button", cls: "btn", text: "Next →", disabled: !d.cursor,
+        on: { click: function () { state.cursors.push(state.cursor); state.cursor = d.cursor; refresh(); } } }));
+  }
+  // The search form sits outside the refreshed area (typing is never interrupted).
+  function setupSetSearch() {
+    var content = document.getElementById("content");
+    if (["dead", "scheduled", "retry"].indexOf(PAGE) < 0 || !content) return;
+    function input(name, placeholder, type) {
+      return h("input", { type: type || "search", placeholder: placeholder, "data-testid": "search-" + name, title: placeholder });
+    }
+    var fields = {
+      name: input("name", "job name (exact)"), error: input("error", PAGE === "scheduled" ? "error type or text (retries)" : "error type or text"),
+      text: input("text", "text in the arguments"),
+      since: input("since", "from", "datetime-local"), until: input("until", "to", "datetime-local")
+    };
+    function apply(ev) {
+      if (ev) ev.preventDefault();
+      var f = {}, any = false;
+      Object.keys(fields).forEach(function (k) {
+        var v = fields[k].value.trim();
+        if (!v) return;
+        if (k === "since" || k === "until") v = String(new Date(v).getTime() / 1000);
+        f[k] = v; any = true;
+      });
+      state.filters = any ? f : null;
+      state.cursor = null; state.cursors = []; state.total = null; state.offset = 0;
+      var out = document.getElementById("search-result");
+      if (out) out.textContent = "";
+      refresh();
+    }
+    var form = h("form", { cls: "toolbar search", "data-testid": "search-form", on: { submit: apply } },
+      fields.name, fields.error, fields.text, fields.since, fields.until,
+      h("button", { type: "submit", cls: "btn", text: "Search", "data-action": "search" }),
+      h("button", { type: "button", cls: "btn", text: "Clear", "data-action": "search-clear", on: { click: function () {
+        Object.keys(fields).forEach(function (k) { fields[k].value = ""; }); apply(); } } }),
+      h("span", { id: "search-result", cls: "muted", "data-testid": "search-result" }));
+    content.parentNode.insertBefore(form, content);
+  }
+
   function setPage(kind) {
-    return api("/api/" + kind + "?offset=" + state.offset + "&limit=" + state.limit).then(function (d) {
+    return listing(kind).then(function (d) {
       var cols = [
         { label: "Due", cls: "nowrap", render: function (j) { return fmtTime(j.due_at); }, title: function (j) { return "in " + fmtDur(j.due_at - Date.now() / 1000); } },
         { label: "Job", render: function (j) { return h("span", null, h("strong", { text: j.name || j.queue }), h("br"), h("span", { cls: "mono muted", text: j.task_id || j.id })); } },
@@ -340,8 +442,9 @@
         return action("Delete", function () { return api("/api/" + kind + "/delete", { method: "POST", body: { id: j.id } }); },
           { danger: true, confirm: "Delete this job? It will not run.", name: "delete" });
       } });
-      return [table(cols, d.items.map(function (j) { j.__key = j.id; return j; }),
-        kind === "retry" ? "No job is waiting to be retried." : "No job is scheduled."), pager(d.total, d.items.length)];
+      var t = table(cols, d.items.map(function (j) { j.__key = j.id; return j; }),
+        d.search ? "No job matches." : kind === "retry" ? "No job is waiting to be retried." : "No job is scheduled.");
+      return d.search ? [searchActions(kind, d), t, searchPager(d)] : [t, pager(d.total, d.items.length)];
     });
   }
 
@@ -428,6 +531,7 @@
 
   document.addEventListener("visibilitychange", function () { if (!document.hidden) refresh(); });
   setupQueueFilter();
+  setupSetSearch();
   wireDeadDetail();
   demoBusy();
   navCounts();
