@@ -6,9 +6,7 @@ scraping a live dashboard and ``celery ext metrics``, with the alert rules of
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import time
 import warnings
@@ -32,7 +30,7 @@ from celery_ext.observer import RUNTIME_BUCKETS
 from celery_ext.reaper import Reaper
 from celery_ext.web import create_app
 from tests import proj, proj_web
-from tests.helpers import K, message, node_name, only_pool
+from tests.helpers import K, ensure_debian_package, message, node_name, only_pool
 from tests.webutil import celery_argv, env_for, free_port, start_web, stop_all, wait_for
 from tests.workers import REPO_ROOT, ManagedProcess, WorkerProcess
 
@@ -216,24 +214,8 @@ PROMTOOL = "/usr/bin/promtool"
 
 
 def _ensure_prometheus() -> None:
-    """Debian's prometheus (with promtool), installed with apt-get when missing; skip if
-    impossible. The package's service is not started here: the tests run the binary."""
-    if os.path.exists(PROMETHEUS) and os.path.exists(PROMTOOL):
-        return
-    if shutil.which("apt-get") is None:
-        pytest.skip(f"{PROMETHEUS} is missing and apt-get is not available to install it")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    try:
-        if subprocess.run(["apt-get", "install", "-y", "-q", "prometheus"], env=env,
-                          capture_output=True, timeout=600).returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True,
-                           timeout=300)
-            subprocess.run(["apt-get", "install", "-y", "-q", "prometheus"], env=env,
-                           capture_output=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"could not install prometheus with apt-get: {exc}")
-    if not (os.path.exists(PROMETHEUS) and os.path.exists(PROMTOOL)):
-        pytest.skip("`apt-get install prometheus` did not provide prometheus and promtool")
+    """Debian's prometheus (with promtool); the tests run the binary, never its service."""
+    ensure_debian_package("prometheus", PROMETHEUS, PROMTOOL)
 
 
 def test_alert_rules_pass_promtool() -> None:
