@@ -17,7 +17,10 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; httpx still works
     warnings.simplefilter("ignore")
@@ -25,7 +28,7 @@ with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; htt
 
 from celery_ext.client import Client
 from celery_ext.config import Settings
-from celery_ext.metrics import Snapshot, families, read_snapshot
+from celery_ext.metrics import Snapshot, families, read_snapshot, registry_for
 from celery_ext.observer import RUNTIME_BUCKETS
 from celery_ext.reaper import Reaper
 from celery_ext.web import create_app
@@ -147,6 +150,7 @@ def test_reaper_counts_recovered_jobs_reaped_pools_and_poison_pills(
     assert result.dead_pools == [pool]
     assert sorted(result.requeued) == ["t1", "t2"] and result.dead_jobs == ["t3"]
 
+    redis_client.script_flush()  # as after a server restart: the scrape loads its script
     snap = read_snapshot(Client(redis_client).state)
     got = samples("".join(_exposition(snap)))
     assert value(got, "celery_ext_jobs_recovered_total") == 2
@@ -169,10 +173,18 @@ def test_unique_hits_counted(broker_url: str, redis_client: redis.Redis) -> None
     assert read_snapshot(Client(redis_client).state).stats["unique_hits"] == 2
 
 
+def test_unreachable_redis_reports_up_0(caplog: pytest.LogCaptureFixture) -> None:
+    """Redis down: the scrape still answers, with ``celery_ext_up 0`` and nothing else,
+    and the outage is logged once."""
+    down = Client(redis.Redis(port=free_port(), retry=Retry(NoBackoff(), 0)))
+    registry = registry_for(down)
+    texts = [generate_latest(registry).decode() for _ in range(2)]
+    assert all(samples(t) == {("celery_ext_up", frozenset()): 0.0} for t in texts)
+    assert len([r for r in caplog.records if "cannot read Redis" in r.message]) == 1
+
+
 def _exposition(snap: Snapshot) -> Iterator[str]:
     """The text format of one snapshot, as the endpoint writes it."""
-    from prometheus_client import CollectorRegistry, generate_latest
-
     class One:
         def collect(self) -> Any:
             return families(snap)
