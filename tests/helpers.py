@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -183,26 +182,3 @@ def push(client: redis.Redis, queue: str, payload: bytes | str) -> None:
     set, wake-up)."""
     Scripts(client)("enqueue", [K.queue(queue), K.ready, K.queues],
                     [payload, queue, K.wake_channel, 0])
-
-
-def ensure_debian_package(package: str, *paths: str) -> None:
-    """Install a Debian package with apt-get when one of ``paths`` is missing (once the
-    package lists are stale, after ``apt-get update``); skip the test if that cannot
-    provide them. Services the package ships are not started by the tests."""
-    if all(os.path.exists(p) for p in paths):
-        return
-    if shutil.which("apt-get") is None:
-        pytest.skip(f"{', '.join(paths)} missing and apt-get is not available to install "
-                    f"{package}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    try:
-        if subprocess.run(["apt-get", "install", "-y", "-q", package], env=env,
-                          capture_output=True, timeout=600).returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True,
-                           timeout=300)
-            subprocess.run(["apt-get", "install", "-y", "-q", package], env=env,
-                           capture_output=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"could not install {package} with apt-get: {exc}")
-    if not all(os.path.exists(p) for p in paths):
-        pytest.skip(f"`apt-get install {package}` did not provide {', '.join(paths)}")
