@@ -583,3 +583,32 @@ def web(ctx: click.Context, host: str, port: int, token: str | None, basic_auth:
     client.ping()
     serve(client, host=host, port=port, token=token, basic_auth=basic_auth,
           allow_origins=allow_origins, log_level=log_level, root_path=root_path)
+
+
+@ext.command(cls=CeleryCommand)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=5041, show_default=True, type=int, help="Port to listen on.")
+@click.pass_context
+@_friendly
+def metrics(ctx: click.Context, host: str, port: int) -> None:
+    """Serve only the Prometheus metrics, at /metrics (no dashboard, no authentication:
+    bind a private address; the dashboard's /metrics sits behind its token)."""
+    try:
+        from prometheus_client import start_http_server
+
+        from .metrics import registry_for
+    except ImportError as exc:
+        raise click.ClickException(
+            f"metrics need their extra: pip install 'celery-ext[metrics]' ({exc})") from None
+    client = _client(ctx)
+    client.ping()
+    server, thread = start_http_server(port, addr=host, registry=registry_for(client))
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"celery_ext metrics on http://{shown}:{port}/metrics", err=True)
+    try:
+        while thread.is_alive():
+            thread.join(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()

@@ -9,13 +9,17 @@ or when a prefork child died, ``recover_tags``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import redis
 from kombu.utils.encoding import bytes_to_str
 
 from .config import Settings
-from .keys import Keys
+from .keys import STAT_POISON_PILLS, STAT_RECOVERED, Keys
 from .scripts import Scripts
+
+logger = logging.getLogger("celery_ext.inflight")
 
 
 def queues_of(client: Any, inflight_key: str, tags: list[str]) -> list[tuple[str, str]]:
@@ -73,6 +77,25 @@ class InflightRecord:
         return [bytes_to_str(t) for t in done]
 
 
+def _count_recoveries(client: Any, keys: Keys, recovered: int, poison_pills: int) -> None:
+    """Add to the counters the metrics read: jobs the reaper requeued from dead pools,
+    and jobs dead-lettered after too many recoveries (either mode). Written after the
+    script, not in it: a count is observational, so a failure to write it is logged
+    and the move it counts (already done) is reported as done."""
+    if not (recovered or poison_pills):
+        return
+    try:
+        with client.pipeline(transaction=False) as pipe:
+            if recovered:
+                pipe.hincrby(keys.stats, STAT_RECOVERED, recovered)
+            if poison_pills:
+                pipe.hincrby(keys.stats, STAT_POISON_PILLS, poison_pills)
+            pipe.execute()
+    except redis.RedisError as exc:
+        logger.warning("celery_ext: could not count %d recovered job(s): %s",
+                       recovered + poison_pills, exc)
+
+
 def recover_tags(client: Any, settings: Settings, pool_id: str, tags: list[str], *,
                  mode: str, deadline_ms: int = 0, reason: str = "worker lost",
                  scripts: Scripts | None = None) -> tuple[bool, list[str], list[str]]:
@@ -93,4 +116,5 @@ def recover_tags(client: Any, settings: Settings, pool_id: str, tags: list[str],
         [pool_id, mode, deadline_ms, keys.wake_channel, keys.queue(""),
          settings.max_recoveries, settings.dead_max_size, reason, *(t for t, _ in pairs)],
     )
+    _count_recoveries(client, keys, len(requeued) if mode == "pool" else 0, len(dead))
     return bool(status), [bytes_to_str(t) for t in requeued], [bytes_to_str(t) for t in dead]

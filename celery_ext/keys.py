@@ -24,7 +24,13 @@ Layout (``ns`` = namespace)::
     {ns}:busy:<id>           hash    slot -> "<started ms>\n<job json>" jobs a pool runs now
     {ns}:checkins            hash    job id -> "<ms>\n<json>" last checkin of a running job
     {ns}:stop                set     job ids someone asked to stop (checkin returns True)
-    {ns}:stats               hash    "processed"/"failed"/"retried"[":<queue>"] -> count
+    {ns}:stats               hash    "processed"/"failed"/"retried"[":<queue>"] -> count; and
+                                     "recovered" (jobs the reaper requeued), "pools_reaped",
+                                     "poison_pills" (dead-lettered after max_recoveries),
+                                     "unique_hits" (enqueues dropped as duplicates)
+    {ns}:runtime             hash    "<bucket>:<queue>" -> runs whose runtime fell in that
+                                     bucket (not cumulative; see observer.RUNTIME_BUCKETS),
+                                     "sum_us:<queue>" -> total runtime in microseconds
     {ns}:reaper              string  lock held by the one reaper running a pass
     {ns}:dead                zset    dead job id -> failed_at (ms)
     {ns}:dead_jobs           hash    dead job id -> "<meta json>\n<queue>\n<payload>"
@@ -49,6 +55,12 @@ Layout (``ns`` = namespace)::
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+#: Fields of the ``stats`` hash counting reliability events (Prometheus counters).
+STAT_RECOVERED = "recovered"
+STAT_POOLS_REAPED = "pools_reaped"
+STAT_POISON_PILLS = "poison_pills"
+STAT_UNIQUE_HITS = "unique_hits"
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,10 @@ class Keys:
     @property
     def stats(self) -> str:
         return self.prefix + "stats"
+
+    @property
+    def runtime(self) -> str:
+        return self.prefix + "runtime"
 
     @property
     def running(self) -> str:

@@ -11,6 +11,7 @@ the pool's main process does it when Celery reports the loss (:func:`job_lost`).
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -41,6 +42,20 @@ ARGS_PREVIEW_CHARS = 200
 BUSY_RECORD_DELAY = 0.1
 #: Processed/failed/retried counters are summed in memory and written this often.
 STATS_FLUSH_INTERVAL = 1.0
+#: Upper bounds (seconds) of the job runtime histogram's buckets, +Inf implied. Fixed:
+#: the counts in ``{ns}:runtime`` are per bucket, so changing them splits history.
+RUNTIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                   60.0, 300.0, 1800.0)
+
+
+#: The ``{ns}:runtime`` field prefix of each bucket: its bound as written by repr().
+RUNTIME_BUCKET_NAMES = (*(repr(b) for b in RUNTIME_BUCKETS), "inf")
+
+
+def runtime_bucket(seconds: float) -> str:
+    """The ``{ns}:runtime`` field prefix of a run this long (bounds are inclusive, as
+    Prometheus' ``le``)."""
+    return RUNTIME_BUCKET_NAMES[bisect.bisect_left(RUNTIME_BUCKETS, seconds)]
 
 _observers: dict[int, Observer] = {}
 _observers_lock = threading.Lock()
@@ -96,6 +111,7 @@ class Observer:
         self._checkins: dict[str, _CheckinState] = {}
         self._running: dict[str, _Running] = {}
         self._stats: dict[str, int] = {}
+        self._runtime: dict[str, int] = {}  # {ns}:runtime fields, written with the stats
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -150,8 +166,12 @@ class Observer:
             if outcome:
                 for field in (outcome, f"{outcome}:{queue}"):
                     self._stats[field] = self._stats.get(field, 0) + 1
-                self.history.add(name or queue, outcome, time.monotonic() - running.started
-                                 if running is not None else None)
+                seconds = (time.monotonic() - running.started) if running is not None else None
+                self.history.add(name or queue, outcome, seconds)
+                if seconds is not None:
+                    for field, amount in ((f"{runtime_bucket(seconds)}:{queue}", 1),
+                                          (f"sum_us:{queue}", int(seconds * 1e6))):
+                        self._runtime[field] = self._runtime.get(field, 0) + amount
             if (running is not None and running.written) or checked_in:
                 # The record (or a checkin) is in Redis: clear it with the job.
                 self._busy("end", job_id, running.slot if running else slot_id())
@@ -182,9 +202,13 @@ class Observer:
                     wait = min(wait, BUSY_RECORD_DELAY - age)
             if self._stats and (force_stats or now - self._last_stats >= STATS_FLUSH_INTERVAL):
                 stats, self._stats = self._stats, {}
+                runtime, self._runtime = self._runtime, {}
                 self._last_stats = now
                 self.scripts("stats", [self.keys.stats],
                              [x for item in stats.items() for x in item])
+                if runtime:  # the same script: one HINCRBY per field, summed per flush
+                    self.scripts("stats", [self.keys.runtime],
+                                 [x for item in runtime.items() for x in item])
                 self.history.flush()
             if self._stats:
                 wait = min(wait, STATS_FLUSH_INTERVAL - (now - self._last_stats))

@@ -55,7 +55,7 @@ from kombu.utils.json import dumps
 from . import scripts as _scripts
 from .config import Settings
 from .errors import check_payload_size
-from .keys import Keys
+from .keys import STAT_UNIQUE_HITS, Keys
 from .scheduled import eta_delay_ms, retries_of, schedule, schedule_args
 from .unique import UniqueRequest, take_pending
 
@@ -136,6 +136,7 @@ class Enqueuer:
                 _, uniq.holder = schedule(self._scripts, self.keys, queue, message, delay,
                                           client, lock=self._lock(uniq, message),
                                           max_payload=max_payload, marker=marker)
+            self._count_unique_hit(uniq, message)
         elif uniq is not None:
             lock_key, task_id, ttl_ms, force = self._lock(uniq, message)
             _, holder = self._run(
@@ -145,9 +146,17 @@ class Enqueuer:
                  *marker_args],
                 None)
             uniq.holder = holder.decode() if isinstance(holder, bytes) else str(holder)
+            self._count_unique_hit(uniq, message)
         else:
             self._run("enqueue", [*self._queue_keys(queue), *marker_keys],
                       [*self._queue_args(queue, message), *marker_args], batch)
+
+    def _count_unique_hit(self, uniq: UniqueRequest, message: dict[str, Any]) -> None:
+        """Count an enqueue dropped because an identical job is pending (another job
+        holds the lock; a retried publish of this same job is no hit)."""
+        if uniq.holder != str(message["headers"].get("id")):
+            with self._acquire() as client:
+                client.hincrby(self.keys.stats, STAT_UNIQUE_HITS, 1)
 
     def _queue_keys(self, queue: str) -> list[str]:
         """KEYS the ``enqueue`` and ``enqueue_unique`` scripts share."""

@@ -31,7 +31,7 @@ from kombu.utils.encoding import bytes_to_str
 from .clock import now_ms
 from .config import Settings
 from .inflight import recover_tags
-from .keys import Keys
+from .keys import STAT_POOLS_REAPED, Keys
 from .liveness import LIVENESS_FIELDS, Liveness
 from .scripts import Scripts
 
@@ -161,7 +161,8 @@ class Reaper:
         self._forget_busy(pool_id)
 
     def _forget_busy(self, pool_id: str) -> None:
-        """Drop a dead pool's busy-worker records (observational data only)."""
+        """Drop a dead pool's busy-worker records (observational data only), and count
+        the pool as reaped in the same MULTI."""
         busy = self.keys.busy(pool_id)
         job_ids = []
         for raw in self.client.hvals(busy):
@@ -173,6 +174,7 @@ class Reaper:
             if job_ids:
                 pipe.hdel(self.keys.checkins, *job_ids)
             pipe.delete(busy)
+            pipe.hincrby(self.keys.stats, STAT_POOLS_REAPED, 1)
             pipe.execute()
 
     def reap_now(self, force: bool = False, max_watch: float | None = None) -> ReapResult:

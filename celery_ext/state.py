@@ -88,6 +88,11 @@ def _stamp(value: Any) -> float | None:
         return None
 
 
+def queue_info_rows(reply: list[Any]) -> list[tuple[int, float | None]]:
+    """(size, oldest job's enqueued_at) per name of a ``queue_info`` reply."""
+    return [(int(reply[j]), _stamp(reply[j + 1])) for j in range(1, len(reply), 2)]
+
+
 class State:
     """Reads the plugin's records for one namespace."""
 
@@ -102,18 +107,21 @@ class State:
                     ) -> tuple[float, list[tuple[int, float | None]]]:
         """Redis time (s) and (size, oldest job's enqueued_at) of each name; size -1 for
         a name forgotten now (see ``queue_info.lua``)."""
-        k = self.keys
-        fixed = [k.queues, k.ready, k.paused, k.limits, k.weights, k.running]
         time_ms, rows = None, []
         for i in range(0, len(names), QUEUE_INFO_CHUNK):
-            chunk = names[i:i + QUEUE_INFO_CHUNK]
-            reply = self.scripts("queue_info", [*fixed, *(k.queue(n) for n in chunk)],
-                                 ["1" if stamps else "0", *chunk])
+            reply = self.scripts("queue_info",
+                                 *self.queue_info_call(names[i:i + QUEUE_INFO_CHUNK], stamps))
             time_ms = int(reply[0])
-            rows += [(int(reply[j]), _stamp(reply[j + 1])) for j in range(1, len(reply), 2)]
+            rows += queue_info_rows(reply)
         if time_ms is None:
             time_ms = now_ms(self.client)
         return time_ms / 1000, rows
+
+    def queue_info_call(self, names: list[str], stamps: bool) -> tuple[list[str], list[str]]:
+        """KEYS and ARGV of one ``queue_info`` call (at most ``QUEUE_INFO_CHUNK`` names)."""
+        k = self.keys
+        return ([k.queues, k.ready, k.paused, k.limits, k.weights, k.running,
+                 *(k.queue(n) for n in names)], ["1" if stamps else "0", *names])
 
     def queue_names(self) -> list[str]:
         """Names of the job queues, sorted; gone ones are forgotten on the way."""

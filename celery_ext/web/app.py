@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import redis
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -32,6 +33,7 @@ from starlette.templating import Jinja2Templates
 
 from .. import __version__
 from ..client import Client
+from ..metrics import registry_for
 from ..search import KINDS, Filters
 from ..status import FINAL_STATES
 from .sampler import DEFAULT_HISTORY, DEFAULT_INTERVAL, Sampler
@@ -326,6 +328,13 @@ def create_app(client: Client, *, token: str | None = None, basic_auth: str | No
     def api_health(request: Request) -> JSONResponse:
         return JSONResponse({"ok": client.ping(), "version": __version__})
 
+    # Behind the same guard as the API: job names and pool hosts are not public, and
+    # Prometheus sends a bearer token or basic auth (see docs/operations.md).
+    metrics_registry = registry_for(client)
+
+    def metrics(request: Request) -> Response:
+        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
     # -- API: actions (POST, CSRF-checked by the guard) -------------------------------------
     async def api_pause(request: Request) -> JSONResponse:
         name = _str_field(await _json_body(request), "name")
@@ -420,6 +429,7 @@ def create_app(client: Client, *, token: str | None = None, basic_auth: str | No
         Route("/api/jobs/{job_id:path}", api_job),
         Route("/api/csrf", api_csrf),
         Route("/api/health", api_health),
+        Route("/metrics", metrics),
         Mount("/static", app=StaticFiles(directory=str(_package.joinpath("static"))),
               name="static"),
     ]
