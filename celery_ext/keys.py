@@ -40,6 +40,10 @@ Layout (``ns`` = namespace)::
     {ns}:published:<id>      string  a publish that wrote its job (TTL publish_idempotency_ttl);
                                      Kombu's retry of that publish writes nothing. <id>: one
                                      per publish call and job queue (``producer.publish_marker``)
+    {ns}:periodic            set     names of the periodic job entries (the leader's beat_schedule)
+    {ns}:periodic:<name>     hash    one entry's state: next_due, last_due, last_run_at (ms),
+                                     last_job_id, runs, missed, paused, outcome (+ its
+                                     outcome_job_id), error, task, schedule, spec (periodic.py)
 """
 
 from __future__ import annotations
@@ -162,3 +166,10 @@ class Keys:
 
     def published(self, marker: str) -> str:
         return f"{self.prefix}published:{marker}"
+
+    @property
+    def periodic(self) -> str:
+        return self.prefix + "periodic"
+
+    def periodic_entry(self, name: str) -> str:
+        return f"{self.prefix}periodic:{name}"
