@@ -157,8 +157,8 @@ def next_due_ms(sched: Any, after_ms: int, tz: Any) -> int:
     at = _aware(after_ms, tz)
     probe = copy.copy(sched)
     probe.nowfun = lambda: at
-    delta = probe.remaining_estimate(at)
-    due = round((at + delta).timestamp() * 1000)
+    # Celery answers in real (UTC) time, also across a DST change: add it as such.
+    due = after_ms + round(probe.remaining_estimate(at).total_seconds() * 1000)
     return due if due > after_ms else after_ms + 1  # a zero-length schedule still moves on
 
 
@@ -318,24 +318,17 @@ class Periodic:
     def run_due(self) -> float:
         """One pass: enqueue every due run. Returns seconds until the next due time
         (at most ``promote_interval``: paused and resumed entries are seen by then)."""
-        k = self.keys
-        names = list(self.entries)
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.time()
-            for name in names:
-                pipe.hmget(k.periodic_entry(name), "next_due", "spec", "paused")
-            reply = pipe.execute()
-        seconds, micros = reply[0]
-        now = int(seconds) * 1000 + int(micros) // 1000
-        rows = {n: [bytes_to_str(v) if v is not None else None for v in r]
-                for n, r in zip(names, reply[1:], strict=True)}
+        now, rows = self._read()
         if not self.synced or any(r[0] is None or r[1] != _spec(self.entries[n])
                                   for n, r in rows.items()):
+            if not self.synced:
+                logger.info("celery_ext: this worker pool leads: it enqueues the periodic jobs")
             self.sync(now)
-            return 0.0
+            now, rows = self._read()
         soonest = now + int(self.settings.promote_interval * 1000)
         for name, (next_due, _, paused) in rows.items():
-            assert next_due is not None
+            if next_due is None:  # deleted meanwhile: the next pass syncs again
+                continue
             entry = self.entries[name]
             dues, following = due_times(entry.schedule, int(next_due), now, self.tz)
             steps = plan(dues, following, now, int(self.settings.periodic_grace * 1000),
@@ -343,6 +336,19 @@ class Periodic:
             done = self._take(name, entry, steps)
             soonest = min(soonest, following if done == len(steps) else now)
         return max(0.0, (soonest - now) / 1000)
+
+    def _read(self) -> tuple[int, dict[str, list[str | None]]]:
+        """Redis time (ms) and each entry's next_due, spec and paused, in one round trip."""
+        names = list(self.entries)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.time()
+            for name in names:
+                pipe.hmget(self.keys.periodic_entry(name), "next_due", "spec", "paused")
+            reply = pipe.execute()
+        seconds, micros = reply[0]
+        rows = {n: [bytes_to_str(v) if v is not None else None for v in r]
+                for n, r in zip(names, reply[1:], strict=True)}
+        return int(seconds) * 1000 + int(micros) // 1000, rows
 
     def _take(self, name: str, entry: ScheduleEntry, steps: list[Step]) -> int:
         """Make the calls of a plan; stops at the first that finds the entry moved on
