@@ -12,6 +12,7 @@ import json
 import signal
 import threading
 import time
+import warnings
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -239,3 +240,38 @@ def test_dropin_pool_runs_the_schedule_and_the_cli_steers_it(
     missing = celery_cli("-A", APP, "ext", "periodic", "pause", "nope", broker_url=broker_url,
                          env=env)
     assert missing.returncode == 1 and "no periodic job entry nope" in missing.stderr
+
+
+def test_dashboard_page_and_api(app: Any, redis_server: Any, redis_client: redis.Redis) -> None:
+    """The Periodic page and its API: entries with next and last run; pause, resume and
+    run-now are POSTs that need the CSRF token, like every other action."""
+    with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2
+        warnings.simplefilter("ignore")
+        from starlette.testclient import TestClient
+
+    from celery_ext.web import create_app
+
+    Periodic(app, redis_server.client(), Settings()).run_due()  # a leader recorded them
+    client = Client.for_app(app)
+    with TestClient(create_app(client, sample_interval=60)) as tc:
+        page = tc.get("/periodic")
+        assert page.status_code == 200 and "<h1>Periodic jobs</h1>" in page.text
+        items = {e["name"]: e for e in tc.get("/api/periodic").json()["items"]}
+        assert set(items) == {"every", "hourly"} and items["every"]["next_due"]
+        assert tc.post("/api/periodic/pause", json={"name": "every"}).status_code == 403
+        token = {"X-CSRF-Token": tc.get("/api/csrf").json()["csrf_token"]}
+        r = tc.post("/api/periodic/pause", json={"name": "every"}, headers=token)
+        assert r.json() == {"name": "every", "paused": True, "changed": True}
+        assert tc.get("/api/periodic").json()["items"][0]["paused"] is True
+        r = tc.post("/api/periodic/resume", json={"name": "every"}, headers=token)
+        assert r.json()["changed"] is True
+        r = tc.post("/api/periodic/run", json={"name": "hourly"}, headers=token)
+        job_id = r.json()["job_id"]
+        queued = redis_client.lrange(K.queue("tests.proj_periodic.beat_tick"), 0, -1)
+        assert [json.loads(p)["headers"]["id"] for p in queued] == [job_id]
+        hourly = next(e for e in tc.get("/api/periodic").json()["items"]
+                      if e["name"] == "hourly")
+        assert hourly["last_job_id"] == job_id and hourly["last_outcome"] == "pending"
+        r = tc.post("/api/periodic/run", json={"name": "nope"}, headers=token)
+        assert r.status_code == 404
+    client.client.close()
