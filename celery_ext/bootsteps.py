@@ -270,6 +270,7 @@ class PeriodicJobs(bootsteps.StartStopStep):
     leader enqueues each due run; see ``periodic.py``)."""
 
     name = "celery_ext.PeriodicJobs"
+    requires = ("celery.worker.consumer.tasks:Tasks",)  # after the connection step
 
     def start(self, c: Any) -> None:
         channel = c.connection.default_channel
