@@ -95,7 +95,8 @@ class PeriodicRun:
     next_ms: int | None
     #: Due times this run stands for without their own run (missed, ``once``).
     passed: int = 0
-    #: 1 pushed, 2 already pushed (same job id), 0 another leader moved on, -1 paused.
+    #: The script's answer: 1 pushed, 2 pushed before (same job id), 0 another leader
+    #: took this due time, -1 paused, -2 moved on without a run as asked.
     outcome: int | None = None
 
     def script_args(self) -> list[Any]:
