@@ -9,6 +9,7 @@ needs Celery's worker objects, in every mode unless said otherwise:
 - ``Sets``: task options checked at start (backoff, unique, max_concurrency,
   stall_after) and the concurrency limits written;
 - ``DeadLetters``: unknown and invalid messages go to the dead set;
+- ``PeriodicJobs``: the app's ``beat_schedule`` handed to the worker pool's requeuer;
 - ``worker_ready``: the pool's registration details (node, concurrency, pool type,
   queues) and the job queues' weights;
 - ``worker_shutting_down`` / ``worker_shutdown``: the pool says "stopping", then stops.
@@ -181,6 +182,7 @@ def add_worker_parts(app: Any) -> None:
 
     app.steps["consumer"].add(Sets)
     app.steps["consumer"].add(DeadLetters)
+    app.steps["consumer"].add(PeriodicJobs)
     if app.Task.Request in (CELERY_DEFAULT_REQUEST, None):
         app.Task.Request = "celery_ext.request:Request"
     if not hasattr(app.Task, "checkin"):
@@ -261,3 +263,16 @@ class DeadLetters(bootsteps.Step):
         if not getattr(c, "_celery_ext_dead_letters", False):
             wrap_consumer_handlers(c)
             c._celery_ext_dead_letters = True
+
+
+class PeriodicJobs(bootsteps.StartStopStep):
+    """Consumer step: the worker pool runs the app's ``beat_schedule`` (its requeuer's
+    leader enqueues each due run; see ``periodic.py``)."""
+
+    name = "celery_ext.PeriodicJobs"
+    requires = ("celery.worker.consumer.tasks:Tasks",)  # after the connection step
+
+    def start(self, c: Any) -> None:
+        channel = c.connection.default_channel
+        if hasattr(channel, "worker_pool"):  # our transport
+            channel.worker_pool.run_periodic(c.app)

@@ -521,6 +521,75 @@ def resume(ctx: click.Context, queue: str) -> None:
     click.echo(f"resumed {queue}" if changed else f"{queue} was not paused")
 
 
+@ext.group()
+def periodic() -> None:
+    """Periodic jobs (the app's beat_schedule, run by the worker pools): ls, pause, resume,
+    run-now."""
+
+
+@periodic.command("ls", cls=CeleryCommand)
+@json_option
+@click.pass_context
+@_friendly
+def periodic_ls(ctx: click.Context, as_json: bool) -> None:
+    """Every entry with its schedule, next and last run, and last outcome."""
+    items = _client(ctx).periodic()
+    if as_json:
+        _emit_json(items)
+        return
+    _table(["ENTRY", "TASK", "SCHEDULE", "NEXT", "LAST RUN", "OUTCOME", "RUNS", "MISSED",
+            "STATE"],
+           [[e["name"], e["task"], e["schedule"], _when(e["next_due"]),
+             _when(e["last_run_at"]), e["last_outcome"], e["runs"], e["missed"],
+             "paused" if e["paused"] else "active"] for e in items],
+           "no periodic jobs (none in beat_schedule, or no worker pool has run yet)")
+
+
+def _periodic_action(ctx: click.Context, name: str, pause: bool) -> None:
+    changed = (_client(ctx).pause_periodic if pause else _client(ctx).resume_periodic)(name)
+    if changed is None:
+        raise NotFound(f"no periodic job entry {name}")
+    if changed:
+        click.echo(f"{'paused' if pause else 'resumed'} {name}")
+    else:
+        click.echo(f"{name} was already paused" if pause else f"{name} was not paused")
+
+
+@periodic.command("pause", cls=CeleryCommand)
+@click.argument("name")
+@click.pass_context
+@_friendly
+def periodic_pause(ctx: click.Context, name: str) -> None:
+    """Pause an entry: its due times pass without runs until it is resumed."""
+    _periodic_action(ctx, name, True)
+
+
+@periodic.command("resume", cls=CeleryCommand)
+@click.argument("name")
+@click.pass_context
+@_friendly
+def periodic_resume(ctx: click.Context, name: str) -> None:
+    """Resume a paused entry from its next due time."""
+    _periodic_action(ctx, name, False)
+
+
+@periodic.command("run-now", cls=CeleryCommand)
+@click.argument("name")
+@click.pass_context
+@_friendly
+def periodic_run_now(ctx: click.Context, name: str) -> None:
+    """Enqueue one run of an entry now, outside its schedule (also when paused)."""
+    from .periodic import PeriodicError
+
+    try:
+        job_id = _client(ctx).run_periodic_now(name)
+    except PeriodicError as exc:
+        raise click.ClickException(f"{name} not enqueued: {_first_line(exc)}") from None
+    if job_id is None:
+        raise NotFound(f"no periodic job entry {name} in the app's beat_schedule")
+    click.echo(f"enqueued {name}: job {job_id}")
+
+
 @ext.command(cls=CeleryCommand)
 @click.option("--force", is_flag=True,
               help="Reap every pool whose heartbeat is old now, without first watching "

@@ -528,6 +528,25 @@ class Client:
         :meth:`celery_ext.reaper.Reaper.reap_now`)."""
         return Reaper(self.client, self.settings).reap_now(force=force)
 
+    # -- periodic jobs (celery_ext.periodic) ------------------------------------------------
+    def periodic(self) -> list[PeriodicEntry]:
+        """Every periodic job entry: schedule, next and last run, last outcome, paused."""
+        return entry_rows(self.client, self.keys, self.app)
+
+    def pause_periodic(self, name: str) -> bool | None:
+        """Pause an entry (its due times pass without runs); None if there is none."""
+        return set_paused(self.client, self.keys, name, True)
+
+    def resume_periodic(self, name: str) -> bool | None:
+        """Resume a paused entry from its next due time; None if there is none."""
+        return set_paused(self.client, self.keys, name, False)
+
+    def run_periodic_now(self, name: str) -> str | None:
+        """Enqueue one run of an entry now (needs the app: :meth:`for_app`); its job id,
+        or None when the app's ``beat_schedule`` has no such entry."""
+        if self.app is None:
+            raise ValueError("celery_ext: run-now needs the Celery app (Client.for_app)")
+        return run_now(self.app, self.client, self.keys, name)
     # --- search in the sets, and the history (see celery_ext.search, celery_ext.history) ---
 
     def search(self, kind: str, filters: Filters, cursor: str | None = None,
@@ -591,6 +610,7 @@ class SearchPage(TypedDict):
 # Imports of the dashboard/CLI facade above, kept with it so it stays one appended block.
 from .clock import now_s  # noqa: E402
 from .history import HistoryReader, Runtime, Series  # noqa: E402
+from .periodic import PeriodicEntry, entry_rows, run_now, set_paused  # noqa: E402
 from .reaper import Reaper, ReapResult  # noqa: E402
 from .search import Filters, SetSearch, parse_cursor  # noqa: E402
 from .status import JobLookup, JobStatus  # noqa: E402

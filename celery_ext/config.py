@@ -66,6 +66,17 @@ DEFAULT_PUBLISH_IDEMPOTENCY_TTL = 120.0
 #: Seconds between two queue-size samples of the history (taken by the leading
 #: requeuer; the plots keep the last sample of each minute and hour).
 DEFAULT_HISTORY_SAMPLE_INTERVAL = 60.0
+#: Whether worker pools run the app's ``beat_schedule`` (the requeuer's leader
+#: enqueues each due run; see ``periodic.py``). Only matters when there is one.
+DEFAULT_PERIODIC = True
+#: A periodic run late by at most this many seconds (a leader failover, a slow pass)
+#: is still enqueued for its own due time; runs older than this are *missed*.
+DEFAULT_PERIODIC_GRACE = 30.0
+#: What the leader does with missed runs (every pool was down): "once" enqueues one
+#: run for all of them, "skip" none, "all" one per missed due time.
+DEFAULT_PERIODIC_MISSED = "once"
+#: The values ``periodic_missed`` accepts.
+PERIODIC_MISSED_POLICIES = ("once", "skip", "all")
 
 #: Longest wait (seconds) for a Redis reply before the connection counts as lost: a
 #: fetch unanswered this long is abandoned and sent again on a new connection, and it
@@ -106,6 +117,9 @@ class Settings:
     reply_timeout: float = DEFAULT_REPLY_TIMEOUT
     publish_idempotency_ttl: float = DEFAULT_PUBLISH_IDEMPOTENCY_TTL
     history_sample_interval: float = DEFAULT_HISTORY_SAMPLE_INTERVAL
+    periodic: bool = DEFAULT_PERIODIC
+    periodic_grace: float = DEFAULT_PERIODIC_GRACE
+    periodic_missed: str = DEFAULT_PERIODIC_MISSED
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -145,6 +159,10 @@ class Settings:
         if self.publish_idempotency_ttl < 0:
             raise ConfigError("celery_ext: publish_idempotency_ttl must be >= 0 (0 = off), "
                               f"got {self.publish_idempotency_ttl!r}")
+        if self.periodic_grace < 0 or self.periodic_missed not in PERIODIC_MISSED_POLICIES:
+            raise ConfigError("celery_ext: periodic_grace must be >= 0 and periodic_missed one "
+                              f"of {', '.join(PERIODIC_MISSED_POLICIES)}, got "
+                              f"{self.periodic_grace!r} and {self.periodic_missed!r}")
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -168,7 +186,9 @@ class Settings:
             try:
                 if isinstance(raw, bool) and kind in ("float", float, "int", int):
                     raise TypeError("a boolean is not a number")
-                if kind in ("float", float):
+                if kind in ("bool", bool):
+                    values[name] = _bool(raw)
+                elif kind in ("float", float):
                     values[name] = float(raw)
                 elif kind in ("int", int):
                     if isinstance(raw, float) and not raw.is_integer():
@@ -177,7 +197,8 @@ class Settings:
                 else:
                     values[name] = str(raw)
             except (TypeError, ValueError, OverflowError):
-                what = "a whole number" if kind in ("int", int) else f"a {kind}"
+                what = {"int": "a whole number", "bool": "true or false"}.get(str(kind),
+                                                                            f"a {kind}")
                 raise ConfigError(
                     f"celery_ext: setting {name} must be {what}, got {raw!r}"
                 ) from None
@@ -185,6 +206,18 @@ class Settings:
 
     def with_(self, **changes: Any) -> Settings:
         return replace(self, **changes)
+
+
+def _bool(raw: Any) -> bool:
+    """A switch from transport options (a bool or 0/1) or the environment ("true", "0")."""
+    if isinstance(raw, bool) or raw in (0, 1):
+        return bool(raw)
+    text = str(raw).strip().lower() if isinstance(raw, str) else None
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("not a switch")
 
 
 #: URL schemes of this transport (plain and TLS), and the redis-py scheme of each.

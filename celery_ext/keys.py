@@ -50,6 +50,10 @@ Layout (``ns`` = namespace)::
                                      queue-size sample ("q") of one minute (ms // 60000);
                                      expires 24 h after it (see history.py)
     {ns}:history:h:<hour>    hash    the same per hour (ms // 3600000); expires after 30 days
+    {ns}:periodic            set     names of the periodic job entries (the leader's beat_schedule)
+    {ns}:periodic:<name>     hash    one entry's state: next_due, last_due, last_run_at (ms),
+                                     last_job_id, runs, missed, paused, outcome (+ its
+                                     outcome_job_id), error, task, schedule, spec (periodic.py)
 """
 
 from __future__ import annotations
@@ -188,3 +192,9 @@ class Keys:
 
     def history_hour(self, hour: int) -> str:
         return f"{self.prefix}history:h:{hour}"
+    @property
+    def periodic(self) -> str:
+        return self.prefix + "periodic"
+
+    def periodic_entry(self, name: str) -> str:
+        return f"{self.prefix}periodic:{name}"

@@ -7,7 +7,8 @@ with or without ``install(app)`` (drop-in mode). It owns, in start order:
 
 1. the heartbeater: registration, then a heartbeat thread;
 2. the reaper: dead pools' jobs back to their queues;
-3. the requeuer: due scheduled and retry jobs to their queues;
+3. the requeuer: due scheduled and retry jobs to their queues, and, while it leads,
+   the app's periodic jobs (``run_periodic``);
 
 and, for the life of the process, what the process holds of the pool's in-flight
 record (:class:`Holdings`) with the connection its acks travel on. ``stop()`` runs
@@ -51,6 +52,7 @@ from .inflight import InflightRecord, recover_tags
 from .keys import Keys
 from .memory import eviction_warning
 from .observer import flush_observers
+from .periodic import Periodic
 from .reaper import Reaper
 from .requeuer import Requeuer
 
@@ -327,6 +329,12 @@ class WorkerPool:
                          "moved to the dead set", one_line(tag), self.settings.max_recoveries)
             return "dead"
         return "requeued" if requeued else "gone"
+
+    def run_periodic(self, app: Any) -> None:
+        """Give the requeuer ``app``'s periodic jobs (its ``beat_schedule``, unless the
+        setting ``periodic`` is off): its leader enqueues them. Idempotent."""
+        if self.requeuer.periodic is None:
+            self.requeuer.periodic = Periodic.for_app(app, self.requeuer.client, self.settings)
 
     def revive(self) -> None:
         """A fetch found the pool declared dead (its jobs were requeued): register again."""

@@ -56,6 +56,7 @@ from . import scripts as _scripts
 from .config import Settings
 from .errors import check_payload_size
 from .keys import STAT_UNIQUE_HITS, Keys
+from .periodic import PeriodicRun, current_run
 from .scheduled import eta_delay_ms, retries_of, schedule, schedule_args
 from .unique import UniqueRequest, take_pending
 
@@ -94,6 +95,7 @@ class Enqueuer:
         """Write one job to ``queue`` (or to ``batch``, a Kombu ``PublishBatch``)."""
         delay = eta_delay_ms(message)
         uniq = take_pending(message)
+        run = current_run()
         props = message.get("properties")
         if not isinstance(props, dict):  # not a Kombu message: written as it is
             self._write(queue, message, delay, uniq, None, batch)
@@ -103,6 +105,9 @@ class Enqueuer:
         props.setdefault("enqueued_at", round(enqueued_at, 3))
         publish_id = str(props.pop(PUBLISH_ID, None) or secrets.token_hex(16))
         try:
+            if run is not None:  # a periodic job's run: exactly once per due time
+                self._write_run(queue, message, run, uniq)
+                return
             marker = None
             # A job added to a batch's pipeline is never retried by Kombu (a failed
             # flush raises BatchPublishError): no marker, no memory spent on one.
@@ -157,6 +162,16 @@ class Enqueuer:
         if uniq.holder != str(message["headers"].get("id")):
             with self._acquire() as client:
                 client.hincrby(self.keys.stats, STAT_UNIQUE_HITS, 1)
+    def _write_run(self, queue: str, message: dict[str, Any], run: PeriodicRun,
+                   uniq: UniqueRequest | None) -> None:
+        """Push a periodic job's run with ``periodic_run``, which checks and moves its
+        entry's next due time in the same call (see ``periodic.py``)."""
+        with self._acquire() as client:
+            run.outcome = int(self._scripts(
+                "periodic_run", [self.keys.periodic_entry(run.entry), *self._queue_keys(queue)],
+                [*run.script_args(), *self._queue_args(queue, message)], client=client))
+        if uniq is not None:
+            uniq.holder = run.job_id  # the entry, not the unique lock, keeps it single
 
     def _queue_keys(self, queue: str) -> list[str]:
         """KEYS the ``enqueue`` and ``enqueue_unique`` scripts share."""

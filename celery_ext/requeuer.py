@@ -19,6 +19,11 @@ Timing without polling, and without a herd:
 * A producer that schedules a job earlier than every other publishes
   ``{ns}:schedule``; every requeuer wakes for it, as for a leader that stops and
   hands over. An idle pool thus sends one command per ``promote_interval``.
+
+The leader also runs the app's periodic jobs (``periodic``, a
+:class:`celery_ext.periodic.Periodic` given by the worker when its app has a
+``beat_schedule``): after each pass it enqueues the runs that are due and sleeps no
+longer than until the next one.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from kombu.utils.encoding import bytes_to_str
 from .config import Settings
 from .history import HistoryWriter, sample_queues
 from .keys import Keys
+from .periodic import Periodic
 from .scripts import Scripts
 from .state import State
 
@@ -78,6 +84,8 @@ class Requeuer:
         self.promoted = 0
         self.history = HistoryWriter(client, settings)
         self._sampled_at: float | None = None
+        #: The app's periodic jobs, run while this requeuer leads (None: no schedule).
+        self.periodic: Periodic | None = None
 
     # -- one pass ------------------------------------------------------------------------
     def promote(self) -> PromoteResult:
@@ -166,7 +174,13 @@ class Requeuer:
                 if result.leader:
                     wait = min(wait, self.settings.history_sample_interval)
                 if result.leader and result.next_due_in is not None:
-                    wait = max(min(result.next_due_in, wait), self.settings.promote_min_interval)
+                    wait = min(result.next_due_in, wait)
+                periodic = self.periodic
+                if periodic is not None and result.leader:
+                    wait = min(wait, periodic.tick())
+                elif periodic is not None:
+                    periodic.synced = False  # it syncs again when it leads again
+                wait = max(wait, self.settings.promote_min_interval)
                 self._sleep(pubsub, wait)
             except redis.RedisError as exc:
                 if not self._failing:

@@ -61,7 +61,10 @@ PAGES = (
     ("scheduled", "/scheduled", "Scheduled"),
     ("retry", "/retry", "Retry"),
     ("dead", "/dead", "Dead"),
+    ("periodic", "/periodic", "Periodic"),
 )
+#: Pages with a template of their own (the others use page.html).
+PAGE_TEMPLATES = {"periodic": "periodic.html"}
 
 _package = resources.files("celery_ext.web")
 
@@ -378,6 +381,25 @@ def create_app(client: Client, *, token: str | None = None, basic_auth: str | No
             raise HTTPException(404, "no such dead job")
         return JSONResponse({"deleted": done, "count": len(done)})
 
+    # -- periodic jobs ---------------------------------------------------------------------
+    def api_periodic(request: Request) -> JSONResponse:
+        return JSONResponse({"items": client.periodic(), "server_time": client.server_time()})
+
+    def _periodic_action(kind: str) -> Callable[[Request], Any]:
+        async def act(request: Request) -> JSONResponse:
+            name = _str_field(await _json_body(request), "name")
+            if kind == "run":
+                job_id = await run_in_threadpool(client.run_periodic_now, name)
+                if job_id is None:
+                    raise HTTPException(404, "no such periodic job entry")
+                return JSONResponse({"name": name, "job_id": job_id})
+            changed = await run_in_threadpool(
+                client.pause_periodic if kind == "pause" else client.resume_periodic, name)
+            if changed is None:
+                raise HTTPException(404, "no such periodic job entry")
+            return JSONResponse({"name": name, "paused": kind == "pause", "changed": changed})
+        return act
+
     # -- pages ---------------------------------------------------------------------------
     def dead_detail(request: Request) -> Response:
         job = client.dead_job(request.path_params["dead_id"])
@@ -401,7 +423,8 @@ def create_app(client: Client, *, token: str | None = None, basic_auth: str | No
         return JSONResponse({"error": f"Redis unavailable: {exc}"}, 503)
 
     routes = [
-        *(Route(path, page(name)) for name, path, _ in PAGES),
+        *(Route(path, page(name, PAGE_TEMPLATES.get(name, "page.html")))
+          for name, path, _ in PAGES),
         # ":path": ids come from messages anyone could have written, "/" included.
         Route("/dead/{dead_id:path}", dead_detail),
         Route("/demo", page("demo", "demo.html")),
@@ -427,6 +450,9 @@ def create_app(client: Client, *, token: str | None = None, basic_auth: str | No
         Route("/api/dead/{dead_id:path}", api_dead_job),
         Route("/api/jobs/{job_id:path}/events", api_job_events),
         Route("/api/jobs/{job_id:path}", api_job),
+        Route("/api/periodic", api_periodic),
+        *(Route(f"/api/periodic/{kind}", _periodic_action(kind), methods=["POST"])
+          for kind in ("pause", "resume", "run")),
         Route("/api/csrf", api_csrf),
         Route("/api/health", api_health),
         Route("/metrics", metrics),

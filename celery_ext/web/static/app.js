@@ -300,6 +300,32 @@
     scheduled: function () { return setPage("scheduled"); },
     retry: function () { return setPage("retry"); },
 
+    periodic: function () {
+      return api("/api/periodic").then(function (d) {
+        function post(kind, e) { return api("/api/periodic/" + kind, { method: "POST", body: { name: e.name } }); }
+        return table([
+          { label: "Entry", render: function (e) { return h("span", null, h("strong", { text: e.name }), h("br"), h("span", { cls: "mono muted", text: e.task || "" })); } },
+          { label: "Schedule", key: "schedule", cls: "mono" },
+          { label: "Next run", cls: "nowrap", render: function (e) { return e.paused ? "—" : fmtTime(e.next_due); },
+            title: function (e) { return e.next_due ? "in " + fmtDur(e.next_due - d.server_time) : ""; } },
+          { label: "Last run", cls: "nowrap", render: function (e) { return e.last_run_at ? fmtTime(e.last_run_at) : "never"; },
+            title: function (e) { return e.last_job_id || ""; } },
+          { label: "Outcome", render: function (e) {
+            var o = e.last_outcome;
+            return o ? badge(o, o === "success" ? "good" : o === "failure" ? "bad" : "warn") : "—"; } },
+          { label: "Runs", key: "runs", num: true },
+          { label: "Missed", key: "missed", num: true, title: function (e) { return e.error || ""; } },
+          { label: "State", render: function (e) { return e.paused ? badge("paused", "warn") : badge("active", "good"); } },
+          { label: "", render: function (e) {
+            return h("span", { cls: "row-actions" },
+              e.paused ? action("Resume", function () { return post("resume", e); }, { name: "periodic-resume" })
+                       : action("Pause", function () { return post("pause", e); }, { name: "periodic-pause" }),
+              action("Run now", function () { return post("run", e); }, { name: "periodic-run" }));
+          } }
+        ], d.items.map(function (e) { e.__key = e.name; return e; }), "No periodic job: the app has no beat_schedule, or no worker pool has run it yet.");
+      });
+    },
+
     dead: function () {
       return listing("dead").then(function (d) {
         var bar = d.search ? searchActions("dead", d) : h("div", { cls: "toolbar" },

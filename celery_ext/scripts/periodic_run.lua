@@ -1,0 +1,64 @@
+-- periodic_run: enqueue one run of a periodic job entry and record it on the entry, or
+-- only move the entry's next due time on (a paused, skipped or unpublishable due time).
+-- Called by whichever requeuer leads; a due time is enqueued once however many call.
+-- KEYS[1]  entry state hash          {ns}:periodic:<name>
+-- KEYS[2]  (with a payload) job queue list   {ns}:queue:<queue>
+-- KEYS[3]  (with a payload) ready set        {ns}:ready
+-- KEYS[4]  (with a payload) known queues set {ns}:queues
+-- ARGV[1]  the entry's next due time (ms) this call was planned from; the call does
+--          nothing unless the state still says it. "" = a run-now, outside the schedule
+-- ARGV[2]  the run's due time (ms; 0 for a run-now)
+-- ARGV[3]  next due time to record (ms); "" = unchanged (run-now)
+-- ARGV[4]  due times this call passes over without a run of their own (missed, paused)
+-- ARGV[5]  the run's job id (deterministic per entry and due time)
+-- ARGV[6]  message payload (kombu JSON); "" = no run, only move next_due on
+-- ARGV[7]  queue name
+-- ARGV[8]  wake channel              {ns}:wake
+-- ARGV[9]  queue expiry in ms (x-expires), 0 = never
+-- ARGV[10] (optional) why this due time has no run, kept as the entry's error
+-- Returns 1 when the job was pushed; 2 when this job id is the entry's last run already
+-- (Kombu retried a publish whose write landed: nothing pushed again); 0 when the entry
+-- moved on meanwhile (another leader took this due time); -1 when the entry is paused
+-- (next_due moved on, nothing pushed); -2 when next_due moved on without a run as asked.
+local stateKey, queueKey, readyKey, queuesKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local expected, dueMs, nextMs, passed, jobId = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local payload, queueName, wakeChannel, expiresMs = ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
+local err = ARGV[10] or ''
+
+if payload ~= '' and redis.call('HGET', stateKey, 'last_job_id') == jobId then
+  return 2
+end
+local scheduled = expected ~= ''
+if scheduled and redis.call('HGET', stateKey, 'next_due') ~= expected then
+  return 0
+end
+local paused = redis.call('HGET', stateKey, 'paused') == '1'
+if payload == '' or (paused and scheduled) then
+  redis.call('HSET', stateKey, 'next_due', nextMs, 'error', err)
+  if payload ~= '' then passed = passed + 1 end
+  if passed > 0 then redis.call('HINCRBY', stateKey, 'missed', passed) end
+  if payload == '' then return -2 end
+  return -1
+end
+
+local n = redis.call('LPUSH', queueKey, payload)
+if redis.call('SADD', readyKey, queueName) == 1 then
+  if string.sub(queueName, -7) ~= '.pidbox' then
+    redis.call('SADD', queuesKey, queueName)
+  end
+  redis.call('PUBLISH', wakeChannel, queueName)
+end
+if expiresMs > 0 then
+  redis.call('PEXPIRE', queueKey, expiresMs)
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if scheduled then
+  redis.call('HSET', stateKey, 'next_due', nextMs, 'last_due', dueMs)
+else
+  redis.call('HDEL', stateKey, 'last_due')
+end
+redis.call('HSET', stateKey, 'last_run_at', now, 'last_job_id', jobId, 'error', '')
+redis.call('HINCRBY', stateKey, 'runs', 1)
+if passed > 0 then redis.call('HINCRBY', stateKey, 'missed', passed) end
+return 1
