@@ -24,7 +24,8 @@ Layout (``ns`` = namespace)::
     {ns}:busy:<id>           hash    slot -> "<started ms>\n<job json>" jobs a pool runs now
     {ns}:checkins            hash    job id -> "<ms>\n<json>" last checkin of a running job
     {ns}:stop                set     job ids someone asked to stop (checkin returns True)
-    {ns}:stats               hash    "processed"/"failed"/"retried"[":<queue>"] -> count
+    {ns}:stats               hash    "processed"/"failed"/"retried"[":<queue>"] -> count;
+                                     "rate_limited"[":<queue>"]: fetches a rate limit refused
     {ns}:reaper              string  lock held by the one reaper running a pass
     {ns}:dead                zset    dead job id -> failed_at (ms)
     {ns}:dead_jobs           hash    dead job id -> "<meta json>\n<queue>\n<payload>"
@@ -36,6 +37,10 @@ Layout (``ns`` = namespace)::
     {ns}:requeuer            string  id of the leading requeuer (a lease; see requeuer.py)
     {ns}:paused              set     job queue names that fetch skips (jobs kept)
     {ns}:limits              hash    queue name -> max jobs of it in flight at once
+    {ns}:rate_limits         hash    queue name -> rate limit as µs between two fetched jobs
+                                     (cluster-wide, see rate_limits.py)
+    {ns}:rate_tat            hash    queue name -> Redis time (µs) from which its next job
+                                     may be fetched (GCRA "theoretical arrival time")
     {ns}:unique:<digest>     string  id of the pending unique job with that key (TTL'd lock)
     {ns}:published:<id>      string  a publish that wrote its job (TTL publish_idempotency_ttl);
                                      Kombu's retry of that publish writes nothing. <id>: one
@@ -156,6 +161,14 @@ class Keys:
     @property
     def limits(self) -> str:
         return self.prefix + "limits"
+
+    @property
+    def rate_limits(self) -> str:
+        return self.prefix + "rate_limits"
+
+    @property
+    def rate_tat(self) -> str:
+        return self.prefix + "rate_tat"
 
     def unique(self, digest: str) -> str:
         return f"{self.prefix}unique:{digest}"
