@@ -48,7 +48,7 @@ def interval_us(value: Any) -> int | None:
     Raises ValueError for anything else."""
     try:
         per_second = rate(value)
-    except (TypeError, ValueError, ZeroDivisionError):
+    except (TypeError, ValueError, KeyError, ZeroDivisionError):
         raise ValueError(f"{value!r} is not a rate limit like '20/s', '10/m' or '5/h'") from None
     if not per_second:
         return None

@@ -570,7 +570,7 @@ class Channel(kredis.Channel):
         # max_concurrency too (resume and ack publish one); rate-limited ones for a timer.
         replied = self._ready.fetch_replied([bytes_to_str(n) for n in (*empties, *blocked)])
         if waits:
-            self._throttle([(bytes_to_str(q), int(ms) / 1000) for q, ms in waits])
+            self._throttle([(bytes_to_str(q), int(us) / 1e6) for q, us in waits])
         if replied:
             # Which of these "empty" replies predate the (re)subscription is unknown:
             # the ready set, read now that we are subscribed, says which hold jobs.

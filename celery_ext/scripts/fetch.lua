@@ -42,7 +42,7 @@
 -- over the limit), recoveries or -1}, ...};
 -- empties = names of candidate queues found or left empty; blocked = names of
 -- candidate queues skipped (paused, at their limit or not due) or left at their limit
--- or not due; waits = {{queue name, ms until its next job is due}, ...}.
+-- or not due; waits = {{queue name, µs until its next job is due}, ...}.
 local TAG_WINDOW = 1024
 local NFIXED = 11
 local ncand = #KEYS - NFIXED
@@ -101,7 +101,7 @@ for i = 1, ncand do
     tat[qname] = tat[qname] or tonumber(redis.call('HGET', KEYS[10], qname) or 0)
     if tat[qname] > now_us then
       skip[qname] = true
-      waits[#waits + 1] = {qname, math.ceil((tat[qname] - now_us) / 1000)}
+      waits[#waits + 1] = {qname, tat[qname] - now_us}
       redis.call('HINCRBY', KEYS[11], 'rate_limited', 1)
       redis.call('HINCRBY', KEYS[11], 'rate_limited:' .. qname, 1)
     end
@@ -155,7 +155,7 @@ for i = 1, ncand do
       elseif interval[qname] then
         skip[qname] = 'reported'
         blocked[#blocked + 1] = qname
-        waits[#waits + 1] = {qname, math.ceil((tat[qname] - now_us) / 1000)}
+        waits[#waits + 1] = {qname, tat[qname] - now_us}
       end
     end
   end
