@@ -35,7 +35,7 @@ from .config import ConfigError, Settings, check_broker_url, uses_our_transport
 from .dead import wrap_consumer_handlers
 from .keys import Keys
 from .limits import job_limits, write_limits
-from .rate_limits import RateLimits, job_rate_limits, use_cluster_buckets, write_rate_limits
+from .rate_limits import ClusterBuckets, job_rate_limits, write_rate_limits
 from .retry import apply_backoffs
 from .unique import validate_unique_options
 from .weights import all_weights, set_weights
@@ -244,10 +244,9 @@ class Sets(bootsteps.StartStopStep):
             raise SystemExit(str(exc)) from None
         #: None: this pool leaves rate limits to Celery (not our transport) or has them
         #: off (``worker_disable_rate_limits``), and writes none.
-        self.rate_limits: RateLimits | None = None
+        self.buckets: ClusterBuckets | None = None
         if uses_our_transport(app.conf) and not getattr(c, "disable_rate_limits", False):
-            self.rate_limits = rate_limits
-            use_cluster_buckets(c, rate_limits)
+            self.buckets = ClusterBuckets(c, rate_limits)
         self.written = False
 
     def start(self, c: Any) -> None:
@@ -257,8 +256,9 @@ class Sets(bootsteps.StartStopStep):
         pool = channel.worker_pool
         keys, consumed = Keys(pool.settings.namespace), c.app.amqp.queues.consume_from
         write_limits(pool.client, keys, self.limits, consumed)
-        if self.rate_limits is not None:
-            write_rate_limits(pool.client, keys, self.rate_limits.queues, consumed)
+        if self.buckets is not None:
+            self.buckets.connected(lambda limits: write_rate_limits(
+                pool.client, keys, limits.queues, consumed))
         self.written = True
 
 

@@ -14,7 +14,8 @@ queues it consumes from its tasks' ``rate_limit`` (Celery's syntax, parsed by
 limit removed, so the code stays the source of truth, as with ``max_concurrency``.
 ``Client.set_rate_limit`` (``celery ext rate-limit``, the dashboard) changes a limit
 until the next pool starts. For a task whose limit is enforced here, Celery's
-per-process bucket is switched off (:func:`use_cluster_buckets`), or both would apply.
+per-process bucket is switched off (:class:`ClusterBuckets`), or both would apply, and
+``celery control rate_limit`` changes the limit in Redis.
 
 A limit is a queue's: it is enforced cluster-wide for a queue whose tasks all declare
 the same ``rate_limit`` (with ``install(app)`` every task has a queue of its own).
@@ -27,7 +28,7 @@ line at start: throttling the whole queue would slow the others. Celery's built-
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,19 +126,42 @@ def write_rate_limits(client: Any, keys: Keys, limits: Mapping[str, int],
                         reset_key=keys.rate_tat)
 
 
-def use_cluster_buckets(consumer: Any, limits: RateLimits) -> None:
-    """Switch Celery's per-process token bucket off for the tasks whose limit fetch
-    enforces (Celery's consumer asks ``bucket_for_task`` for each task's bucket, at
-    start and on the ``rate_limit`` remote-control command), and say which tasks keep
-    it because their queue is shared."""
-    original = consumer.bucket_for_task
+class ClusterBuckets:
+    """A worker's side of the rate limits: Celery's per-process token bucket off for
+    the tasks whose limit fetch enforces, and Celery's ``rate_limit`` remote-control
+    command (``celery control rate_limit``, Flower's task page) turned into a change of
+    the cluster-wide limit.
 
-    def bucket_for_task(task: Any) -> Any:
-        return None if task.name in limits.tasks else original(task)
+    Celery's consumer asks ``bucket_for_task`` for each task's bucket in
+    ``reset_rate_limits``, which it runs at start and for that command (after setting
+    the task's new ``rate_limit``); both are replaced on the consumer. Once the pool is
+    connected, :meth:`connected` gives the function that writes limits to Redis, and
+    each reset re-reads the tasks' limits and writes the changed ones."""
 
-    consumer.bucket_for_task = bucket_for_task
-    consumer.reset_rate_limits()
-    for name, queue in sorted(limits.local.items()):
-        logger.warning("celery_ext: task %r's rate_limit applies per worker process: its "
-                       "queue %r is shared with tasks of another rate limit or none (route it "
-                       "to a queue of its own for a limit across all pools)", name, queue)
+    def __init__(self, consumer: Any, limits: RateLimits) -> None:
+        self.limits = limits
+        self._write: Callable[[RateLimits], Any] | None = None
+        bucket_for_task, reset = consumer.bucket_for_task, consumer.reset_rate_limits
+
+        def cluster_bucket_for_task(task: Any) -> Any:
+            return None if task.name in self.limits.tasks else bucket_for_task(task)
+
+        def reset_rate_limits() -> None:
+            if self._write is not None:
+                self.limits = job_rate_limits(consumer.app)
+            reset()
+            if self._write is not None:
+                self._write(self.limits)
+
+        consumer.bucket_for_task = cluster_bucket_for_task
+        consumer.reset_rate_limits = reset_rate_limits
+        reset()
+        for name, queue in sorted(limits.local.items()):
+            logger.warning("celery_ext: task %r's rate_limit applies per worker process: its "
+                           "queue %r is shared with tasks of another rate limit or none (route "
+                           "it to a queue of its own for a limit across all pools)", name, queue)
+
+    def connected(self, write: Callable[[RateLimits], Any]) -> None:
+        """Write the limits now and at every later reset."""
+        self._write = write
+        write(self.limits)
