@@ -157,7 +157,7 @@ class ClusterBuckets:
         consumer.reset_rate_limits = reset_rate_limits
         reset()
         for name, queue in sorted(limits.local.items()):
-            logger.warning("celery_ext: task %r's rate_limit applies per worker process: its "
+            logger.warning("celery_ext: task %r: its rate_limit applies per worker process, as its "
                            "queue %r is shared with tasks of another rate limit or none (route "
                            "it to a queue of its own for a limit across all pools)", name, queue)
 
