@@ -219,3 +219,34 @@ def test_cli_sets_shows_and_clears_a_rate_limit(broker_url: str,
     out = celery_cli(*args, "reports", "--clear", broker_url=broker_url)
     assert out.returncode == 0 and "reports: no rate limit" in out.stdout
     assert Client(redis_client).rate_limits() == {}
+
+
+def test_dashboard_api_sets_and_clears_a_rate_limit(redis_client: redis.Redis) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from starlette.testclient import TestClient
+
+    from celery_ext.web import create_app
+
+    push(redis_client, "reports", json.dumps({"n": 1}))
+    with TestClient(create_app(Client(redis_client), sample_interval=0.2)) as api:
+        headers = {"X-CSRF-Token": api.get("/api/csrf").json()["csrf_token"]}
+
+        def post(rate: Any) -> Any:
+            return api.post("/api/queues/rate_limit", headers=headers,
+                            json={"name": "reports", "rate_limit": rate})
+
+        def shown() -> Any:
+            (queue,) = api.get("/api/queues").json()["items"]
+            return queue["rate_limit"]
+
+        assert shown() is None
+        assert post("600/h").json() == {"name": "reports", "rate_limit": "10/m"}
+        assert shown() == "10/m"
+        bad = post("often")
+        assert bad.status_code == 400 and "is not a rate limit" in bad.json()["error"]
+        assert post(5).status_code == 400
+        assert post(None).json() == {"name": "reports", "rate_limit": None}
+        assert shown() is None
