@@ -7,7 +7,8 @@ needs Celery's worker objects, in every mode unless said otherwise:
 
 - ``JobQueues`` (``install(app)`` only: it is routing): consume every task's queue;
 - ``Sets``: task options checked at start (backoff, unique, max_concurrency,
-  stall_after) and the concurrency limits written;
+  stall_after, rate_limit) and the concurrency and rate limits written (Celery's
+  per-process rate limit is off for the tasks whose limit holds in all pools);
 - ``DeadLetters``: unknown and invalid messages go to the dead set;
 - ``PeriodicJobs``: the app's ``beat_schedule`` handed to the worker pool's requeuer;
 - ``worker_ready``: the pool's registration details (node, concurrency, pool type,
@@ -35,6 +36,7 @@ from .config import ConfigError, Settings, check_broker_url, uses_our_transport
 from .dead import wrap_consumer_handlers
 from .keys import Keys
 from .limits import job_limits, write_limits
+from .rate_limits import ClusterBuckets, job_rate_limits, write_rate_limits
 from .retry import apply_backoffs
 from .unique import validate_unique_options
 from .weights import all_weights, set_weights
@@ -235,12 +237,18 @@ class Sets(bootsteps.StartStopStep):
         try:
             settings = Settings.load(app.conf.broker_transport_options)
             self.limits = job_limits(app)
+            rate_limits = job_rate_limits(app)
             for task in app.tasks.values():
                 validate_unique_options(task)
                 validate_stall_after(task)
             apply_backoffs(app.tasks, settings)
         except (ConfigError, ValueError) as exc:
             raise SystemExit(str(exc)) from None
+        #: None: this pool leaves rate limits to Celery (not our transport) or has them
+        #: off (``worker_disable_rate_limits``), and writes none.
+        self.buckets: ClusterBuckets | None = None
+        if uses_our_transport(app.conf) and not getattr(c, "disable_rate_limits", False):
+            self.buckets = ClusterBuckets(c, rate_limits)
         self.written = False
 
     def start(self, c: Any) -> None:
@@ -248,8 +256,11 @@ class Sets(bootsteps.StartStopStep):
         if self.written or not hasattr(channel, "worker_pool"):
             return  # already written by this worker, or not our transport
         pool = channel.worker_pool
-        write_limits(pool.client, Keys(pool.settings.namespace), self.limits,
-                     c.app.amqp.queues.consume_from)
+        keys, consumed = Keys(pool.settings.namespace), c.app.amqp.queues.consume_from
+        write_limits(pool.client, keys, self.limits, consumed)
+        if self.buckets is not None:
+            self.buckets.connected(lambda limits: write_rate_limits(
+                pool.client, keys, limits.queues, consumed))
         self.written = True
 
 

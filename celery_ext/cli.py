@@ -177,12 +177,12 @@ def ext(ctx: click.Context) -> None:
 
 def _queue_rows(items: list[Any]) -> list[list[Any]]:
     return [[q["name"], q["size"], _age(q["latency"]), q["weight"], q["in_flight"],
-             q["max_concurrency"], q["processed"], q["failed"],
+             q["max_concurrency"], q.get("rate_limit"), q["processed"], q["failed"],
              "paused" if q["paused"] else "active"] for q in items]
 
 
-QUEUE_HEADERS = ["QUEUE", "QUEUED", "LATENCY", "WEIGHT", "IN FLIGHT", "MAX", "PROCESSED",
-                 "FAILED", "STATE"]
+QUEUE_HEADERS = ["QUEUE", "QUEUED", "LATENCY", "WEIGHT", "IN FLIGHT", "MAX", "RATE",
+                 "PROCESSED", "FAILED", "STATE"]
 
 
 @ext.command(cls=CeleryCommand)
@@ -588,6 +588,42 @@ def periodic_run_now(ctx: click.Context, name: str) -> None:
     if job_id is None:
         raise NotFound(f"no periodic job entry {name} in the app's beat_schedule")
     click.echo(f"enqueued {name}: job {job_id}")
+@ext.command(name="rate-limit", cls=CeleryCommand)
+@click.argument("queue", required=False)
+@click.argument("rate", required=False)
+@click.option("--clear", is_flag=True, help="Remove the queue's rate limit.")
+@json_option
+@click.pass_context
+@_friendly
+def rate_limit(ctx: click.Context, queue: str | None, rate: str | None, clear: bool,
+               as_json: bool) -> None:
+    """Show or set job queues' rate limits (all pools together), e.g. 20/s, 10/m, 5/h.
+
+    Without arguments, list them; with QUEUE only, show that one. A limit set here
+    lasts until a worker pool consuming the queue starts and writes its tasks' own.
+    """
+    client = _client(ctx)
+    if queue is not None and (rate is not None or clear):
+        if rate is not None and clear:
+            raise click.UsageError("give a RATE or --clear, not both")
+        try:
+            stored = client.set_rate_limit(queue, None if clear else rate)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="RATE") from None
+        if as_json:
+            _emit_json({"queue": queue, "rate_limit": stored})
+        else:
+            click.echo(f"{queue}: rate limit {stored}" if stored else f"{queue}: no rate limit")
+        return
+    if clear:
+        raise click.UsageError("--clear needs a QUEUE")
+    limits = client.rate_limits()
+    if queue is not None:
+        limits = {queue: limits[queue]} if queue in limits else {}
+    if as_json:
+        _emit_json(limits)
+    else:
+        _table(["QUEUE", "RATE"], sorted(limits.items()), "no rate limits")
 
 
 @ext.command(cls=CeleryCommand)

@@ -7,8 +7,8 @@
     client.pause("tasks.report")
 
 Job queues, worker pools and busy workers come from :class:`celery_ext.state.State`;
-this module adds the scheduled, retry and dead sets, pause/resume and concurrency
-limits. Every write is one script or one MULTI, and idempotent: two people pressing
+this module adds the scheduled, retry and dead sets, pause/resume, concurrency
+and rate limits. Every write is one script or one MULTI, and idempotent: two people pressing
 "retry" on the same dead job requeue it once. Times are seconds on the Redis clock.
 """
 
@@ -27,6 +27,7 @@ from kombu.utils.json import dumps
 from .config import Settings, redis_url
 from .dead import split_record
 from .keys import Keys
+from .rate_limits import format_rate, interval_us
 from .scripts import Scripts
 from .state import BusyWorker, PoolInfo, QueueInfo, State
 from .unique import lock_of
@@ -242,6 +243,28 @@ class Client:
 
     def limits(self) -> dict[str, int]:
         return {bytes_to_str(q): int(n) for q, n in self.client.hgetall(self.keys.limits).items()}
+
+    def set_rate_limit(self, queue: str, limit: str | None) -> str | None:
+        """Limit (or, with None, unlimit) how often jobs of a queue start, in all pools:
+        a Celery rate like ``"20/s"``, ``"10/m"``, ``"5/h"``. The queue's next job is
+        due at once. Worker pools rewrite the limits of their queues from task options
+        when they start, so this lasts until the next pool starts. Returns the limit
+        as stored (``"20/s"``), or None. Raises ValueError for anything not a rate."""
+        interval = interval_us(limit) if limit is not None else None
+        with self.client.pipeline(transaction=True) as pipe:
+            if interval is None:
+                pipe.hdel(self.keys.rate_limits, queue)
+            else:
+                pipe.hset(self.keys.rate_limits, queue, interval)
+            pipe.hdel(self.keys.rate_tat, queue)
+            pipe.publish(self.keys.wake_channel, queue)
+            pipe.execute()
+        return format_rate(interval) if interval is not None else None
+
+    def rate_limits(self) -> dict[str, str]:
+        """Job queue -> its cluster-wide rate limit (``"20/s"``)."""
+        return {bytes_to_str(q): format_rate(int(n))
+                for q, n in self.client.hgetall(self.keys.rate_limits).items()}
 
     # -- scheduled and retry sets ---------------------------------------------------------
     def scheduled(self, offset: int = 0, limit: int = 50,

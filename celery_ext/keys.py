@@ -27,7 +27,8 @@ Layout (``ns`` = namespace)::
     {ns}:stats               hash    "processed"/"failed"/"retried"[":<queue>"] -> count; and
                                      "recovered" (jobs the reaper requeued), "pools_reaped",
                                      "poison_pills" (dead-lettered after max_recoveries),
-                                     "unique_hits" (enqueues dropped as duplicates)
+                                     "unique_hits" (enqueues dropped as duplicates),
+                                     "rate_limited"[":<queue>"] (fetches a rate limit refused)
     {ns}:runtime             hash    "<bucket>:<queue>" -> runs whose runtime fell in that
                                      bucket (not cumulative; see observer.RUNTIME_BUCKETS),
                                      "sum_us:<queue>" -> total runtime in microseconds
@@ -42,6 +43,10 @@ Layout (``ns`` = namespace)::
     {ns}:requeuer            string  id of the leading requeuer (a lease; see requeuer.py)
     {ns}:paused              set     job queue names that fetch skips (jobs kept)
     {ns}:limits              hash    queue name -> max jobs of it in flight at once
+    {ns}:rate_limits         hash    queue name -> rate limit as µs between two fetched jobs
+                                     (cluster-wide, see rate_limits.py)
+    {ns}:rate_tat            hash    queue name -> Redis time (µs) from which its next job
+                                     may be fetched (GCRA "theoretical arrival time")
     {ns}:unique:<digest>     string  id of the pending unique job with that key (TTL'd lock)
     {ns}:published:<id>      string  a publish that wrote its job (TTL publish_idempotency_ttl);
                                      Kombu's retry of that publish writes nothing. <id>: one
@@ -180,6 +185,14 @@ class Keys:
     @property
     def limits(self) -> str:
         return self.prefix + "limits"
+
+    @property
+    def rate_limits(self) -> str:
+        return self.prefix + "rate_limits"
+
+    @property
+    def rate_tat(self) -> str:
+        return self.prefix + "rate_tat"
 
     def unique(self, digest: str) -> str:
         return f"{self.prefix}unique:{digest}"

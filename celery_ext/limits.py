@@ -40,9 +40,12 @@ def job_limits(app: Any) -> dict[str, int]:
 
 
 def write_limits(client: Any, keys: Keys, limits: Mapping[str, int],
-                 consumed: Iterable[str]) -> list[str]:
+                 consumed: Iterable[str], hash_key: str | None = None,
+                 reset_key: str | None = None) -> list[str]:
     """Set the limits of the consumed queues (removing undeclared ones) and wake
-    pools that may have been waiting on a queue whose limit changed.
+    pools that may have been waiting on a queue whose limit changed. ``hash_key``:
+    another hash of limits than ``{ns}:limits`` (rate limits); ``reset_key``: a hash
+    whose field of each changed queue is deleted with it (a rate limit's state).
 
     Only the changes are written and published (one read first): a pool consuming
     1,000 job queues would otherwise send 2,000 commands at every start and wake
@@ -50,8 +53,9 @@ def write_limits(client: Any, keys: Keys, limits: Mapping[str, int],
     consumed = set(consumed) | set(limits)
     if not consumed:
         return []
+    hash_key = hash_key or keys.limits
     current = {bytes_to_str(k): bytes_to_str(v)
-               for k, v in client.hgetall(keys.limits).items()}
+               for k, v in client.hgetall(hash_key).items()}
     changed = [queue for queue in sorted(consumed)
                if current.get(queue) != (str(limits[queue]) if queue in limits else None)]
     if not changed:
@@ -59,9 +63,11 @@ def write_limits(client: Any, keys: Keys, limits: Mapping[str, int],
     with client.pipeline() as pipe:
         for queue in changed:
             if queue in limits:
-                pipe.hset(keys.limits, queue, limits[queue])
+                pipe.hset(hash_key, queue, limits[queue])
             else:
-                pipe.hdel(keys.limits, queue)
+                pipe.hdel(hash_key, queue)
+            if reset_key:
+                pipe.hdel(reset_key, queue)
             pipe.publish(keys.wake_channel, queue)
         pipe.execute()
     return changed

@@ -13,6 +13,12 @@ or nothing would wake it before the next ready refresh. So wake-ups read while a
 fetch is on the wire are remembered and win over its reply; a (re)subscription
 confirmed meanwhile (notifications may have been missed) makes the reply's caller
 re-read the ready set instead.
+
+A rate-limited queue whose next job is not due yet is blocked too, with a wait: it
+stays inactive until then (:meth:`ReadyQueues.throttle`, :meth:`ReadyQueues.release_due`;
+the channel sets a timer for :meth:`ReadyQueues.next_due`). The idle refresh does not
+wake it early (the ready set says it holds jobs, not that they are due); a wake-up does,
+which costs one fetch that is refused again with a new wait.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ class ReadyQueues:
         self._fetching = False
         self._woken_in_fetch: set[str] = set()
         self._resubscribed_in_fetch = False
+        #: Rate-limited queues -> monotonic time their next job is due.
+        self._throttled: dict[str, float] = {}
 
     # -- what the channel consumes -----------------------------------------------------
     def add(self, queue: str, weight: int) -> None:
@@ -37,6 +45,7 @@ class ReadyQueues:
 
     def remove(self, queue: str) -> None:
         self.sched.remove_queues([queue])
+        self._throttled.pop(queue, None)
 
     # -- fetching ------------------------------------------------------------------------
     def has_active(self) -> bool:
@@ -74,8 +83,10 @@ class ReadyQueues:
         self.activate_all()
 
     # -- what says a queue may hold jobs --------------------------------------------------
-    def woken(self, names: list[str]) -> None:
-        """A wake-up, or the ready set, says these queues hold jobs."""
+    def woken(self, names: list[str], refresh: bool = False) -> None:
+        """A wake-up, or the ready set (``refresh``), says these queues hold jobs."""
+        if refresh and self._throttled:
+            names = [n for n in names if n not in self._throttled]
         self.sched.activate_many(names)
         if self._fetching:
             self._woken_in_fetch.update(names)
@@ -88,3 +99,23 @@ class ReadyQueues:
 
     def activate_all(self) -> None:
         self.sched.activate_many(self.sched.queues)
+
+    # -- rate limits -------------------------------------------------------------------
+    def throttle(self, waits: Iterable[tuple[str, float]], now: float) -> None:
+        """These queues' next jobs are due in so many seconds (the fetch reply's waits;
+        the same reply's blocked list deactivated them)."""
+        for name, wait in waits:
+            if name in self.sched.queues:
+                self._throttled[name] = now + wait
+
+    def next_due(self) -> float | None:
+        """When the earliest throttled queue is due (monotonic), or None."""
+        return min(self._throttled.values()) if self._throttled else None
+
+    def release_due(self, now: float) -> None:
+        """Activate the throttled queues whose next job is due by ``now``."""
+        due = [name for name, at in self._throttled.items() if at <= now]
+        for name in due:
+            del self._throttled[name]
+        if due:
+            self.woken(due)

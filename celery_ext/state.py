@@ -26,6 +26,7 @@ from .clock import now_ms
 from .config import Settings
 from .keys import Keys
 from .liveness import Liveness
+from .rate_limits import format_rate
 from .scripts import Scripts
 
 #: Queue names per ``queue_info`` call: bounds how long one call holds Redis.
@@ -39,6 +40,7 @@ class QueueInfo(TypedDict):
     weight: int
     paused: bool
     max_concurrency: int | None
+    rate_limit: str | None  # cluster-wide, e.g. "20/s" (rate_limits.py)
     in_flight: int
     processed: int
     failed: int
@@ -152,7 +154,8 @@ class State:
             pipe.hmget(k.running, names)
             pipe.hmget(k.stats, [f"processed:{n}" for n in names])
             pipe.hmget(k.stats, [f"failed:{n}" for n in names])
-            weights, paused, limits, running, processed, failed = pipe.execute()
+            pipe.hmget(k.rate_limits, names)
+            weights, paused, limits, running, processed, failed, rates = pipe.execute()
         paused_names = {bytes_to_str(p) for p in paused}
         result: list[QueueInfo] = []
         for i, (name, size, stamp) in enumerate(rows):
@@ -163,6 +166,7 @@ class State:
                 weight=_int(weights[i], self.settings.default_weight),
                 paused=name in paused_names,
                 max_concurrency=_int(limits[i]) if limits[i] is not None else None,
+                rate_limit=format_rate(_int(rates[i])) if _int(rates[i]) > 0 else None,
                 in_flight=max(0, _int(running[i])),
                 processed=_int(processed[i]),
                 failed=_int(failed[i]),

@@ -15,6 +15,9 @@ over PUB/SUB included, is inherited unchanged, and ``driver_type`` stays ``redis
   non-empty) and re-reads the ``ready`` set once per ``idle_refresh_interval`` in
   case a notification was missed. A wake-up read while a fetch is on the wire
   outlives that fetch's "empty" reply (``readiness.ReadyQueues``).
+* Rate limits: a queue whose next job is not due yet (``rate_limits.py``) comes back
+  in the fetch reply with its wait; the channel sets one event-loop timer for the
+  earliest such time and fetches from the other queues meanwhile.
 * Ack removes the job from the in-flight hash (O(1)); reject-with-requeue and the
   return at shutdown put jobs back at the *front* of their queue. There is no
   visibility timeout: a job leaves the in-flight record only when its pool acks it,
@@ -162,6 +165,12 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
 
     def get(self, callback: Any, timeout: float | None = None) -> Any:
         self.maybe_refresh_ready()
+        # Without an event loop (a plain Kombu consumer) no timer wakes a rate-limited
+        # queue: wait no longer than until it is due.
+        due = [d for d in (c._ready.next_due() for c in self._channels) if d is not None]
+        if due:
+            wait = max(0.0, min(due) - monotonic())
+            timeout = wait if timeout is None else min(timeout, wait)
         return super().get(callback, timeout=timeout)
 
 
@@ -187,6 +196,9 @@ class Channel(kredis.Channel):
         self._worker_pool: WorkerPool | None = None
         #: A tracked fetch was sent and its reply not read yet.
         self._fetch_pending = False
+        #: The event-loop timer that wakes rate-limited queues, and when it fires.
+        self._throttle_timer: Any = None
+        self._throttle_timer_at: float | None = None
         super().__init__(*args, **kwargs)
         self.handlers["WAKE"] = self._wake_read
         self._scripts = _scripts.Scripts(self.client)
@@ -472,7 +484,8 @@ class Channel(kredis.Channel):
     def _fetch_keys(self, pool_id: str, queues: list[str]) -> list[str]:
         k = self.keys
         return [k.inflight(pool_id), k.pools, k.ready, k.redelivery, k.inflight_pools,
-                k.running, k.limits, k.paused, *(k.queue(q) for q in queues)]
+                k.running, k.limits, k.paused, k.rate_limits, k.rate_tat, k.stats,
+                *(k.queue(q) for q in queues)]
 
     def _fetch_sync(self, queues: list[str], track: bool) -> list[Any]:
         pool_id = self.pool_id if track else "-"
@@ -482,7 +495,7 @@ class Channel(kredis.Channel):
                 if track:
                     self.worker_pool.fetch_sent()
                 try:
-                    status, jobs, _empties, _blocked = self._scripts(
+                    status, jobs, *_ = self._scripts(
                         "fetch", self._fetch_keys(pool_id, queues),
                         [pool_id, flags, *queues, self.settings.max_payload_bytes], client=client)
                 except BaseException:
@@ -552,10 +565,13 @@ class Channel(kredis.Channel):
         if not pending:
             self._ready.fetch_replied(())
             raise Empty()
-        status, jobs, empties, blocked = reply
+        status, jobs, empties, blocked, waits = reply
         # Empty queues wait for a wake-up; paused ones and those at their
-        # max_concurrency too (resume and ack publish one).
-        if self._ready.fetch_replied([bytes_to_str(n) for n in (*empties, *blocked)]):
+        # max_concurrency too (resume and ack publish one); rate-limited ones for a timer.
+        replied = self._ready.fetch_replied([bytes_to_str(n) for n in (*empties, *blocked)])
+        if waits:
+            self._throttle([(bytes_to_str(q), int(us) / 1e6) for q, us in waits])
+        if replied:
             # Which of these "empty" replies predate the (re)subscription is unknown:
             # the ready set, read now that we are subscribed, says which hold jobs.
             try:
@@ -698,6 +714,7 @@ class Channel(kredis.Channel):
         let the worker pool look at its acks and in-flight record."""
         if self._worker_pool is not None:
             self._worker_pool.tick()
+        self._ready.release_due(monotonic())
         if self._ready.all_active():
             return
         now = monotonic()
@@ -726,7 +743,31 @@ class Channel(kredis.Channel):
         """Mark every consumed queue in the ``ready`` set active (1 command)."""
         with self.conn_or_acquire() as client:
             ready = client.smembers(self.keys.ready)
-        self._ready.woken([bytes_to_str(name) for name in ready])
+        self._ready.woken([bytes_to_str(name) for name in ready], refresh=True)
+
+    # -- rate limits -----------------------------------------------------------------------
+    def _throttle(self, waits: list[tuple[str, float]]) -> None:
+        """Rate-limited queues whose next job is due in so many seconds: keep them
+        inactive until then, with one event-loop timer for the earliest."""
+        self._ready.throttle(waits, monotonic())
+        self._arm_throttle_timer()
+
+    def _arm_throttle_timer(self) -> None:
+        due = self._ready.next_due()
+        loop = getattr(self.connection, "event_loop", None)
+        if due is None or loop is None:
+            return  # no loop: MultiChannelPoller.get waits no longer than ``due``
+        if self._throttle_timer_at is not None and self._throttle_timer_at <= due:
+            return  # the timer already set fires first
+        if self._throttle_timer is not None:
+            self._throttle_timer.cancel()
+        self._throttle_timer_at = due
+        self._throttle_timer = loop.call_later(max(0.0, due - monotonic()), self._throttle_due)
+
+    def _throttle_due(self) -> None:
+        self._throttle_timer = self._throttle_timer_at = None
+        self._ready.release_due(monotonic())
+        self._arm_throttle_timer()
 
     # -- dead set, lost workers ----------------------------------------------------------
     def _dead_letter(self, tag: str, reason: str, error: str, queue: str | None = None,
@@ -756,6 +797,9 @@ class Channel(kredis.Channel):
         return super()._poll_error(type, **options)
 
     def close(self) -> None:
+        if self._throttle_timer is not None:
+            self._throttle_timer.cancel()
+            self._throttle_timer = self._throttle_timer_at = None
         wake = self.__dict__.get("_wakeclient")
         if wake is not None:
             with suppress(Exception):
@@ -783,8 +827,12 @@ class Transport(kredis.Transport):
         # pool owns the jobs they run (their busy records and checkins name it).
         current_pool_id()
 
+    #: The event loop (Celery's hub) the channels' timers run on, once registered.
+    event_loop: Any = None
+
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)
+        self.event_loop = loop
         cycle = self.cycle
         old = getattr(cycle, "_ready_refresh_tref", None)
         if old is not None:

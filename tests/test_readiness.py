@@ -57,3 +57,24 @@ def test_a_lost_fetch_activates_every_queue() -> None:
     r.fetch_sent()
     r.fetch_replied(["a"])
     assert r.sched.active == {"b"}
+
+
+def test_a_throttled_queue_sleeps_until_due_unless_woken() -> None:
+    """A rate-limited queue refused by fetch stays inactive until its due time: the
+    ready refresh does not wake it, the due time does; a wake-up does at once."""
+    r = ready("a", "b")
+    r.fetch_sent()
+    r.fetch_replied(["a"])
+    r.throttle([("a", 0.5), ("gone", 0.1)], now=100.0)  # (a queue not consumed: ignored)
+    assert r.next_due() == 100.5
+    r.woken(["a", "b"], refresh=True)
+    assert r.sched.active == {"b"}
+    r.release_due(100.4)
+    assert r.sched.active == {"b"} and r.next_due() == 100.5
+    r.release_due(100.5)
+    assert r.sched.active == {"a", "b"} and r.next_due() is None
+    r.fetch_sent()
+    r.fetch_replied(["a"])
+    r.throttle([("a", 0.5)], now=200.0)
+    r.woken(["a"])  # e.g. its limit changed
+    assert r.sched.active == {"a", "b"}

@@ -10,10 +10,13 @@
 -- KEYS[6]  running counts hash          {ns}:running
 -- KEYS[7]  concurrency limits hash      {ns}:limits
 -- KEYS[8]  paused queues set            {ns}:paused
--- KEYS[9..] job queue lists, one per candidate (repeats allowed)
+-- KEYS[9]  rate limits hash             {ns}:rate_limits
+-- KEYS[10] rate limit state hash        {ns}:rate_tat
+-- KEYS[11] stats hash                   {ns}:stats
+-- KEYS[12..] job queue lists, one per candidate (repeats allowed)
 -- ARGV[1]  pool id
 -- ARGV[2]  one char per candidate: "1" = record in-flight (acked consumer), "0" = no-ack
--- ARGV[3..] queue names, one per candidate, in the order of KEYS[9..]
+-- ARGV[3..] queue names, one per candidate, in the order of KEYS[12..]
 -- ARGV[3 + n] (optional, n = number of candidates) max_payload_bytes, 0 = no limit
 -- Delivery tag: Kombu writes "properties" last, with "delivery_tag" after its other
 -- properties, and our producers add only "enqueued_at" after it (a republished
@@ -29,13 +32,20 @@
 -- A paused queue, or one with as many jobs in flight (in all pools) as its
 -- max_concurrency, is skipped and reported as blocked; it stays in the ready set
 -- (ack and resume publish the wake channel when it becomes fetchable again).
--- Returns {status, jobs, empties, blocked}: status 0 = pool not registered (nothing
+-- A rate-limited queue (rate_limits.py) is fetchable from its theoretical arrival time
+-- (GCRA, Redis TIME): each job fetched pushes that time one interval past the later of
+-- itself and now, so no two jobs are fetched less than an interval apart in all pools.
+-- A queue not due yet is skipped, reported as blocked, counted in the stats, and its
+-- wait returned, so the pool sleeps until then instead of polling.
+-- Returns {status, jobs, empties, blocked, waits}: status 0 = pool not registered (nothing
 -- moved), 1 = ok; jobs = {{queue, delivery tag, payload (or its size in bytes when
 -- over the limit), recoveries or -1}, ...};
 -- empties = names of candidate queues found or left empty; blocked = names of
--- candidate queues skipped (paused or at their limit) or left at their limit.
+-- candidate queues skipped (paused, at their limit or not due) or left at their limit
+-- or not due; waits = {{queue name, µs until its next job is due}, ...}.
 local TAG_WINDOW = 1024
-local ncand = #KEYS - 8
+local NFIXED = 11
+local ncand = #KEYS - NFIXED
 local flags = ARGV[2]
 local max_payload = tonumber(ARGV[3 + ncand] or 0) or 0
 
@@ -57,14 +67,19 @@ local function tag_of(payload)
   return tag_in(payload, 128) or tag_in(payload, TAG_WINDOW)
 end
 if string.find(flags, '1', 1, true) and not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
-  return {0, {}, {}, {}}
+  return {0, {}, {}, {}, {}}
 end
 local limited = redis.call('HLEN', KEYS[7]) > 0
 local any_paused = redis.call('SCARD', KEYS[8]) > 0
 local jobs, empties, blocked, skip, checked, room = {}, {}, {}, {}, {}, {}
+local rated, interval, tat, waits, now_us = redis.call('HLEN', KEYS[9]) > 0, {}, {}, {}, 0
+if rated then
+  local t = redis.call('TIME')
+  now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
 local tracked = false
 for i = 1, ncand do
-  local qkey, qname = KEYS[8 + i], ARGV[2 + i]
+  local qkey, qname = KEYS[NFIXED + i], ARGV[2 + i]
   if not skip[qname] and not checked[qname] then
     checked[qname] = true
     if any_paused and redis.call('SISMEMBER', KEYS[8], qname) == 1 then
@@ -75,9 +90,21 @@ for i = 1, ncand do
         room[qname] = limit - tonumber(redis.call('HGET', KEYS[6], qname) or 0)
       end
     end
+    if rated and not skip[qname] then
+      interval[qname] = tonumber(redis.call('HGET', KEYS[9], qname))
+    end
   end
   if not skip[qname] and room[qname] and room[qname] <= 0 then
     skip[qname] = true
+  end
+  if not skip[qname] and interval[qname] then
+    tat[qname] = tat[qname] or tonumber(redis.call('HGET', KEYS[10], qname) or 0)
+    if tat[qname] > now_us then
+      skip[qname] = true
+      waits[#waits + 1] = {qname, tat[qname] - now_us}
+      redis.call('HINCRBY', KEYS[11], 'rate_limited', 1)
+      redis.call('HINCRBY', KEYS[11], 'rate_limited:' .. qname, 1)
+    end
   end
   if skip[qname] == true then
     skip[qname] = 'reported'
@@ -114,6 +141,10 @@ for i = 1, ncand do
       else
         jobs[#jobs + 1] = {qname, tag, payload, tonumber(rec or -1)}
       end
+      if interval[qname] then
+        tat[qname] = math.max(tat[qname], now_us) + interval[qname]
+        redis.call('HSET', KEYS[10], qname, string.format('%.0f', tat[qname]))
+      end
       if redis.call('LLEN', qkey) == 0 then
         skip[qname] = 'empty'
         empties[#empties + 1] = qname
@@ -121,6 +152,10 @@ for i = 1, ncand do
       elseif room[qname] and room[qname] <= 0 then
         skip[qname] = 'reported'
         blocked[#blocked + 1] = qname
+      elseif interval[qname] then
+        skip[qname] = 'reported'
+        blocked[#blocked + 1] = qname
+        waits[#waits + 1] = {qname, tat[qname] - now_us}
       end
     end
   end
@@ -128,4 +163,4 @@ end
 if tracked then
   redis.call('SADD', KEYS[5], ARGV[1])
 end
-return {1, jobs, empties, blocked}
+return {1, jobs, empties, blocked, waits}

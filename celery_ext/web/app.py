@@ -349,6 +349,17 @@ def create_app(client: Client, *, token: str | None = None, basic_auth: str | No
         changed = await run_in_threadpool(client.resume, name)
         return JSONResponse({"name": name, "paused": False, "changed": changed})
 
+    async def api_rate_limit(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        name, rate = _str_field(body, "name"), body.get("rate_limit")
+        if rate is not None and not isinstance(rate, str):
+            raise HTTPException(400, "rate_limit must be a string like '20/s', or null")
+        try:
+            stored = await run_in_threadpool(client.set_rate_limit, name, rate or None)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        return JSONResponse({"name": name, "rate_limit": stored})
+
     async def api_stop(request: Request) -> JSONResponse:
         job_id = _str_field(await _json_body(request), "job_id")
         await run_in_threadpool(client.request_stop, job_id)
@@ -432,6 +443,7 @@ def create_app(client: Client, *, token: str | None = None, basic_auth: str | No
         Route("/api/queues", api_queues),
         Route("/api/queues/pause", api_pause, methods=["POST"]),
         Route("/api/queues/resume", api_resume, methods=["POST"]),
+        Route("/api/queues/rate_limit", api_rate_limit, methods=["POST"]),
         Route("/api/pools", api_pools),
         Route("/api/busy", api_busy),
         Route("/api/busy/stop", api_stop, methods=["POST"]),

@@ -361,14 +361,22 @@
       { label: "Weight", key: "weight", num: true },
       { label: "In flight", key: "in_flight", num: true },
       { label: "Max conc.", render: function (q) { return q.max_concurrency === null ? "—" : q.max_concurrency; }, num: true },
+      { label: "Rate limit", render: function (q) { return q.rate_limit || "—"; }, num: true },
       { label: "Processed", render: function (q) { return fmtNum(q.processed); }, num: true },
       { label: "Failed", render: function (q) { return fmtNum(q.failed); }, num: true },
       { label: "State", render: function (q) { return q.paused ? badge("paused", "warn") : badge("active", "good"); } }
     ];
     if (withActions) cols.push({ label: "", render: function (q) {
-      return q.paused
-        ? action("Resume", function () { return api("/api/queues/resume", { method: "POST", body: { name: q.name } }); }, { name: "resume" })
-        : action("Pause", function () { return api("/api/queues/pause", { method: "POST", body: { name: q.name } }); }, { name: "pause" });
+      return h("span", { cls: "row-actions" },
+        q.paused
+          ? action("Resume", function () { return api("/api/queues/resume", { method: "POST", body: { name: q.name } }); }, { name: "resume" })
+          : action("Pause", function () { return api("/api/queues/pause", { method: "POST", body: { name: q.name } }); }, { name: "pause" }),
+        action("Rate…", function () {
+          // A rate like 20/s, 10/m or 5/h in all pools; empty removes the limit.
+          var rate = window.prompt("Rate limit of " + q.name + " (e.g. 20/s, 10/m, 5/h; empty: none)", q.rate_limit || "");
+          if (rate === null) return null;
+          return api("/api/queues/rate_limit", { method: "POST", body: { name: q.name, rate_limit: rate.trim() || null } });
+        }, { name: "rate-limit" }));
     } });
     return table(cols, items.map(function (q) { q.__key = q.name; return q; }), "No job queue yet.");
   }
