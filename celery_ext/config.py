@@ -69,6 +69,11 @@ DEFAULT_PUBLISH_IDEMPOTENCY_TTL = 120.0
 #: is the socket timeout of the plugin's connections unless ``socket_timeout`` is set
 #: (a half-open connection would otherwise hang a read forever).
 DEFAULT_REPLY_TIMEOUT = 30.0
+#: Replicas that must acknowledge a job's enqueue (Redis ``WAIT``) before the publish
+#: returns; 0 = do not wait (asynchronous replication: a failover may lose the last jobs).
+DEFAULT_WAIT_REPLICAS = 0
+#: Longest ``WAIT`` for those replicas, in milliseconds; fewer in time raise ``NotReplicated``.
+DEFAULT_WAIT_TIMEOUT_MS = 1000
 
 _ENV_PREFIX = "CELERY_EXT_"
 _NAMESPACE_RE = re.compile(r"\A[A-Za-z0-9_.:-]{1,64}\Z")  # not "$": it accepts a trailing newline
@@ -102,6 +107,8 @@ class Settings:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     reply_timeout: float = DEFAULT_REPLY_TIMEOUT
     publish_idempotency_ttl: float = DEFAULT_PUBLISH_IDEMPOTENCY_TTL
+    wait_replicas: int = DEFAULT_WAIT_REPLICAS
+    wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -141,6 +148,10 @@ class Settings:
         if self.publish_idempotency_ttl < 0:
             raise ConfigError("celery_ext: publish_idempotency_ttl must be >= 0 (0 = off), "
                               f"got {self.publish_idempotency_ttl!r}")
+        if self.wait_replicas < 0 or self.wait_timeout_ms <= 0:
+            raise ConfigError("celery_ext: wait_replicas must be >= 0 and wait_timeout_ms > 0 "
+                              "(WAIT with 0 would block forever), got "
+                              f"{self.wait_replicas!r} and {self.wait_timeout_ms!r}")
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -187,6 +198,11 @@ class Settings:
 SCHEME = "celery-ext"
 TLS_SCHEME = "celery-exts"
 REDIS_SCHEMES = {SCHEME: "redis", TLS_SCHEME: "rediss"}
+#: The same through Redis Sentinel (``;``-separated sentinel URLs, see ``connections``).
+SENTINEL_SCHEME = f"{SCHEME}+sentinel"
+TLS_SENTINEL_SCHEME = f"{TLS_SCHEME}+sentinel"
+#: Every URL scheme of this transport.
+OUR_SCHEMES = (SCHEME, TLS_SCHEME, SENTINEL_SCHEME, TLS_SENTINEL_SCHEME)
 
 
 def redis_url(url: str) -> str:
@@ -201,7 +217,7 @@ def uses_our_transport(conf: Any) -> bool:
     ``broker_transport``)."""
     urls = [u for u in (conf.broker_url, conf.broker_read_url, conf.broker_write_url)
             if isinstance(u, str) and u]
-    if any(u.startswith((f"{SCHEME}:", f"{TLS_SCHEME}:")) for u in urls):
+    if any(u.startswith(tuple(f"{s}:" for s in OUR_SCHEMES)) for u in urls):
         return True
     return str(conf.broker_transport or "").startswith("celery_ext.")
 

@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import redis
-
-from .config import Settings, redis_url
+from .config import Settings
+from .connections import client_from_url
 from .server import RedisServer
 from .state import State
 
@@ -77,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             results[f"notice{i}"] = send_notice.delay(i)
         for i in range(args.accounts):
             results[f"account{i}"] = sync_account.delay(i, fail_rate=0.6)
-        state = State(redis.Redis.from_url(redis_url(broker_url)), Settings.load())
+        state = State(client_from_url(broker_url), Settings.load())
         started = time.time()
         tty = sys.stdout.isatty()
         while time.time() - started < args.timeout:
