@@ -341,8 +341,12 @@ class SentinelGroup:
                  appendonly: bool = False) -> None:
         self.master_name = master_name
         self.password = password
+        # No diskless-sync delay: a replica (re)joining syncs at once, not 5 s later.
+        self._server_args = ["--repl-diskless-sync-delay", "0"]
+        if password:
+            self._server_args += ["--masterauth", password]
         self.servers = [RedisServer(password=password, appendonly=appendonly,
-                                    appendfsync="everysec")
+                                    appendfsync="everysec", extra_args=self._server_args)
                         for _ in range(1 + replicas)]
         self._sentinel_count = sentinels
         self._sentinel_opts = {"quorum": quorum, "down_after_ms": down_after_ms,
@@ -354,11 +358,8 @@ class SentinelGroup:
         every replica and the other sentinels); returns self."""
         primary = self.servers[0].start()
         for replica in self.servers[1:]:
-            replica.extra_args = ["--replicaof", HOST, str(primary.port)]
-            if self.password:
-                replica.extra_args += ["--masterauth", self.password]
+            replica.extra_args = [*self._server_args, "--replicaof", HOST, str(primary.port)]
             replica.start()
-        self.servers[0].extra_args = ["--masterauth", self.password] if self.password else []
         self._wait(lambda: all(_link_up(r) for r in self.servers[1:]), timeout,
                    "replicas did not sync with the primary")
         self.sentinels = [SentinelServer(self.master_name, primary.port, auth_pass=self.password,
@@ -390,6 +391,18 @@ class SentinelGroup:
                 host = addr[0].decode() if isinstance(addr[0], bytes) else str(addr[0])
                 return host, int(addr[1])
         return None
+
+    def rejoin(self, server: RedisServer, timeout: float = 15.0) -> None:
+        """Start a stopped (killed) server again as a replica of the current primary, as
+        a recovered node rejoins; returns once it is in sync. (Sentinel would convert a
+        returning old primary itself, but only after it has reported itself a primary
+        for several seconds.)"""
+        master = self.master()
+        if master is None:
+            raise ServerError("no primary to rejoin")
+        server.extra_args = [*self._server_args, "--replicaof", master[0], str(master[1])]
+        server.start()
+        self._wait(lambda: _link_up(server), timeout, "the rejoining server did not sync")
 
     def master_server(self) -> RedisServer | None:
         """The server the sentinels name primary, if it is one of ours."""
