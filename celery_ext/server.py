@@ -299,7 +299,7 @@ class SentinelServer(RedisServer):
     lives in the data dir and survives a restart."""
 
     def __init__(self, master_name: str, master_port: int, *, quorum: int = 2,
-                 down_after_ms: int = 1000, failover_timeout_ms: int = 3000,
+                 down_after_ms: int = 1500, failover_timeout_ms: int = 3000,
                  auth_pass: str | None = None, **kwargs: Any) -> None:
         super().__init__(appendonly=False, **kwargs)
         self.master_name = master_name
@@ -330,13 +330,15 @@ class SentinelServer(RedisServer):
 class SentinelGroup:
     """A primary, its replicas and a quorum of sentinels on 127.0.0.1, for tests and
     chaos scenarios of failover. ``down_after_ms`` and ``failover_timeout_ms`` are short
-    by default, so a killed primary is replaced within about 1-3 s.
+    by default, so a killed primary is replaced within about 2-3 s. (Much below 1.5 s,
+    a sentinel may judge the just-promoted primary down before its first ping and start
+    a second failover.)
 
     ``servers[0]`` starts as the primary; :meth:`master` asks the sentinels which one
     is the primary now."""
 
     def __init__(self, *, master_name: str = "mymaster", replicas: int = 1,
-                 sentinels: int = 3, quorum: int = 2, down_after_ms: int = 1000,
+                 sentinels: int = 3, quorum: int = 2, down_after_ms: int = 1500,
                  failover_timeout_ms: int = 3000, password: str | None = None,
                  appendonly: bool = False) -> None:
         self.master_name = master_name
@@ -379,30 +381,38 @@ class SentinelGroup:
 
     def master(self) -> tuple[str, int] | None:
         """(host, port) of the primary according to the first sentinel that answers."""
-        for sentinel in self.sentinels:
-            if not sentinel.running:
-                continue
-            try:
-                with sentinel.client(socket_timeout=1.0) as c:
-                    addr = c.sentinel_get_master_addr_by_name(self.master_name)
-            except redis.RedisError:
-                continue
-            if addr:
-                host = addr[0].decode() if isinstance(addr[0], bytes) else str(addr[0])
-                return host, int(addr[1])
-        return None
+        return next((view for view in self.views() if view is not None), None)
 
     def rejoin(self, server: RedisServer, timeout: float = 15.0) -> None:
         """Start a stopped (killed) server again as a replica of the current primary, as
         a recovered node rejoins; returns once it is in sync. (Sentinel would convert a
         returning old primary itself, but only after it has reported itself a primary
         for several seconds.)"""
+        # Once every sentinel names the same primary: the failover is over everywhere.
+        self._wait(lambda: len(set(self.views())) == 1 and None not in self.views(), timeout,
+                   "the sentinels did not agree on a primary")
         master = self.master()
         if master is None:
             raise ServerError("no primary to rejoin")
         server.extra_args = [*self._server_args, "--replicaof", master[0], str(master[1])]
         server.start()
         self._wait(lambda: _link_up(server), timeout, "the rejoining server did not sync")
+
+    def views(self) -> list[tuple[str, int] | None]:
+        """The primary each running sentinel names (None: no answer)."""
+        out: list[tuple[str, int] | None] = []
+        for sentinel in self.sentinels:
+            if not sentinel.running:
+                out.append(None)
+                continue
+            try:
+                with sentinel.client(socket_timeout=1.0) as c:
+                    addr = c.sentinel_get_master_addr_by_name(self.master_name)
+            except redis.RedisError:
+                addr = None
+            host = addr[0].decode() if addr and isinstance(addr[0], bytes) else addr and addr[0]
+            out.append((str(host), int(addr[1])) if addr else None)
+        return out
 
     def master_server(self) -> RedisServer | None:
         """The server the sentinels name primary, if it is one of ours."""
