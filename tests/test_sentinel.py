@@ -286,3 +286,15 @@ def _fresh_pools(client: Client, n: int) -> list[Any]:
         return []
     fresh = [p for p in pools if p["state"] == "running" and (p["heartbeat_age"] or 9) < 1.5]
     return fresh if len(fresh) == n else []
+
+
+def test_flower_broker_page_through_sentinels(sentinel_url: str) -> None:
+    """Flower's broker page (queue lengths) reads the primary the sentinels name."""
+    import asyncio
+
+    import flower.utils.broker as fb
+
+    producer_app(sentinel_url).send_task("tests.proj.record", args=["flower"])
+    broker = fb.Broker(sentinel_url, broker_options={"master_name": MASTER})
+    [queue] = asyncio.run(broker.queues(["tests.proj.record"]))
+    assert (queue["name"], queue["messages_ready"]) == ("tests.proj.record", 1)
