@@ -141,16 +141,26 @@ def connection_pool(params: dict[str, Any], sentinel: SentinelConfig | None = No
 def sentinel_manager(sentinel: SentinelConfig, params: Mapping[str, Any]) -> _sentinel.Sentinel:
     """redis-py's :class:`~redis.sentinel.Sentinel` for ``sentinel``, whose masters get
     the connection keywords ``params``."""
-    master = {k: v for k, v in params.items() if k not in ("host", "port", "path")}
+    master = _master_kwargs(sentinel, params, drop=("host", "port", "path"))
+    master.setdefault("connection_class", sentinel_connection_class(sentinel.tls))
+    return _sentinel.Sentinel(list(sentinel.sentinels), **_manager_kwargs(sentinel), **master)
+
+
+def _master_kwargs(sentinel: SentinelConfig, params: Mapping[str, Any],
+                   drop: tuple[str, ...]) -> dict[str, Any]:
+    """Connection keywords for the primary: ``params`` without the address (the
+    sentinels give it), with the URL's db and credentials."""
+    master = {k: v for k, v in params.items() if k not in drop}
     master["db"] = sentinel.db
     if sentinel.password is not None:
         master["username"], master["password"] = sentinel.username, sentinel.password
-    master.setdefault("connection_class", sentinel_connection_class(sentinel.tls))
-    return _sentinel.Sentinel(
-        list(sentinel.sentinels), min_other_sentinels=sentinel.min_other_sentinels,
-        sentinel_kwargs=dict(sentinel.sentinel_kwargs)
-        if sentinel.sentinel_kwargs is not None else None,
-        **master)
+    return master
+
+
+def _manager_kwargs(sentinel: SentinelConfig) -> dict[str, Any]:
+    kwargs = sentinel.sentinel_kwargs
+    return {"min_other_sentinels": sentinel.min_other_sentinels,
+            "sentinel_kwargs": dict(kwargs) if kwargs is not None else None}
 
 
 def sentinel_connection_class(tls: bool = False) -> type[redis.Connection]:
@@ -187,17 +197,10 @@ def async_client_from_url(url: str, options: Mapping[str, Any] | None = None,
     config = sentinel_config([url], options)
     if config is None:
         return aioredis.Redis(**params)
-    master = {k: v for k, v in params.items() if k not in ("host", "port", "ssl")}
-    master["db"] = config.db
-    if config.password is not None:
-        master["username"], master["password"] = config.username, config.password
+    master = _master_kwargs(config, params, drop=("host", "port", "ssl"))
     if config.tls or params.get("ssl"):
         master["connection_class"] = asentinel.SentinelManagedSSLConnection
-    manager = asentinel.Sentinel(
-        list(config.sentinels), min_other_sentinels=config.min_other_sentinels,
-        sentinel_kwargs=dict(config.sentinel_kwargs)
-        if config.sentinel_kwargs is not None else None,
-        **master)
+    manager = asentinel.Sentinel(list(config.sentinels), **_manager_kwargs(config), **master)
     return manager.master_for(config.master_name, redis_class=aioredis.Redis)
 
 

@@ -1,7 +1,7 @@
 """Redis Sentinel: ``celery-ext+sentinel://`` URLs, and a primary killed while jobs flow.
 
 One group per module (a primary, a replica, three sentinels, from the same server
-binary as the other tests; a killed primary is replaced in about 1-3 s). Jobs record
+binary as the other tests; a killed primary is replaced in about 3 s). Jobs record
 their runs on the session server, outside the group, so a failover cannot lose the
 records. The failover test reports, with and without ``wait_replicas``, the jobs lost
 (enqueue returned, never ran), run twice, and how long the parts took to follow the
