@@ -1,15 +1,16 @@
 """celery_ext: Celery on Redis/Valkey as a real job system.
 
 Importing this package registers the ``celery-ext://`` (and ``celery-exts://``,
-TLS) broker URL schemes with Kombu. ``install(app)`` adds the job-system defaults:
-one job queue per task name, weighted round-robin, jobs owned until finished.
+TLS, and their ``+sentinel`` forms) broker URL schemes with Kombu. ``install(app)``
+adds the job-system defaults: one job queue per task name, weighted round-robin,
+jobs owned until finished.
 """
 
 from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
-from .config import SCHEME, TLS_SCHEME
+from .config import OUR_SCHEMES, SCHEME, TLS_SCHEME
 from .flower import enable as _enable_flower
 from .install import install
 from .observer import checkin
@@ -19,8 +20,10 @@ __version__ = "0.1.0"
 #: Import path of the transport class, for ``broker_transport`` (see README).
 TRANSPORT = "celery_ext.transport:Transport"
 
-TRANSPORT_ALIASES.setdefault(SCHEME, TRANSPORT)
-TRANSPORT_ALIASES.setdefault(TLS_SCHEME, TRANSPORT)
+for _scheme in OUR_SCHEMES:
+    # (Kombu itself reads "celery-ext+sentinel://h" as transport "celery-ext"; the
+    # full scheme is looked up when it fails over to another sentinel URL.)
+    TRANSPORT_ALIASES.setdefault(_scheme, TRANSPORT)
 # Flower's broker page and queue lengths for our schemes (only if Flower is used).
 _enable_flower()
 

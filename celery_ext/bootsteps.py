@@ -33,6 +33,7 @@ from kombu import Queue
 
 from . import pool as _pool
 from .config import ConfigError, Settings, check_broker_url, uses_our_transport
+from .connections import sentinel_config
 from .dead import wrap_consumer_handlers
 from .keys import Keys
 from .limits import job_limits, write_limits
@@ -159,6 +160,7 @@ def validate_settings(sender: Any = None, instance: Any = None, **kwargs: Any) -
         for url in urls:  # a typo'd scheme or port: one line, not Kombu's traceback
             check_broker_url(url, conf.broker_transport)
         Settings.load(conf.broker_transport_options)
+        sentinel_config(urls, conf.broker_transport_options)  # master_name is there
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
     if ours:

@@ -24,7 +24,8 @@ import redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps
 
-from .config import Settings, redis_url
+from .config import Settings
+from .connections import client_from_url
 from .dead import split_record
 from .keys import Keys
 from .rate_limits import format_rate, interval_us
@@ -175,9 +176,10 @@ class Client:
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Client:
-        """Connect to a ``celery-ext://`` (or ``redis://``) URL; ``options`` are the
-        transport options (``namespace=...``), overridden by ``CELERY_EXT_*``."""
-        return cls(redis.Redis.from_url(redis_url(url)), Settings.load(options))
+        """Connect to a ``celery-ext://`` (or ``redis://``, or ``celery-ext+sentinel://``)
+        URL; ``options`` are the transport options (``namespace=...``, ``master_name=...``),
+        overridden by ``CELERY_EXT_*``."""
+        return cls(client_from_url(url, options), Settings.load(options))
 
     @classmethod
     def from_app(cls, app: Any) -> Client:

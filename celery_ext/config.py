@@ -83,6 +83,11 @@ PERIODIC_MISSED_POLICIES = ("once", "skip", "all")
 #: is the socket timeout of the plugin's connections unless ``socket_timeout`` is set
 #: (a half-open connection would otherwise hang a read forever).
 DEFAULT_REPLY_TIMEOUT = 30.0
+#: Replicas that must acknowledge a job's enqueue (Redis ``WAIT``) before the publish
+#: returns; 0 = do not wait (asynchronous replication: a failover may lose the last jobs).
+DEFAULT_WAIT_REPLICAS = 0
+#: Longest ``WAIT`` for those replicas, in milliseconds; fewer in time raise ``NotReplicated``.
+DEFAULT_WAIT_TIMEOUT_MS = 1000
 
 _ENV_PREFIX = "CELERY_EXT_"
 _NAMESPACE_RE = re.compile(r"\A[A-Za-z0-9_.:-]{1,64}\Z")  # not "$": it accepts a trailing newline
@@ -120,6 +125,8 @@ class Settings:
     periodic: bool = DEFAULT_PERIODIC
     periodic_grace: float = DEFAULT_PERIODIC_GRACE
     periodic_missed: str = DEFAULT_PERIODIC_MISSED
+    wait_replicas: int = DEFAULT_WAIT_REPLICAS
+    wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -163,6 +170,10 @@ class Settings:
             raise ConfigError("celery_ext: periodic_grace must be >= 0 and periodic_missed one "
                               f"of {', '.join(PERIODIC_MISSED_POLICIES)}, got "
                               f"{self.periodic_grace!r} and {self.periodic_missed!r}")
+        if self.wait_replicas < 0 or self.wait_timeout_ms <= 0:
+            raise ConfigError("celery_ext: wait_replicas must be >= 0 and wait_timeout_ms > 0 "
+                              "(WAIT with 0 would block forever), got "
+                              f"{self.wait_replicas!r} and {self.wait_timeout_ms!r}")
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -224,6 +235,11 @@ def _bool(raw: Any) -> bool:
 SCHEME = "celery-ext"
 TLS_SCHEME = "celery-exts"
 REDIS_SCHEMES = {SCHEME: "redis", TLS_SCHEME: "rediss"}
+#: The same through Redis Sentinel (``;``-separated sentinel URLs, see ``connections``).
+SENTINEL_SCHEME = f"{SCHEME}+sentinel"
+TLS_SENTINEL_SCHEME = f"{TLS_SCHEME}+sentinel"
+#: Every URL scheme of this transport.
+OUR_SCHEMES = (SCHEME, TLS_SCHEME, SENTINEL_SCHEME, TLS_SENTINEL_SCHEME)
 
 
 def redis_url(url: str) -> str:
@@ -238,7 +254,7 @@ def uses_our_transport(conf: Any) -> bool:
     ``broker_transport``)."""
     urls = [u for u in (conf.broker_url, conf.broker_read_url, conf.broker_write_url)
             if isinstance(u, str) and u]
-    if any(u.startswith((f"{SCHEME}:", f"{TLS_SCHEME}:")) for u in urls):
+    if any(u.startswith(tuple(f"{s}:" for s in OUR_SCHEMES)) for u in urls):
         return True
     return str(conf.broker_transport or "").startswith("celery_ext.")
 

@@ -42,7 +42,8 @@ import redis
 from kombu.utils.encoding import bytes_to_str
 
 from .clock import now_ms
-from .config import Settings, redis_url
+from .config import Settings
+from .connections import client_from_url
 from .keys import Keys
 from .server import RedisServer
 from .state import State
@@ -427,7 +428,7 @@ def _run(args: argparse.Namespace, broker_url: str, env: dict[str, str], log_dir
     web_url, flower_url = f"http://127.0.0.1:{web_port}/", f"http://127.0.0.1:{flower_port}/"
 
     settings = Settings.load()
-    client = redis.Redis.from_url(redis_url(broker_url))
+    client = client_from_url(broker_url)
     state = State(client, settings)
     keys = Keys(settings.namespace)
     started = time.monotonic()

@@ -42,6 +42,20 @@ class BrokerOutOfMemory(OperationalError):
             "written. Free memory or raise maxmemory (drain or delete jobs)")
 
 
+class NotReplicated(OperationalError):
+    """``wait_replicas`` is set and fewer replicas than that confirmed an enqueue within
+    ``wait_timeout_ms`` (Redis ``WAIT``). The job *is* on the primary and will run
+    unless a failover strikes before it reaches a replica; publishing it again may run
+    it twice. An :class:`~kombu.exceptions.OperationalError`, not retried by Kombu."""
+
+    def __init__(self, what: str, wanted: int, acked: int, timeout_ms: int) -> None:
+        self.wanted, self.acked = wanted, acked
+        super().__init__(
+            f"celery_ext: {what}: written to the primary but confirmed by {acked} of "
+            f"{wanted} replica(s) within {timeout_ms} ms (wait_replicas); a failover now "
+            "could lose it. Check the replicas, or lower wait_replicas")
+
+
 def job_name(message: object, queue: str) -> str:
     """The job name of a Kombu message dict (its ``task`` header), else its queue."""
     headers = message.get("headers") if isinstance(message, dict) else None

@@ -27,12 +27,13 @@ from types import ModuleType
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from .config import SCHEME, TLS_SCHEME, Settings
+from .config import OUR_SCHEMES, TLS_SCHEME, TLS_SENTINEL_SCHEME, Settings
+from .connections import aclose_async_client, async_client_from_url
 from .keys import Keys
 
 logger = logging.getLogger("celery_ext.flower")
 
-SCHEMES = (SCHEME, TLS_SCHEME)
+SCHEMES = OUR_SCHEMES
 _BROKER_MODULE = "flower.utils.broker"
 _PATCHED = "_celery_ext_patched"
 
@@ -45,8 +46,6 @@ def _broker_class(base: type) -> type:
 
         def __init__(self, broker_url: str, *args: Any, **kwargs: Any) -> None:
             super().__init__(broker_url)
-            from redis import asyncio as aioredis
-
             options = kwargs.get("broker_options") or {}
             self.settings = Settings.load(options)
             self.keys = Keys(self.settings.namespace)
@@ -62,11 +61,12 @@ def _broker_class(base: type) -> type:
                 "socket_timeout": options.get("socket_timeout", 2.0),
             }
             use_ssl = kwargs.get("broker_use_ssl")
-            if parts.scheme == TLS_SCHEME or use_ssl:
+            if parts.scheme in (TLS_SCHEME, TLS_SENTINEL_SCHEME) or use_ssl:
                 params["ssl"] = True
                 if isinstance(use_ssl, dict):
                     params.update(use_ssl)
-            self.redis = aioredis.Redis(**params)
+            # Through the sentinels for a sentinel URL (Flower passes only the first).
+            self.redis = async_client_from_url(broker_url, options, **params)
 
         async def queues(self, names: Sequence[str]) -> list[dict[str, Any]]:
             names = list(names)
@@ -98,7 +98,7 @@ def _broker_class(base: type) -> type:
                     })
                 return result
             finally:
-                await self.redis.aclose()
+                await aclose_async_client(self.redis)
 
     return CeleryExtBroker
 

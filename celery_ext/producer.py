@@ -34,6 +34,21 @@ writes nothing; a retry after it (or with the setting 0) writes the job again.
 Jobs added to a publish batch's pipeline carry no marker: Kombu does not retry a
 batch (a failed flush raises ``BatchPublishError``, "delivery is uncertain").
 
+Surviving a failover
+--------------------
+Redis replicates asynchronously: a job written to the primary and lost with it
+before a replica had it is gone. With ``wait_replicas`` = N (transport option), each
+enqueue is followed by ``WAIT N wait_timeout_ms`` on the same connection, in the same
+round trip; the publish returns only once N replicas have the job, and raises
+``NotReplicated`` otherwise (the job is on the primary: see its docstring). Only the
+enqueue waits: it is the one write that creates a job. Every later move (fetch, ack,
+requeue, promote, dead-letter) takes a job from one record to another in one script;
+a failover that loses such a move leaves the job in the record it came from, from
+where the pool's reconcile or the reaper runs it again. Waiting there would cost a
+round trip on the hot path to turn a possible duplicate into none, which is not the
+promise (delivery is at-least-once). Jobs added to a publish batch are covered when
+the batch is flushed (one ``WAIT`` for the whole batch).
+
 The publish id is never part of the stored payload: a consumer that republishes a
 job (``celery migrate``) copies its properties, and its copy must not be mistaken
 for a retry. The marker of one publish is per job queue because one publish to an
@@ -50,11 +65,14 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
+from kombu.exceptions import BatchPublishError
+from kombu.transport.redis import PublishBatch
 from kombu.utils.json import dumps
+from redis.exceptions import NoScriptError
 
 from . import scripts as _scripts
 from .config import Settings
-from .errors import check_payload_size
+from .errors import NotReplicated, check_payload_size, job_name
 from .keys import STAT_UNIQUE_HITS, Keys
 from .periodic import PeriodicRun, current_run
 from .scheduled import eta_delay_ms, retries_of, schedule, schedule_args
@@ -115,6 +133,9 @@ class Enqueuer:
                 marker = (self.keys.published(publish_marker(publish_id, queue)),
                           self._marker_ttl_ms)
             self._write(queue, message, delay, uniq, marker, batch)
+        except NotReplicated as exc:
+            raise NotReplicated(f"job {job_name(message, queue)} was enqueued", exc.wanted,
+                                exc.acked, self.settings.wait_timeout_ms) from None
         finally:
             props[PUBLISH_ID] = publish_id  # for Kombu's next attempt of this publish
 
@@ -138,7 +159,7 @@ class Enqueuer:
         elif delay is not None:
             assert uniq is not None
             with self._acquire() as client:
-                _, uniq.holder = schedule(self._scripts, self.keys, queue, message, delay,
+                _, uniq.holder = schedule(self._call, self.keys, queue, message, delay,
                                           client, lock=self._lock(uniq, message),
                                           max_payload=max_payload, marker=marker)
             self._count_unique_hit(uniq, message)
@@ -194,10 +215,62 @@ class Enqueuer:
             batch.add("evalsha", _scripts.sha(script), len(keys), *keys, *args)
             return None
         with self._acquire() as client:
+            return self._call(script, keys, args, client=client)
+
+    def _call(self, script: str, keys: list[str], args: list[Any], client: Any) -> Any:
+        """Run one write script; with ``wait_replicas``, followed by ``WAIT`` on the same
+        connection in one round trip (see "Surviving a failover")."""
+        wanted = self.settings.wait_replicas
+        if not wanted:
             return self._scripts(script, keys, args, client=client)
+        timeout_ms = self.settings.wait_timeout_ms
+        for attempt in (1, 2):
+            with client.pipeline(transaction=False) as pipe:
+                pipe.evalsha(_scripts.sha(script), len(keys), *keys, *args)
+                pipe.wait(wanted, timeout_ms)
+                try:
+                    result, acked = pipe.execute()
+                except NoScriptError:
+                    if attempt == 2:
+                        raise
+                    client.script_load(_scripts.source(script))  # the server restarted
+                    continue
+            if int(acked) < wanted:
+                raise NotReplicated("the job was enqueued", wanted, int(acked), timeout_ms)
+            return result
+        raise AssertionError("unreachable")
 
     def load_batch_scripts(self) -> None:
         """EVALSHA inside a pipeline cannot recover from NOSCRIPT: load what a batch sends."""
         with self._acquire() as client:
             client.script_load(_scripts.source("enqueue"))
             client.script_load(_scripts.source("schedule"))
+
+
+class ReplicatedPublishBatch(PublishBatch):
+    """Kombu's publish batch (``Producer.batch()``), whose flush ends with one ``WAIT``
+    for ``wait_replicas`` on the pipeline's connection: the jobs of a flush are on the
+    replicas when it returns, or it raises ``NotReplicated`` (they are on the primary)."""
+
+    _buffered: int
+
+    def flush(self) -> None:
+        self._check_usable()
+        if not self._buffered:
+            return
+        settings = self.channel.settings
+        self.pipeline.wait(settings.wait_replicas, settings.wait_timeout_ms)
+        try:
+            *_, acked = self.pipeline.execute()
+        except BaseException as exc:
+            self._failed = exc
+            self._buffered = 0
+            self.pipeline.reset()
+            if isinstance(exc, Exception):  # as Kombu's flush
+                raise BatchPublishError(
+                    "Redis publish batch failed; delivery is uncertain") from exc
+            raise
+        self._buffered = 0
+        if int(acked) < settings.wait_replicas:
+            raise NotReplicated(f"a publish batch of up to {self.max_size} jobs was enqueued",
+                                settings.wait_replicas, int(acked), settings.wait_timeout_ms)

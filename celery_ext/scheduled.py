@@ -18,7 +18,7 @@ import math
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,7 +27,6 @@ from kombu.utils.json import dumps
 from .dead import MAX_TRACEBACK
 from .errors import check_payload_size
 from .keys import Keys
-from .scripts import Scripts
 
 
 def eta_delay_ms(message: Mapping[str, Any]) -> int | None:
@@ -113,8 +112,8 @@ def schedule_args(keys: Keys, queue: str, message: dict[str, Any], delay_ms: int
     return script_keys, args
 
 
-def schedule(scripts: Scripts, keys: Keys, queue: str, message: dict[str, Any], delay_ms: int,
-             client: Any, lock: tuple[str, str, int, bool] | None = None,
+def schedule(scripts: Callable[..., Any], keys: Keys, queue: str, message: dict[str, Any],
+             delay_ms: int, client: Any, lock: tuple[str, str, int, bool] | None = None,
              max_payload: int = 0, marker: tuple[str, int] | None = None) -> tuple[bool, str]:
     """Store one message in the scheduled or retry set.
 

@@ -47,16 +47,17 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.eventio import READ
 from kombu.utils.json import loads
 
+from . import connections
 from . import scripts as _scripts
 from .clock import now_s
-from .config import TLS_SCHEME, Settings
+from .config import TLS_SCHEME, TLS_SENTINEL_SCHEME, Settings
 from .dead import dead_letter, one_line
 from .envelope import envelope_problem
 from .errors import CONNECTION_ERRORS, BrokerOutOfMemory, job_name
 from .heartbeater import current_pool_id
 from .keys import Keys
 from .pool import WorkerPool, pool_for
-from .producer import Enqueuer
+from .producer import Enqueuer, ReplicatedPublishBatch
 from .readiness import ReadyQueues
 from .weights import weight_of
 
@@ -179,9 +180,11 @@ class Channel(kredis.Channel):
 
     QoS = QoS
     qos: _QoS
-    from_transport_options = kredis.Channel.from_transport_options + Settings.option_names()
+    from_transport_options = (kredis.Channel.from_transport_options + Settings.option_names()
+                              + connections.SENTINEL_OPTIONS)
 
     _in_wake: Any = False
+    keyprefix_fanout: str
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         conn = args[0] if args else kwargs["connection"]
@@ -199,6 +202,12 @@ class Channel(kredis.Channel):
         #: The event-loop timer that wakes rate-limited queues, and when it fires.
         self._throttle_timer: Any = None
         self._throttle_timer_at: float | None = None
+        #: The Sentinel setup of a ``celery-ext+sentinel://`` URL, else None.
+        self.sentinel = connections.sentinel_config(_urls_of(conn.client),
+                                                    conn.client.transport_options)
+        if self.sentinel is not None:
+            self.connection_class = connections.sentinel_connection_class()
+            self.connection_class_ssl = connections.sentinel_connection_class(tls=True)
         super().__init__(*args, **kwargs)
         self.handlers["WAKE"] = self._wake_read
         self._scripts = _scripts.Scripts(self.client)
@@ -211,7 +220,9 @@ class Channel(kredis.Channel):
     # -- connection details ----------------------------------------------------------
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
         conninfo = self.connection.client
-        if conninfo.transport_cls == TLS_SCHEME and not conninfo.ssl:
+        tls = conninfo.transport_cls in (TLS_SCHEME, TLS_SENTINEL_SCHEME) or (
+            self.sentinel is not None and self.sentinel.tls)
+        if tls and not conninfo.ssl:
             # Secure by default: verify the server certificate unless told otherwise
             # (e.g. ?ssl_cert_reqs=none in the URL, as with rediss://).
             conninfo.ssl = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
@@ -219,6 +230,20 @@ class Channel(kredis.Channel):
         if params.get("socket_timeout") is None:
             params["socket_timeout"] = self.settings.reply_timeout
         return params
+
+    def _get_pool(self, asynchronous: bool = False) -> Any:
+        if self.sentinel is None:
+            return super()._get_pool(asynchronous)
+        params = self._connparams(asynchronous=asynchronous)
+        self.keyprefix_fanout = self.keyprefix_fanout.format(db=self.sentinel.db)
+        pool = connections.connection_pool(params, self.sentinel)
+        # Kept so that closing the channel also closes the connections to the sentinels.
+        manager = getattr(pool, "sentinel_manager", None)
+        if asynchronous:
+            self._async_sentinel_manager = manager
+        else:
+            self._sentinel_manager = manager
+        return pool
 
     @contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
@@ -239,7 +264,9 @@ class Channel(kredis.Channel):
         """Which server this channel talks to; kept after close, when Kombu has
         dropped ``self.connection`` but acks of jobs still running must go on."""
         sid = self.__dict__.get("_server_id")
-        if sid is None:
+        if sid is None and self.sentinel is not None:
+            sid = self.__dict__["_server_id"] = self.sentinel.server_id
+        elif sid is None:
             c = self.connection.client
             sid = self.__dict__["_server_id"] = f"{c.hostname}:{c.port}/{c.virtual_host}"
         return sid
@@ -251,9 +278,10 @@ class Channel(kredis.Channel):
 
     def new_client(self) -> redis.Redis:
         """A client on a connection pool of its own, with this channel's connection
-        settings (server, TLS, password, timeouts): for parts that outlive channels."""
+        settings (server or sentinels, TLS, password, timeouts): for parts that outlive
+        channels."""
         params = self._connparams(asynchronous=False)
-        return redis.Redis(connection_pool=redis.ConnectionPool(**params))
+        return redis.Redis(connection_pool=connections.connection_pool(params, self.sentinel))
 
     @property
     def wakeclient(self) -> Any:
@@ -289,7 +317,8 @@ class Channel(kredis.Channel):
         self.enqueuer.put(queue, message, kwargs.pop("_publish_batch", None))
 
     def create_publish_batch(self, max_size: int) -> Any:
-        batch = super().create_publish_batch(max_size)
+        batch = (ReplicatedPublishBatch(self, max_size) if self.settings.wait_replicas
+                 else super().create_publish_batch(max_size))
         self.enqueuer.load_batch_scripts()
         return batch
 
@@ -810,6 +839,16 @@ class Channel(kredis.Channel):
             super().close()  # reads a fetch still on the wire, then restore_unacked
         finally:
             self._fetch_finished(lost=True)
+
+
+def _urls_of(conninfo: Any) -> list[str]:
+    """Every URL of a Kombu connection. Kombu splits ``celery-ext+sentinel://h1`` into
+    transport ``celery-ext`` and host ``sentinel://h1``; the full list is in ``alt``."""
+    if conninfo.alt:
+        return [u for u in conninfo.alt if isinstance(u, str)]
+    prefix = getattr(conninfo, "uri_prefix", None)
+    host = conninfo.hostname or ""
+    return [f"{prefix}+{host}" if prefix else host]
 
 
 class Transport(kredis.Transport):

@@ -10,6 +10,9 @@ One module for both contenders, chosen by environment variables the harness sets
   ``task_reject_on_worker_lost`` alone (Celery's defaults: acked when a job starts,
   unless ``install`` sets them); otherwise the app sets both (the default)
 - ``FAULTS_RECORD``          the append-only file every execution writes to
+- ``FAULTS_MASTER_NAME``     the Sentinel master's name, for a sentinel broker URL
+  (``sentinel://`` stock, ``celery-ext+sentinel://`` ours)
+- ``FAULTS_WAIT_REPLICAS``   ours: the ``wait_replicas`` transport option
 
 Every execution appends ``S <job> <pid> <time> <first|again>`` when it starts
 (``again``: the message was redelivered, e.g. requeued from a dead pool) and
@@ -34,12 +37,14 @@ JOB = "faults.job"
 
 
 def make_app(mode: str, broker_url: str, *, install: bool = True,
-             acks_late: bool = True) -> Celery:
+             acks_late: bool = True, transport_options: dict[str, Any] | None = None) -> Celery:
     """The app for ``mode``: by default stock gets ``acks_late`` and
     ``reject_on_worker_lost`` (its best settings against crashes), ours gets
     ``install()`` (same defaults). ``install=False`` is ours in drop-in mode;
     ``acks_late=False`` leaves both settings to Celery (or ``install``)."""
     app = Celery("faults", broker=broker_url, set_as_current=False)
+    if transport_options:
+        app.conf.broker_transport_options = transport_options
     if acks_late:
         app.conf.update(task_acks_late=True, task_reject_on_worker_lost=True)
     app.conf.update(
@@ -81,4 +86,8 @@ if "FAULTS_MODE" in os.environ:
     app = make_app(os.environ["FAULTS_MODE"],
                    os.environ.get("CELERY_EXT_BROKER_URL", "redis://127.0.0.1:6379/0"),
                    install=os.environ.get("CELERY_EXT_NO_INSTALL") != "1",
-                   acks_late=os.environ.get("FAULTS_ACKS_LATE") != "0")
+                   acks_late=os.environ.get("FAULTS_ACKS_LATE") != "0",
+                   transport_options={k: v for k, v in (
+                       ("master_name", os.environ.get("FAULTS_MASTER_NAME")),
+                       ("wait_replicas", int(os.environ.get("FAULTS_WAIT_REPLICAS") or 0)))
+                       if v})

@@ -46,7 +46,7 @@ from celery_ext import scripts as _scripts
 from celery_ext.config import DEFAULT_NAMESPACE
 from celery_ext.dead import split_record
 from celery_ext.keys import Keys
-from celery_ext.server import RedisServer
+from celery_ext.server import RedisServer, SentinelGroup
 from celery_ext.state import State
 from tests.faults.app import JOB, make_app
 from tests.faults.proxy import Proxy
@@ -82,6 +82,10 @@ class Scenario:
     #: The app sets task_acks_late and task_reject_on_worker_lost; False leaves them
     #: to Celery (acked when a job starts) or, if called, to install(app).
     acks_late: bool = True
+    #: A primary, a replica and three sentinels instead of one server; every pool and
+    #: the producer use the sentinel URL (stock ``sentinel://``, ours
+    #: ``celery-ext+sentinel://`` with ``wait_replicas=1``). No proxy.
+    sentinel: bool = False
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
@@ -117,7 +121,13 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              ("kill_main",), dropin=True),
     Scenario("ack_lost", "the proxied pool's ack never reaches Redis, reconnects refused 1 s",
              ("ack_lost",)),
+    Scenario("sentinel_failover", "SIGKILL the primary under Sentinel; a replica takes over",
+             ("sentinel_failover",), sentinel=True),
 )}
+
+#: The Sentinel master name of sentinel scenarios, and ours' replicas to WAIT for.
+MASTER_NAME = "faults"
+WAIT_REPLICAS = 1
 
 
 @dataclass
@@ -250,6 +260,7 @@ class Run:
         self.server = RedisServer(data_dir=self.dir / "redis",
                                   appendfsync=scenario.appendfsync,
                                   extra_args=["--enable-debug-command", "yes"])
+        self.group = SentinelGroup(master_name=MASTER_NAME) if scenario.sentinel else None
         self.proxy: Proxy | None = None
         self.producer_proxy: Proxy | None = None  # publish_cut only
         self.pools: list[WorkerProcess] = []
@@ -261,6 +272,9 @@ class Run:
 
     # -- set-up -----------------------------------------------------------------------
     def _url(self, via_proxy: bool, proxy: Proxy | None = None) -> str:
+        if self.group is not None:
+            return self.group.url(scheme="sentinel" if self.mode == "stock" else
+                                  "celery-ext+sentinel")
         proxy = proxy or self.proxy
         assert proxy is not None
         port = proxy.port if via_proxy else self.server.port
@@ -275,7 +289,17 @@ class Run:
             "CELERY_EXT_REAP_INTERVAL": str(self.opt.reap_interval),
             "CELERY_EXT_NO_INSTALL": "1" if self.scenario.dropin else "0",
             "FAULTS_ACKS_LATE": "1" if self.scenario.acks_late else "0",
+            **({"FAULTS_MASTER_NAME": MASTER_NAME} if self.group is not None else {}),
+            **({"FAULTS_WAIT_REPLICAS": str(WAIT_REPLICAS)}
+               if self.group is not None and self.mode == "ours" else {}),
         }
+
+    def _transport_options(self) -> dict[str, Any] | None:
+        if self.group is None:
+            return None
+        if self.mode == "stock":
+            return {"master_name": MASTER_NAME}
+        return {"master_name": MASTER_NAME, "wait_replicas": WAIT_REPLICAS}
 
     def _new_pool(self, slot: int) -> WorkerProcess:
         via_proxy = slot == self.opt.pools - 1
@@ -300,8 +324,11 @@ class Run:
         shutil.rmtree(self.dir, ignore_errors=True)  # no AOF or record of an earlier run
         self.dir.mkdir(parents=True)
         started = time.monotonic()
-        self.server.start()
-        self.proxy = Proxy(("127.0.0.1", self.server.port)).start()
+        if self.group is not None:
+            self.group.start()
+        else:
+            self.server.start()
+            self.proxy = Proxy(("127.0.0.1", self.server.port)).start()
         if any(kind in PRODUCER_FAULTS for kind in self.scenario.kinds):
             self.producer_proxy = Proxy(("127.0.0.1", self.server.port)).start()
         try:
@@ -336,7 +363,8 @@ class Run:
         """Enqueue every job, paced over the fault window, counting refusals."""
         app = make_app(self.mode, self._url(self.producer_proxy is not None,
                                             self.producer_proxy),
-                       install=not self.scenario.dropin, acks_late=self.scenario.acks_late)
+                       install=not self.scenario.dropin, acks_late=self.scenario.acks_late,
+                       transport_options=self._transport_options())
         task = app.tasks[JOB]
         window = self.opt.warmup + len(self._fault_plan()) * self.opt.interval
         burst = int(self.opt.jobs * self.opt.backlog)
@@ -465,9 +493,16 @@ class Run:
             if proxy is not None:
                 proxy.stop()
         self.server.stop()
+        if self.group is not None:
+            self.group.stop()
 
     # -- fault helpers --------------------------------------------------------------
     def _admin(self) -> redis.Redis:
+        if self.group is not None:  # the primary of the moment
+            primary = self.group.master_server()
+            if primary is None:
+                raise RuntimeError("the sentinels name no primary of ours")
+            return primary.client(socket_timeout=30)
         return self.server.client(socket_timeout=30)
 
     def _pick_pool(self) -> WorkerProcess:
@@ -608,6 +643,22 @@ class Run:
         self.server.kill()
         time.sleep(0.5)
         self.server.start()
+        return fault
+
+    def _fault_sentinel_failover(self) -> Fault:
+        """SIGKILL the primary; the sentinels promote the replica (about 1-3 s), then
+        the killed node comes back as a replica of the new primary."""
+        assert self.group is not None
+        fault = self._server_fault("sentinel_failover")
+        old = self.group.master_server()
+        assert old is not None
+        old.kill()
+        deadline = time.monotonic() + 30
+        while self.group.master() in (None, (old.host, old.port)):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the sentinels promoted no replica within 30 s")
+            time.sleep(0.05)
+        self.group.rejoin(old)
         return fault
 
     def _fault_debug_sleep(self) -> Fault:

@@ -1,0 +1,212 @@
+"""Broker URL -> redis-py connection pool: the one place that knows how the plugin
+reaches its Redis, directly or through Redis Sentinel.
+
+Every connection of the plugin comes from here: the transport's channels, the worker
+pool's own clients (heartbeat, reaper, requeuer, acks), :class:`~celery_ext.client.Client`
+(CLI, dashboard) and the Flower integration. A caller hands over the connection
+settings it has (host, password, TLS, timeouts: a dict of redis-py connection
+keywords) and the :class:`SentinelConfig` of the URL, if any; it gets back a pool.
+
+Sentinel URLs follow Kombu's ``sentinel://`` transport: each sentinel is one URL,
+separated by ``;``; the master's name and the sentinels' own connection options are
+transport options::
+
+    broker_url = "celery-ext+sentinel://:secret@h1:26379/0;celery-ext+sentinel://h2:26379"
+    broker_transport_options = {"master_name": "mymaster",
+                                "sentinel_kwargs": {"password": "sentinel-secret"}}
+
+The password (and user, and db) of the URL are the master's, as with Kombu; the
+sentinels get only ``sentinel_kwargs`` (by default the socket timeouts), so a sentinel
+with ``requirepass`` needs ``sentinel_kwargs={"password": ...}``.
+``celery-exts+sentinel://`` speaks TLS to the master (``ssl`` in ``sentinel_kwargs``
+for the sentinels). Which server is the master is redis-py's business
+(``redis.sentinel``): a connection asks the sentinels at connect time, and a pool
+whose master moved closes its idle connections. A connection that finds the old
+master demoted (``READONLY``) is closed and the error becomes a ``ConnectionError``,
+so every caller handles a failover as the connection cut it is.
+
+A Redis Cluster variant fits here too: a second config type beside
+:class:`SentinelConfig` and one more branch in :func:`connection_pool`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+from redis import sentinel as _sentinel
+
+from .config import (
+    SENTINEL_SCHEME,
+    TLS_SENTINEL_SCHEME,
+    ConfigError,
+    mask_url,
+    redis_url,
+)
+
+#: Port of a sentinel URL without one (Redis Sentinel's own default).
+DEFAULT_SENTINEL_PORT = 26379
+#: Transport options that describe the Sentinel setup (Kombu's names).
+SENTINEL_OPTIONS = ("master_name", "min_other_sentinels", "sentinel_kwargs")
+
+
+@dataclass(frozen=True)
+class SentinelConfig:
+    """Where the sentinels are and which master they watch, read from a broker URL."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master_name: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    min_other_sentinels: int = 0
+    #: Connection keywords for the sentinels themselves (None: the socket timeouts of
+    #: the master's connections, redis-py's default).
+    sentinel_kwargs: Mapping[str, Any] | None = field(default=None)
+
+    @property
+    def server_id(self) -> str:
+        """Stable name of the server behind the sentinels (the master moves, this does not)."""
+        return f"sentinel:{self.master_name}/{self.db}"
+
+
+def is_sentinel_url(url: str) -> bool:
+    """Whether ``url`` (possibly ``;``-separated) names sentinels of ours."""
+    return url.strip().startswith((f"{SENTINEL_SCHEME}://", f"{TLS_SENTINEL_SCHEME}://"))
+
+
+def sentinel_config(urls: Iterable[str], options: Mapping[str, Any] | None = None
+                    ) -> SentinelConfig | None:
+    """The Sentinel setup of ``urls`` (each one URL, or ``;``-separated ones) and the
+    transport ``options``; None when no URL is a sentinel URL of ours. Raises
+    ConfigError (password masked) for a sentinel URL without ``master_name``."""
+    options = options or {}
+    found: list[tuple[str, int]] = []
+    db: int | None = None
+    username = password = None
+    tls = False
+    for one in (u.strip() for entry in urls for u in entry.split(";")):
+        if not is_sentinel_url(one):
+            continue
+        parts = urlsplit(one)
+        try:
+            port = parts.port or DEFAULT_SENTINEL_PORT
+        except ValueError:
+            raise ConfigError(f"celery_ext: broker URL {mask_url(one)}: the port must be a "
+                              "whole number 0-65535") from None
+        found.append((parts.hostname or "127.0.0.1", port))
+        tls = tls or parts.scheme == TLS_SENTINEL_SCHEME
+        path = (parts.path or "").strip("/")
+        if db is None and path:
+            if not path.isdigit():
+                raise ConfigError(f"celery_ext: broker URL {mask_url(one)}: the db (path) "
+                                  f"must be a number, got {path!r}")
+            db = int(path)
+        if password is None and parts.password:
+            username = unquote(parts.username) if parts.username else None
+            password = unquote(parts.password)
+    if not found:
+        return None
+    master_name = options.get("master_name")
+    if not master_name:
+        raise ConfigError(
+            "celery_ext: a sentinel broker URL needs the master's name: "
+            "broker_transport_options={'master_name': '<name in sentinel monitor>'}")
+    kwargs = options.get("sentinel_kwargs")
+    return SentinelConfig(
+        sentinels=tuple(found), master_name=str(master_name), db=db or 0,
+        username=username, password=password, tls=tls,
+        min_other_sentinels=int(options.get("min_other_sentinels") or 0),
+        sentinel_kwargs=dict(kwargs) if kwargs is not None else None)
+
+
+def connection_pool(params: dict[str, Any], sentinel: SentinelConfig | None = None
+                    ) -> redis.ConnectionPool:
+    """A pool with the connection keywords ``params`` (redis-py's, as Kombu's channel
+    builds them): to ``host:port``, or to whichever server the sentinels name master.
+
+    For Sentinel, ``host``/``port`` are dropped, ``db`` and credentials come from the
+    URL, and a ``connection_class`` in ``params`` must derive from
+    ``SentinelManagedConnection`` (see :func:`sentinel_connection_class`)."""
+    if sentinel is None:
+        return redis.ConnectionPool(**params)
+    return sentinel_manager(sentinel, params).master_for(
+        sentinel.master_name, redis_class=redis.Redis).connection_pool
+
+
+def sentinel_manager(sentinel: SentinelConfig, params: Mapping[str, Any]) -> _sentinel.Sentinel:
+    """redis-py's :class:`~redis.sentinel.Sentinel` for ``sentinel``, whose masters get
+    the connection keywords ``params``."""
+    master = _master_kwargs(sentinel, params, drop=("host", "port", "path"))
+    master.setdefault("connection_class", sentinel_connection_class(sentinel.tls))
+    return _sentinel.Sentinel(list(sentinel.sentinels), **_manager_kwargs(sentinel), **master)
+
+
+def _master_kwargs(sentinel: SentinelConfig, params: Mapping[str, Any],
+                   drop: tuple[str, ...]) -> dict[str, Any]:
+    """Connection keywords for the primary: ``params`` without the address (the
+    sentinels give it), with the URL's db and credentials."""
+    master = {k: v for k, v in params.items() if k not in drop}
+    master["db"] = sentinel.db
+    if sentinel.password is not None:
+        master["username"], master["password"] = sentinel.username, sentinel.password
+    return master
+
+
+def _manager_kwargs(sentinel: SentinelConfig) -> dict[str, Any]:
+    kwargs = sentinel.sentinel_kwargs
+    return {"min_other_sentinels": sentinel.min_other_sentinels,
+            "sentinel_kwargs": dict(kwargs) if kwargs is not None else None}
+
+
+def sentinel_connection_class(tls: bool = False) -> type[redis.Connection]:
+    """The connection class that asks the sentinels where the master is at connect
+    time, and turns ``READONLY`` (a demoted master) into a ``ConnectionError``."""
+    return _sentinel.SentinelManagedSSLConnection if tls else _sentinel.SentinelManagedConnection
+
+
+def close_pool(pool: Any) -> None:
+    """Disconnect ``pool`` and, for a Sentinel pool, the connections to the sentinels."""
+    pool.disconnect()
+    manager = getattr(pool, "sentinel_manager", None)
+    if manager is not None:
+        manager.close()
+
+
+def client_from_url(url: str, options: Mapping[str, Any] | None = None) -> redis.Redis:
+    """A synchronous client for a broker URL of ours (or ``redis://``): for tools that
+    have a URL and no Celery app (``Client.from_url``, the demo)."""
+    config = sentinel_config([url], options)
+    if config is None:
+        return redis.Redis.from_url(redis_url(url))
+    return redis.Redis(connection_pool=connection_pool({}, config))
+
+
+def async_client_from_url(url: str, options: Mapping[str, Any] | None = None,
+                          **params: Any) -> Any:
+    """A ``redis.asyncio`` client for a broker URL of ours (Flower's broker page);
+    ``params`` are connection keywords (timeouts, TLS) for a direct URL and for the
+    master behind sentinels. Close it with :func:`aclose_async_client`."""
+    from redis import asyncio as aioredis
+    from redis.asyncio import sentinel as asentinel
+
+    config = sentinel_config([url], options)
+    if config is None:
+        return aioredis.Redis(**params)
+    master = _master_kwargs(config, params, drop=("host", "port", "ssl"))
+    if config.tls or params.get("ssl"):
+        master["connection_class"] = asentinel.SentinelManagedSSLConnection
+    manager = asentinel.Sentinel(list(config.sentinels), **_manager_kwargs(config), **master)
+    return manager.master_for(config.master_name, redis_class=aioredis.Redis)
+
+
+async def aclose_async_client(client: Any) -> None:
+    """Close an :func:`async_client_from_url` client and its sentinel connections."""
+    await client.aclose()
+    manager = getattr(client.connection_pool, "sentinel_manager", None)
+    if manager is not None:
+        await manager.aclose()
