@@ -27,6 +27,7 @@ from kombu.utils.json import dumps
 from .config import Settings, redis_url
 from .dead import split_record
 from .keys import Keys
+from .priority import level, payload_priority
 from .scripts import Scripts
 from .state import BusyWorker, PoolInfo, QueueInfo, State
 from .unique import lock_of
@@ -351,7 +352,8 @@ class Client:
             if raw is None:
                 continue
             _meta, queue, payload = split_record(raw)
-            keys.append(k.queue(queue))
+            keys.append(k.queue_level(queue, level(payload_priority(payload),
+                                                   self.settings.priority_steps)))
             args += [job_id, hashlib.sha1(raw).hexdigest(), _manual_retry_payload(payload, now)]
         if not keys:
             return set()

@@ -9,6 +9,7 @@ below.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -63,6 +64,10 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 #: again. Celery's default publish retry policy gives up well within it. Costs one
 #: key (about 100 bytes) per job enqueued in that time; 0 = off (at-least-once).
 DEFAULT_PUBLISH_IDEMPOTENCY_TTL = 120.0
+#: Priority levels of a job queue (Kombu's Redis ``priority_steps``): a job's
+#: ``priority`` (0-9, lower runs first) is rounded down to one of these; each level is
+#: one list per job queue. Must start at 0 (the default level) and rise within 0-9.
+DEFAULT_PRIORITY_STEPS = (0, 3, 6, 9)
 
 #: Longest wait (seconds) for a Redis reply before the connection counts as lost: a
 #: fetch unanswered this long is abandoned and sent again on a new connection, and it
@@ -102,6 +107,7 @@ class Settings:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     reply_timeout: float = DEFAULT_REPLY_TIMEOUT
     publish_idempotency_ttl: float = DEFAULT_PUBLISH_IDEMPOTENCY_TTL
+    priority_steps: tuple[int, ...] = DEFAULT_PRIORITY_STEPS
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -141,6 +147,13 @@ class Settings:
         if self.publish_idempotency_ttl < 0:
             raise ConfigError("celery_ext: publish_idempotency_ttl must be >= 0 (0 = off), "
                               f"got {self.publish_idempotency_ttl!r}")
+        steps = self.priority_steps
+        if (not isinstance(steps, tuple) or not steps or steps[0] != 0 or steps[-1] > 9
+                or any(type(s) is not int for s in steps)
+                or any(a >= b for a, b in itertools.pairwise(steps))):
+            raise ConfigError(
+                "celery_ext: priority_steps must be rising whole numbers from 0 up to at most "
+                f"9, e.g. [0, 3, 6, 9]; got {steps!r}")
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -170,10 +183,14 @@ class Settings:
                     if isinstance(raw, float) and not raw.is_integer():
                         raise ValueError("not a whole number")
                     values[name] = int(raw)
+                elif name == "priority_steps":
+                    values[name] = _int_tuple(raw)
                 else:
                     values[name] = str(raw)
             except (TypeError, ValueError, OverflowError):
                 what = "a whole number" if kind in ("int", int) else f"a {kind}"
+                if name == "priority_steps":
+                    what = "a list of whole numbers"
                 raise ConfigError(
                     f"celery_ext: setting {name} must be {what}, got {raw!r}"
                 ) from None
@@ -181,6 +198,18 @@ class Settings:
 
     def with_(self, **changes: Any) -> Settings:
         return replace(self, **changes)
+
+
+def _int_tuple(raw: Any) -> tuple[int, ...]:
+    """A list of whole numbers from a transport option (a list) or an environment
+    variable ("0,3,6,9")."""
+    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    out = []
+    for item in items:
+        if isinstance(item, bool) or (isinstance(item, float) and not item.is_integer()):
+            raise ValueError("not a whole number")
+        out.append(int(item))
+    return tuple(out)
 
 
 #: URL schemes of this transport (plain and TLS), and the redis-py scheme of each.

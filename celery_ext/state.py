@@ -104,10 +104,12 @@ class State:
         a name forgotten now (see ``queue_info.lua``)."""
         k = self.keys
         fixed = [k.queues, k.ready, k.paused, k.limits, k.weights, k.running]
+        steps = self.settings.priority_steps
         time_ms, rows = None, []
         for i in range(0, len(names), QUEUE_INFO_CHUNK):
             chunk = names[i:i + QUEUE_INFO_CHUNK]
-            reply = self.scripts("queue_info", [*fixed, *(k.queue(n) for n in chunk)],
+            levels = [key for n in chunk for key in k.queue_levels(n, steps)]
+            reply = self.scripts("queue_info", [*fixed, *levels],
                                  ["1" if stamps else "0", *chunk])
             time_ms = int(reply[0])
             rows += [(int(reply[j]), _stamp(reply[j + 1])) for j in range(1, len(reply), 2)]
