@@ -60,12 +60,18 @@ local function tag_of(payload)
   -- Our producers' tag ends about 60 bytes before the end: look there first.
   return tag_in(payload, 128) or tag_in(payload, TAG_WINDOW)
 end
+-- Per queue name, the first level (1 = the first) that may hold jobs: the levels
+-- before it were found empty by an earlier candidate of this call.
+local level_from = {}
 -- Pop the next job of the candidate whose level lists follow KEYS[first]: the
 -- first non-empty level's oldest job. Returns it and the index of its list.
-local function pop(first)
-  for j = first + 1, first + nlev do
+local function pop(first, qname)
+  for j = first + (level_from[qname] or 1), first + nlev do
     local payload = redis.call('RPOP', KEYS[j])
-    if payload then return payload, j end
+    if payload then
+      level_from[qname] = j - first
+      return payload, j
+    end
   end
   return nil, first + nlev
 end
@@ -105,7 +111,7 @@ for i = 1, ncand do
     blocked[#blocked + 1] = qname
   end
   if not skip[qname] then
-    local payload, at = pop(first)
+    local payload, at = pop(first, qname)
     if not payload then
       skip[qname] = 'empty'
       empties[#empties + 1] = qname
