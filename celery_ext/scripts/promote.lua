@@ -28,8 +28,9 @@
 -- whose record names another queue than its key is left for the next call.
 -- Returns {moved, candidates, next due in ms, leader}: candidates = {set, id,
 -- queue, priority, ...} of jobs due now (priority: the "priority" of the record's
--- meta, written by the producer when not 0, see scheduled.py; else 0); next due in ms = time until the earliest job not
--- yet due, or -1 when both sets are empty; leader = 1 if the caller holds the lease.
+-- meta, written by the producer when not 0, see scheduled.py; else 0); next due in
+-- ms = time until the earliest job not yet due, or -1 when both sets are empty;
+-- leader = 1 if the caller holds the lease.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local sets = {s = KEYS[1], r = KEYS[2]}
@@ -95,7 +96,8 @@ for _, which in ipairs({'s', 'r'}) do
       local _, nl1
       qname, _, nl1 = parse(rec)
       -- The meta is JSON: a quote inside a string is escaped, so this is its key.
-      priority = tonumber(string.match(string.sub(rec, 1, nl1 - 1), '"priority": *(%d+)')) or 0
+      local meta = string.sub(rec, 1, nl1 - 1)
+      priority = tonumber(string.match(meta, '"priority": *(%d+)')) or 0
     end
     candidates[#candidates + 1] = which
     candidates[#candidates + 1] = id

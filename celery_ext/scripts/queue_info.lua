@@ -21,7 +21,8 @@
 -- of the oldest job are searched and only the number is returned, never the payload.
 -- Returns {now ms (Redis TIME), size, stamp, size, stamp, ...}, two values per name:
 -- size = -1 for a name forgotten now, else the jobs of all its levels; stamp = the
--- oldest job's enqueued_at (the earliest of its levels' oldest) as a string, '' when the queue is empty, the stamp is missing, or it was not asked for.
+-- oldest job's enqueued_at (the earliest of its levels' oldest) as a string, '' when
+-- the queue is empty, the stamp is missing, or it was not asked for.
 local STAMP_WINDOW = 1024
 local known, ready, paused, limits, weights, running = KEYS[1], KEYS[2], KEYS[3], KEYS[4],
   KEYS[5], KEYS[6]

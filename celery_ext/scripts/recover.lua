@@ -1,8 +1,9 @@
 #!lua flags=allow-oom
 -- recover: return a dead (or vanished) pool's in-flight jobs to the FRONT of their
--- job queues (of the list of their priority level), counting one recovery per job; a job recovered more than
--- max_recoveries times goes to the dead set instead (a poison pill). Also used
--- for a single job whose prefork child died (the pool itself is alive).
+-- job queues (of the list of their priority level), counting one recovery per job;
+-- a job recovered more than max_recoveries times goes to the dead set instead (a
+-- poison pill). Also used for a single job whose prefork child died (the pool
+-- itself is alive).
 -- KEYS[1]  in-flight hash of the pool   {ns}:inflight:<pool id>
 -- KEYS[2]  pools zset                   {ns}:pools
 -- KEYS[3]  pool hash                    {ns}:pool:<pool id>

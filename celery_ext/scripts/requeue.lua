@@ -16,6 +16,7 @@
 -- record is gone, or whose record names another queue than the key given, is
 -- skipped: the caller passes the queue it read, and this script re-checks it.
 -- Returns the tags requeued.
+
 -- Whether `key` is one of the priority level lists of the job queue whose default
 -- level list is `queueKey`: that key itself, or it followed by "\6\22<level>" (keys.py).
 local function is_level_of(key, queueKey)
