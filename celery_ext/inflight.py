@@ -31,7 +31,7 @@ def lists_of(client: Any, keys: Keys, steps: Sequence[int], inflight_key: str,
     if tags:
         for tag, rec in zip(tags, client.hmget(inflight_key, tags), strict=True):
             if rec:
-                queue, payload = rec.split(b"\n", 1)
+                queue, _, payload = rec.partition(b"\n")
                 pairs.append((tag, keys.queue_level(
                     bytes_to_str(queue), level(payload_priority(payload), steps))))
     pairs.reverse()
