@@ -138,6 +138,7 @@ def measure(jobs: int, rounds: int, pool: str, concurrency: int, acks_late: bool
                 runs[label].append(res["jobs_per_s"])
                 log(f"  round {rnd + 1} {label}: {res['jobs_per_s']:.0f} jobs/s (steady "
                     f"{res['steady_jobs_per_s']:.0f}, worker {res['worker_cpu_us']:.0f} us/job, "
+                    f"main process {res['worker_main_cpu_us']:.0f}, "
                     f"redis {res['redis_cpu_us']:.0f} us/job, calls/job "
                     f"{res['redis_calls_per_job']})")
             paired.append(rates["spread"] / rates["default"])
