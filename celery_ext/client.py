@@ -28,6 +28,7 @@ from .config import Settings
 from .connections import client_from_url
 from .dead import split_record
 from .keys import Keys
+from .priority import level, payload_priority
 from .rate_limits import format_rate, interval_us
 from .scripts import Scripts
 from .state import BusyWorker, PoolInfo, QueueInfo, State
@@ -376,7 +377,8 @@ class Client:
             if raw is None:
                 continue
             _meta, queue, payload = split_record(raw)
-            keys.append(k.queue(queue))
+            keys.append(k.queue_level(queue, level(payload_priority(payload),
+                                                   self.settings.priority_steps)))
             args += [job_id, hashlib.sha1(raw).hexdigest(), _manual_retry_payload(payload, now)]
         if not keys:
             return set()

@@ -9,6 +9,7 @@ below.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -77,6 +78,10 @@ DEFAULT_PERIODIC_GRACE = 30.0
 DEFAULT_PERIODIC_MISSED = "once"
 #: The values ``periodic_missed`` accepts.
 PERIODIC_MISSED_POLICIES = ("once", "skip", "all")
+#: Priority levels of a job queue (Kombu's Redis ``priority_steps``): a job's
+#: ``priority`` (0-9, lower runs first) is rounded down to one of these; each level is
+#: one list per job queue. Must start at 0 (the default level) and rise within 0-9.
+DEFAULT_PRIORITY_STEPS = (0, 3, 6, 9)
 
 #: Longest wait (seconds) for a Redis reply before the connection counts as lost: a
 #: fetch unanswered this long is abandoned and sent again on a new connection, and it
@@ -127,6 +132,7 @@ class Settings:
     periodic_missed: str = DEFAULT_PERIODIC_MISSED
     wait_replicas: int = DEFAULT_WAIT_REPLICAS
     wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS
+    priority_steps: tuple[int, ...] = DEFAULT_PRIORITY_STEPS
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -174,6 +180,13 @@ class Settings:
             raise ConfigError("celery_ext: wait_replicas must be >= 0 and wait_timeout_ms > 0 "
                               "(WAIT with 0 would block forever), got "
                               f"{self.wait_replicas!r} and {self.wait_timeout_ms!r}")
+        steps = self.priority_steps
+        if (not isinstance(steps, tuple) or not steps or steps[0] != 0 or steps[-1] > 9
+                or any(type(s) is not int for s in steps)
+                or any(a >= b for a, b in itertools.pairwise(steps))):
+            raise ConfigError(
+                "celery_ext: priority_steps must be rising whole numbers from 0 up to at most "
+                f"9, e.g. [0, 3, 6, 9]; got {steps!r}")
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -205,11 +218,15 @@ class Settings:
                     if isinstance(raw, float) and not raw.is_integer():
                         raise ValueError("not a whole number")
                     values[name] = int(raw)
+                elif name == "priority_steps":
+                    values[name] = _int_tuple(raw)
                 else:
                     values[name] = str(raw)
             except (TypeError, ValueError, OverflowError):
                 what = {"int": "a whole number", "bool": "true or false"}.get(str(kind),
                                                                             f"a {kind}")
+                if name == "priority_steps":
+                    what = "a list of whole numbers"
                 raise ConfigError(
                     f"celery_ext: setting {name} must be {what}, got {raw!r}"
                 ) from None
@@ -229,6 +246,16 @@ def _bool(raw: Any) -> bool:
     if text in ("0", "false", "no", "off"):
         return False
     raise ValueError("not a switch")
+def _int_tuple(raw: Any) -> tuple[int, ...]:
+    """A list of whole numbers from a transport option (a list) or an environment
+    variable ("0,3,6,9")."""
+    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    out = []
+    for item in items:
+        if isinstance(item, bool) or (isinstance(item, float) and not item.is_integer()):
+            raise ValueError("not a whole number")
+        out.append(int(item))
+    return tuple(out)
 
 
 #: URL schemes of this transport (plain and TLS), and the redis-py scheme of each.

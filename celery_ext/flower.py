@@ -73,11 +73,15 @@ def _broker_class(base: type) -> type:
             k = self.keys
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
+                    steps = self.settings.priority_steps
                     for name in names:
-                        pipe.llen(k.queue(name))
+                        for key in k.queue_levels(name, steps):
+                            pipe.llen(key)
                     pipe.hmget(k.running, names or ["-"])
                     pipe.zrange(k.pools, 0, -1)
-                    *lengths, running, pool_ids = await pipe.execute()
+                    *levels, running, pool_ids = await pipe.execute()
+                nlev = len(steps)
+                lengths = [sum(levels[i:i + nlev]) for i in range(0, len(levels), nlev)]
                 consumers: dict[str, int] = {}
                 if pool_ids:
                     async with self.redis.pipeline(transaction=False) as pipe:

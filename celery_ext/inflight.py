@@ -2,35 +2,42 @@
 
 The record holds every job the pool fetched and has not finished: fetch puts a job
 in, atomically with popping it from its queue. It leaves by one of these moves,
-each one script: ack (done), requeue (back to the front of its queue), dead (to the
-dead set, ``dead.dead_letter``) or recover (counted: by the reaper for a dead pool,
-or when a prefork child died, ``recover_tags``).
+each one script: ack (done), requeue (back to the front of its queue's list of its
+priority level), dead (to the dead set, ``dead.dead_letter``) or recover (counted: by
+the reaper for a dead pool, or when a prefork child died, ``recover_tags``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 from kombu.utils.encoding import bytes_to_str
 
-from .config import Settings
+from .config import DEFAULT_PRIORITY_STEPS, Settings
 from .keys import STAT_POISON_PILLS, STAT_RECOVERED, Keys
+from .priority import level, payload_priority
 from .scripts import Scripts
 
 logger = logging.getLogger("celery_ext.inflight")
 
 
-def queues_of(client: Any, inflight_key: str, tags: list[str]) -> list[tuple[str, str]]:
-    """``(tag, queue)`` of the tags still in a record, in the order to push them back:
-    the first delivered last, so it is the next fetched. (A script may only touch the
-    keys it is given, so the queues are read first; the scripts re-check them.)"""
+def lists_of(client: Any, keys: Keys, steps: Sequence[int], inflight_key: str,
+             tags: list[str]) -> list[tuple[str, str]]:
+    """``(tag, list key)`` of the tags still in a record, in the order to push them
+    back: the first delivered last, so it is the next fetched. The list is the one of
+    the job's queue and priority level, read from its payload (:mod:`.priority`). (A
+    script may only touch the keys it is given, so the records are read first; the
+    scripts re-check the queue.)"""
     pairs = []
     if tags:
         for tag, rec in zip(tags, client.hmget(inflight_key, tags), strict=True):
             if rec:
-                pairs.append((tag, bytes_to_str(rec.split(b"\n", 1)[0])))
+                queue, _, payload = rec.partition(b"\n")
+                pairs.append((tag, keys.queue_level(
+                    bytes_to_str(queue), level(payload_priority(payload), steps))))
     pairs.reverse()
     return pairs
 
@@ -38,9 +45,11 @@ def queues_of(client: Any, inflight_key: str, tags: list[str]) -> list[tuple[str
 class InflightRecord:
     """One pool's in-flight record, through one client."""
 
-    def __init__(self, client: Any, keys: Keys, pool_id: str) -> None:
+    def __init__(self, client: Any, keys: Keys, pool_id: str,
+                 priority_steps: Sequence[int] = DEFAULT_PRIORITY_STEPS) -> None:
         self.client = client
         self.keys = keys
+        self.priority_steps = priority_steps
         self.pool_id = pool_id
         self.key = keys.inflight(pool_id)
         self.scripts = Scripts(client)
@@ -67,11 +76,10 @@ class InflightRecord:
         if not tags:
             return []
         keys = self.keys
-        pairs = queues_of(self.client, self.key, tags)
+        pairs = lists_of(self.client, keys, self.priority_steps, self.key, tags)
         done = self.scripts(
             "requeue",
-            [self.key, keys.ready, keys.redelivery, keys.running,
-             *(keys.queue(q) for _, q in pairs)],
+            [self.key, keys.ready, keys.redelivery, keys.running, *(q for _, q in pairs)],
             [keys.wake_channel, keys.queue(""), *(t for t, _ in pairs)],
         )
         return [bytes_to_str(t) for t in done]
@@ -106,13 +114,12 @@ def recover_tags(client: Any, settings: Settings, pool_id: str, tags: list[str],
     """
     keys = Keys(settings.namespace)
     inflight = keys.inflight(pool_id)
-    pairs = queues_of(client, inflight, tags)
+    pairs = lists_of(client, keys, settings.priority_steps, inflight, tags)
     scripts = scripts or Scripts(client)
     status, requeued, dead = scripts(
         "recover",
         [inflight, keys.pools, keys.pool(pool_id), keys.inflight_pools, keys.ready,
-         keys.redelivery, keys.running, keys.dead, keys.dead_jobs,
-         *(keys.queue(q) for _, q in pairs)],
+         keys.redelivery, keys.running, keys.dead, keys.dead_jobs, *(q for _, q in pairs)],
         [pool_id, mode, deadline_ms, keys.wake_channel, keys.queue(""),
          settings.max_recoveries, settings.dead_max_size, reason, *(t for t, _ in pairs)],
     )

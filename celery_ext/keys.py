@@ -6,7 +6,13 @@ script stays valid on a cluster (shard by running several namespaces).
 
 Layout (``ns`` = namespace)::
 
-    {ns}:queue:<name>        list    a job queue; producers LPUSH, fetch RPOPs (FIFO)
+    {ns}:queue:<name>        list    a job queue; producers LPUSH, fetch RPOPs (FIFO); its
+                                     jobs of the default priority level (0)
+    {ns}:queue:<name>\x06\x16<level>
+                             list    the same job queue's jobs of priority level <level>
+                                     (one of priority_steps but 0; see priority.py): the
+                                     queue key plus Kombu's Redis priority separator, so
+                                     it carries whatever hash tag the queue key carries
     {ns}:ready               set     names of job queues that hold at least one job
     {ns}:queues              set     job queue names: added at enqueue (not Kombu's "*.pidbox"
                                      reply queues), forgotten by readers (queue_info.lua)
@@ -63,6 +69,7 @@ Layout (``ns`` = namespace)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 #: Fields of the ``stats`` hash counting reliability events (Prometheus counters).
@@ -70,6 +77,9 @@ STAT_RECOVERED = "recovered"
 STAT_POOLS_REAPED = "pools_reaped"
 STAT_POISON_PILLS = "poison_pills"
 STAT_UNIQUE_HITS = "unique_hits"
+#: Between a job queue's key and a priority level in the key of that level's list:
+#: Kombu's Redis separator (``redis.Channel.sep``). Lua scripts check level keys by it.
+LEVEL_SEP = "\x06\x16"
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,16 @@ class Keys:
 
     def queue(self, name: str) -> str:
         return f"{self.prefix}queue:{name}"
+
+    def queue_level(self, name: str, level: int) -> str:
+        """The list of one priority level of a job queue; level 0 is :meth:`queue`."""
+        key = self.queue(name)
+        return f"{key}{LEVEL_SEP}{level}" if level else key
+
+    def queue_levels(self, name: str, steps: Sequence[int]) -> list[str]:
+        """Every level list of a job queue, the first to run first (as fetch pops)."""
+        key = self.queue(name)
+        return [f"{key}{LEVEL_SEP}{level}" if level else key for level in steps]
 
     def queue_name(self, key: str) -> str:
         """Inverse of :meth:`queue`."""

@@ -133,7 +133,8 @@ class WorkerPool:
         #: The pool's own connection pool: it outlives every channel (acks of jobs
         #: still running when a channel closed on a lost connection go through it).
         self.client = client_factory()
-        self.record = InflightRecord(self.client, self.keys, self.pool_id)
+        self.record = InflightRecord(self.client, self.keys, self.pool_id,
+                                     settings.priority_steps)
         self.heartbeater = Heartbeater(self.client, settings, self.pool_id)
         self.reaper = Reaper(client_factory(), settings, own_pool_id=self.pool_id)
         self.requeuer = Requeuer(client_factory(), settings)

@@ -75,6 +75,8 @@ from .config import Settings
 from .errors import NotReplicated, check_payload_size, job_name
 from .keys import STAT_UNIQUE_HITS, Keys
 from .periodic import PeriodicRun, current_run
+from .priority import level as priority_level
+from .priority import message_priority
 from .scheduled import eta_delay_ms, retries_of, schedule, schedule_args
 from .unique import UniqueRequest, take_pending
 
@@ -167,14 +169,14 @@ class Enqueuer:
             lock_key, task_id, ttl_ms, force = self._lock(uniq, message)
             _, holder = self._run(
                 "enqueue_unique",
-                [lock_key, *self._queue_keys(queue), *marker_keys],
+                [lock_key, *self._queue_keys(queue, message), *marker_keys],
                 [*self._queue_args(queue, message), task_id, ttl_ms, "1" if force else "0",
                  *marker_args],
                 None)
             uniq.holder = holder.decode() if isinstance(holder, bytes) else str(holder)
             self._count_unique_hit(uniq, message)
         else:
-            self._run("enqueue", [*self._queue_keys(queue), *marker_keys],
+            self._run("enqueue", [*self._queue_keys(queue, message), *marker_keys],
                       [*self._queue_args(queue, message), *marker_args], batch)
 
     def _count_unique_hit(self, uniq: UniqueRequest, message: dict[str, Any]) -> None:
@@ -189,14 +191,17 @@ class Enqueuer:
         entry's next due time in the same call (see ``periodic.py``)."""
         with self._acquire() as client:
             run.outcome = int(self._scripts(
-                "periodic_run", [self.keys.periodic_entry(run.entry), *self._queue_keys(queue)],
+                "periodic_run",
+                [self.keys.periodic_entry(run.entry), *self._queue_keys(queue, message)],
                 [*run.script_args(), *self._queue_args(queue, message)], client=client))
         if uniq is not None:
             uniq.holder = run.job_id  # the entry, not the unique lock, keeps it single
 
-    def _queue_keys(self, queue: str) -> list[str]:
-        """KEYS the ``enqueue`` and ``enqueue_unique`` scripts share."""
-        return [self.keys.queue(queue), self.keys.ready, self.keys.queues]
+    def _queue_keys(self, queue: str, message: dict[str, Any]) -> list[str]:
+        """KEYS the ``enqueue`` and ``enqueue_unique`` scripts share: first the list of
+        the job's priority level in its queue (:mod:`.priority`)."""
+        level = priority_level(message_priority(message), self.settings.priority_steps)
+        return [self.keys.queue_level(queue, level), self.keys.ready, self.keys.queues]
 
     def _queue_args(self, queue: str, message: dict[str, Any]) -> list[Any]:
         """ARGV the ``enqueue`` and ``enqueue_unique`` scripts share, payload first."""

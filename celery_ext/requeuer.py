@@ -43,6 +43,7 @@ from .config import Settings
 from .history import HistoryWriter, sample_queues
 from .keys import Keys
 from .periodic import Periodic
+from .priority import level
 from .scripts import Scripts
 from .state import State
 
@@ -92,14 +93,16 @@ class Requeuer:
         """Move every job that is due now (in batches of ``promote_batch``)."""
         k = self.keys
         result = PromoteResult()
-        candidates: list[tuple[str, str, str]] = []
+        candidates: list[tuple[str, str, str, int]] = []
+        steps = self.settings.priority_steps
         while True:
             moved, found, next_due, leader = self.scripts(
                 "promote",
                 [k.scheduled, k.retry, k.scheduled_jobs, k.ready, k.queues, k.requeuer_lease,
-                 *(k.queue(q) for _, _, q in candidates)],
+                 *(k.queue_level(q, level(p, steps)) for _, _, q, p in candidates)],
                 [k.wake_channel, k.queue(""), self.settings.promote_batch, self.id,
-                 self.lease_ms, *(v for which, job_id, _ in candidates for v in (which, job_id))],
+                 self.lease_ms, *(v for which, job_id, _, _ in candidates
+                                       for v in (which, job_id))],
             )
             result.calls += 1
             result.moved += int(moved)
@@ -107,7 +110,8 @@ class Requeuer:
             flat = [bytes_to_str(v) for v in found]
             stuck = not int(moved) and candidates
             previous = candidates
-            candidates = [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
+            candidates = [(flat[i], flat[i + 1], flat[i + 2], int(flat[i + 3]))
+                          for i in range(0, len(flat), 4)]
             next_due = int(next_due)
             result.next_due_in = None if next_due < 0 else next_due / 1000
             if not candidates:

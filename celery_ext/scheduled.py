@@ -27,6 +27,7 @@ from kombu.utils.json import dumps
 from .dead import MAX_TRACEBACK
 from .errors import check_payload_size
 from .keys import Keys
+from .priority import message_priority
 
 
 def eta_delay_ms(message: Mapping[str, Any]) -> int | None:
@@ -69,6 +70,9 @@ def schedule_meta(message: Mapping[str, Any]) -> dict[str, Any]:
     """
     headers = message.get("headers") or {}
     meta: dict[str, Any] = {"name": headers.get("task"), "task_id": headers.get("id")}
+    priority = message_priority(message)
+    if priority:  # promote.lua pushes the job to its priority level's list (priority.py)
+        meta["priority"] = priority
     attempt = retries_of(message)
     if attempt:
         meta["retry"] = True

@@ -122,8 +122,10 @@ class State:
     def queue_info_call(self, names: list[str], stamps: bool) -> tuple[list[str], list[str]]:
         """KEYS and ARGV of one ``queue_info`` call (at most ``QUEUE_INFO_CHUNK`` names)."""
         k = self.keys
+        steps = self.settings.priority_steps
         return ([k.queues, k.ready, k.paused, k.limits, k.weights, k.running,
-                 *(k.queue(n) for n in names)], ["1" if stamps else "0", *names])
+                 *(key for n in names for key in k.queue_levels(n, steps))],
+                ["1" if stamps else "0", *names])
 
     def queue_names(self) -> list[str]:
         """Names of the job queues, sorted; gone ones are forgotten on the way."""

@@ -55,7 +55,7 @@ from .dead import dead_letter, one_line
 from .envelope import envelope_problem
 from .errors import CONNECTION_ERRORS, BrokerOutOfMemory, job_name
 from .heartbeater import current_pool_id
-from .keys import Keys
+from .keys import LEVEL_SEP, Keys
 from .pool import WorkerPool, pool_for
 from .producer import Enqueuer, ReplicatedPublishBatch
 from .readiness import ReadyQueues
@@ -323,23 +323,31 @@ class Channel(kredis.Channel):
         return batch
 
     # -- queue management --------------------------------------------------------------
+    def _levels(self, queue: str) -> list[str]:
+        """The lists of a job queue, one per priority level (see :mod:`.priority`)."""
+        return self.keys.queue_levels(queue, self.settings.priority_steps)
+
     def _size(self, queue: str) -> int:
         size = self._predeclared_sizes.pop(queue, None)
         if size is not None:  # read by predeclared() a moment ago, in the same start-up
             return size
-        with self.conn_or_acquire() as client:
-            return int(client.llen(self.keys.queue(queue)))
+        with self.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
+            for key in self._levels(queue):
+                pipe.llen(key)
+            return sum(int(n) for n in pipe.execute())
 
     def _purge(self, queue: str) -> int:
+        levels = self._levels(queue)
         with self.conn_or_acquire() as client, client.pipeline() as pipe:
-            pipe.llen(self.keys.queue(queue)).delete(self.keys.queue(queue))
+            for key in levels:
+                pipe.llen(key)
+            pipe.delete(*levels)
             pipe.srem(self.keys.ready, queue)
-            size = pipe.execute()[0]
-            return int(size)
+            return sum(int(n) for n in pipe.execute()[:len(levels)])
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         with self.conn_or_acquire() as client:
-            return bool(client.exists(self.keys.queue(queue)))
+            return bool(client.exists(*self._levels(queue)))
 
     def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str,
                 *args: Any, **kwargs: Any) -> None:
@@ -349,13 +357,14 @@ class Channel(kredis.Channel):
                 client.pipeline() as pipe:
             pipe.srem(self.keyprefix_queue % (exchange,), member)
             pipe.srem(self.keyprefix_binding_permanent % (exchange,), member)
-            pipe.delete(self.keys.queue(queue))
+            pipe.delete(*self._levels(queue))
             pipe.srem(self.keys.ready, queue)
             pipe.execute()
 
     def _maybe_update_queues_expire(self, client: Any, queue: str) -> None:
         if self._expires and queue in self._expires:
-            client.pexpire(self.keys.queue(queue), self._expires[queue])
+            for key in self._levels(queue):
+                client.pexpire(key, self._expires[queue])
 
     @contextmanager
     def predeclared(self, queues: Iterable[Any]) -> Iterator[None]:
@@ -385,11 +394,14 @@ class Channel(kredis.Channel):
                 with self.conn_or_acquire() as client, \
                         client.pipeline(transaction=False) as pipe:
                     for name in names:
-                        pipe.llen(self.keys.queue(name))
+                        for key in self._levels(name):
+                            pipe.llen(key)
                     for exchange, members in binds.items():
                         pipe.sadd(self.keyprefix_queue % (exchange,), *members)
                         pipe.sadd(self.keyprefix_binding_permanent % (exchange,), *members)
-                    sizes = pipe.execute()[:len(names)]
+                    nlev = len(self.settings.priority_steps)
+                    lens = pipe.execute()[:len(names) * nlev]
+                    sizes = [sum(lens[i:i + nlev]) for i in range(0, len(lens), nlev)]
             except redis.exceptions.ResponseError:
                 # e.g. out of memory: let the per-queue path report it on its queue.
                 logger.debug("celery_ext: batched queue declaration failed", exc_info=True)
@@ -443,6 +455,8 @@ class Channel(kredis.Channel):
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
         if "\n" in queue:
             raise ValueError(f"celery_ext: queue name {queue!r} must not contain a newline")
+        if LEVEL_SEP in queue:  # its key would be another queue's priority level list
+            raise ValueError(f"celery_ext: queue name {queue!r} must not contain {LEVEL_SEP!r}")
         if no_ack:
             self._no_ack_queues.add(queue)
         else:
@@ -514,7 +528,7 @@ class Channel(kredis.Channel):
         k = self.keys
         return [k.inflight(pool_id), k.pools, k.ready, k.redelivery, k.inflight_pools,
                 k.running, k.limits, k.paused, k.rate_limits, k.rate_tat, k.stats,
-                *(k.queue(q) for q in queues)]
+                *(key for q in queues for key in self._levels(q))]
 
     def _fetch_sync(self, queues: list[str], track: bool) -> list[Any]:
         pool_id = self.pool_id if track else "-"

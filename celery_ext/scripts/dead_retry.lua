@@ -3,7 +3,8 @@
 -- KEYS[2]  dead jobs hash               {ns}:dead_jobs
 -- KEYS[3]  ready set                    {ns}:ready
 -- KEYS[4]  known queues set             {ns}:queues
--- KEYS[5..] job queue lists, one per job
+-- KEYS[5..] job queue lists, one per job: the list of the job's priority level,
+--          read by the caller from its payload (priority.py)
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job queue key prefix         {ns}:queue:
 -- ARGV[3..] three values per job, in the order of KEYS[5..]: dead job id, SHA1 of
@@ -12,6 +13,13 @@
 -- A job whose record is gone (retried or deleted by someone else) or changed
 -- since the caller read it is skipped, so pressing "retry" twice requeues once.
 -- Returns the ids requeued.
+-- Whether `key` is one of the priority level lists of the job queue whose default
+-- level list is `queueKey`: that key itself, or it followed by "\6\22<level>" (keys.py).
+local function is_level_of(key, queueKey)
+  if key == queueKey then return true end
+  return string.sub(key, 1, #queueKey + 2) == queueKey .. '\6\22'
+    and string.find(key, '^%d+$', #queueKey + 3) ~= nil
+end
 local done = {}
 for i = 5, #KEYS do
   local j = 3 + (i - 5) * 3
@@ -21,7 +29,7 @@ for i = 5, #KEYS do
     local nl1 = string.find(rec, '\n', 1, true)
     local nl2 = string.find(rec, '\n', nl1 + 1, true)
     local qname = string.sub(rec, nl1 + 1, nl2 - 1)
-    if KEYS[i] == ARGV[2] .. qname then
+    if is_level_of(KEYS[i], ARGV[2] .. qname) then
       redis.call('ZREM', KEYS[1], id)
       redis.call('HDEL', KEYS[2], id)
       redis.call('RPUSH', KEYS[i], ARGV[j + 2])

@@ -1,7 +1,8 @@
 #!lua flags=allow-oom
 -- fetch: move jobs from job queues into a pool's in-flight record, one round trip.
 -- The pool's weighted round-robin picks the candidate queues; this script pops
--- one job per candidate, atomically recording it as owned by the pool.
+-- one job per candidate, atomically recording it as owned by the pool: the oldest
+-- job of the candidate's first non-empty priority level (see priority.py).
 -- KEYS[1]  in-flight hash of the pool   {ns}:inflight:<pool id>
 -- KEYS[2]  pools zset                   {ns}:pools
 -- KEYS[3]  ready set                    {ns}:ready
@@ -13,10 +14,11 @@
 -- KEYS[9]  rate limits hash             {ns}:rate_limits
 -- KEYS[10] rate limit state hash        {ns}:rate_tat
 -- KEYS[11] stats hash                   {ns}:stats
--- KEYS[12..] job queue lists, one per candidate (repeats allowed)
+-- KEYS[12..] job queue lists, L per candidate (repeats allowed): one per priority
+--          level, the level that runs first first (L = (#KEYS - 11) / candidates)
 -- ARGV[1]  pool id
 -- ARGV[2]  one char per candidate: "1" = record in-flight (acked consumer), "0" = no-ack
--- ARGV[3..] queue names, one per candidate, in the order of KEYS[12..]
+-- ARGV[3..] queue names, one per candidate, in the order of the KEYS[12..] groups
 -- ARGV[3 + n] (optional, n = number of candidates) max_payload_bytes, 0 = no limit
 -- Delivery tag: Kombu writes "properties" last, with "delivery_tag" after its other
 -- properties, and our producers add only "enqueued_at" after it (a republished
@@ -45,8 +47,10 @@
 -- or not due; waits = {{queue name, µs until its next job is due}, ...}.
 local TAG_WINDOW = 1024
 local NFIXED = 11
-local ncand = #KEYS - NFIXED
 local flags = ARGV[2]
+local ncand = #flags
+-- Lists per candidate, one per priority level: the first non-empty one is popped.
+local nlev = ncand > 0 and (#KEYS - NFIXED) / ncand or 1
 local max_payload = tonumber(ARGV[3 + ncand] or 0) or 0
 
 -- The message's own delivery tag, from the end of the payload only (see above): the
@@ -66,6 +70,29 @@ local function tag_of(payload)
   -- Our producers' tag ends about 60 bytes before the end: look there first.
   return tag_in(payload, 128) or tag_in(payload, TAG_WINDOW)
 end
+-- Per queue name, the first level (1 = the first) that may hold jobs: the levels
+-- before it were found empty by an earlier candidate of this call.
+local level_from = {}
+-- Pop the next job of the candidate whose level lists follow KEYS[first]: the
+-- first non-empty level's oldest job. Returns it and the index of its list.
+local function pop(first, qname)
+  for j = first + (level_from[qname] or 1), first + nlev do
+    local payload = redis.call('RPOP', KEYS[j])
+    if payload then
+      level_from[qname] = j - first
+      return payload, j
+    end
+  end
+  return nil, first + nlev
+end
+-- Whether every level list from KEYS[from] to the candidate's last is empty (the
+-- levels before the one just popped were empty already).
+local function drained(from, first)
+  for j = from, first + nlev do
+    if redis.call('LLEN', KEYS[j]) > 0 then return false end
+  end
+  return true
+end
 if string.find(flags, '1', 1, true) and not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
   return {0, {}, {}, {}, {}}
 end
@@ -79,7 +106,7 @@ if rated then
 end
 local tracked = false
 for i = 1, ncand do
-  local qkey, qname = KEYS[NFIXED + i], ARGV[2 + i]
+  local first, qname = NFIXED + (i - 1) * nlev, ARGV[2 + i]
   if not skip[qname] and not checked[qname] then
     checked[qname] = true
     if any_paused and redis.call('SISMEMBER', KEYS[8], qname) == 1 then
@@ -111,7 +138,7 @@ for i = 1, ncand do
     blocked[#blocked + 1] = qname
   end
   if not skip[qname] then
-    local payload = redis.call('RPOP', qkey)
+    local payload, at = pop(first, qname)
     if not payload then
       skip[qname] = 'empty'
       empties[#empties + 1] = qname
@@ -145,7 +172,7 @@ for i = 1, ncand do
         tat[qname] = math.max(tat[qname], now_us) + interval[qname]
         redis.call('HSET', KEYS[10], qname, string.format('%.0f', tat[qname]))
       end
-      if redis.call('LLEN', qkey) == 0 then
+      if drained(at, first) then
         skip[qname] = 'empty'
         empties[#empties + 1] = qname
         redis.call('SREM', KEYS[3], qname)

@@ -2,7 +2,8 @@
 -- then report which jobs are due next. Called by every pool's requeuer; ZREM
 -- decides which caller moves a job, so each job is promoted exactly once.
 -- Scheduled jobs go to the BACK of their queue (enqueued at their due time);
--- retries go to the FRONT (they already waited their turn once).
+-- retries go to the FRONT (they already waited their turn once); both to the list
+-- of their priority level, which the caller works out from the candidate's priority.
 -- Scripts may only touch keys they are given, so a call moves the candidates the
 -- previous call reported (their queue keys in KEYS[6..]) and peeks at the next.
 -- KEYS[1]  scheduled zset               {ns}:scheduled
@@ -11,7 +12,7 @@
 -- KEYS[4]  ready set                    {ns}:ready
 -- KEYS[5]  known queues set             {ns}:queues
 -- KEYS[6]  requeuer lease               {ns}:requeuer
--- KEYS[7..] job queue lists, one per candidate
+-- KEYS[7..] job queue lists, one per candidate: the list of its priority level
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job queue key prefix         {ns}:queue:
 -- ARGV[3]  most candidates to report per set
@@ -26,8 +27,10 @@
 -- A candidate that is gone (promoted by another pool) or not due is skipped; one
 -- whose record names another queue than its key is left for the next call.
 -- Returns {moved, candidates, next due in ms, leader}: candidates = {set, id,
--- queue, ...} of jobs due now; next due in ms = time until the earliest job not
--- yet due, or -1 when both sets are empty; leader = 1 if the caller holds the lease.
+-- queue, priority, ...} of jobs due now (priority: the "priority" of the record's
+-- meta, written by the producer when not 0, see scheduled.py; else 0); next due in
+-- ms = time until the earliest job not yet due, or -1 when both sets are empty;
+-- leader = 1 if the caller holds the lease.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local sets = {s = KEYS[1], r = KEYS[2]}
@@ -41,7 +44,14 @@ end
 local function parse(rec)
   local nl1 = string.find(rec, '\n', 1, true)
   local nl2 = string.find(rec, '\n', nl1 + 1, true)
-  return string.sub(rec, nl1 + 1, nl2 - 1), nl2
+  return string.sub(rec, nl1 + 1, nl2 - 1), nl2, nl1
+end
+-- Whether `key` is one of the priority level lists of the job queue whose default
+-- level list is `queueKey`: that key itself, or it followed by "\6\22<level>" (keys.py).
+local function is_level_of(key, queueKey)
+  if key == queueKey then return true end
+  return string.sub(key, 1, #queueKey + 2) == queueKey .. '\6\22'
+    and string.find(key, '^%d+$', #queueKey + 3) ~= nil
 end
 
 local moved = 0
@@ -55,7 +65,7 @@ for i = 7, #KEYS do
       redis.call('ZREM', zkey, id)  -- an orphan entry: nothing to run
     else
       local qname, nl2 = parse(rec)
-      if KEYS[i] == ARGV[2] .. qname then
+      if is_level_of(KEYS[i], ARGV[2] .. qname) then
         redis.call('ZREM', zkey, id)
         redis.call('HDEL', KEYS[3], id)
         local payload = string.sub(rec, nl2 + 1)
@@ -81,11 +91,18 @@ for _, which in ipairs({'s', 'r'}) do
   local ids = redis.call('ZRANGE', zkey, '-inf', now, 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[3]))
   for _, id in ipairs(ids) do
     local rec = redis.call('HGET', KEYS[3], id)
-    local qname = ''
-    if rec then qname = parse(rec) end
+    local qname, priority = '', 0
+    if rec then
+      local _, nl1
+      qname, _, nl1 = parse(rec)
+      -- The meta is JSON: a quote inside a string is escaped, so this is its key.
+      local meta = string.sub(rec, 1, nl1 - 1)
+      priority = tonumber(string.match(meta, '"priority": *(%d+)')) or 0
+    end
     candidates[#candidates + 1] = which
     candidates[#candidates + 1] = id
     candidates[#candidates + 1] = qname
+    candidates[#candidates + 1] = priority
   end
   local head = redis.call('ZRANGE', zkey, '(' .. now, '+inf', 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
   if head[2] then

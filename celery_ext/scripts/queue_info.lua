@@ -7,7 +7,8 @@
 -- KEYS[4]  concurrency limits hash      {ns}:limits
 -- KEYS[5]  weights hash                 {ns}:weights
 -- KEYS[6]  running counts hash          {ns}:running
--- KEYS[7..] job queue lists, one per name
+-- KEYS[7..] job queue lists, L per name: one per priority level, the default
+--          level's first (L = (#KEYS - 6) / number of names)
 -- ARGV[1]  "1" = also read each queue's oldest enqueue stamp, "0" = sizes only
 -- ARGV[2..] queue names, in the order of KEYS[7..]
 -- A name is forgotten (removed from the known queues, and from the ready set if its
@@ -19,12 +20,15 @@
 -- tag at the very end of the payload (see fetch.lua): only the last STAMP_WINDOW bytes
 -- of the oldest job are searched and only the number is returned, never the payload.
 -- Returns {now ms (Redis TIME), size, stamp, size, stamp, ...}, two values per name:
--- size = -1 for a name forgotten now; stamp = the oldest job's enqueued_at as a
--- string, '' when the queue is empty, the stamp is missing, or it was not asked for.
+-- size = -1 for a name forgotten now, else the jobs of all its levels; stamp = the
+-- oldest job's enqueued_at (the earliest of its levels' oldest) as a string, '' when
+-- the queue is empty, the stamp is missing, or it was not asked for.
 local STAMP_WINDOW = 1024
 local known, ready, paused, limits, weights, running = KEYS[1], KEYS[2], KEYS[3], KEYS[4],
   KEYS[5], KEYS[6]
 local want_stamps = ARGV[1] == '1'
+local nnames = #ARGV - 1
+local nlev = nnames > 0 and (#KEYS - 6) / nnames or 1
 
 -- The last "enqueued_at" number in the last `window` bytes of a payload, or nil.
 local function stamp_in(payload, window)
@@ -50,16 +54,25 @@ end
 
 local t = redis.call('TIME')
 local out = {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)}
-for i = 7, #KEYS do
-  local qkey, name = KEYS[i], ARGV[i - 5]
-  local size = redis.call('LLEN', qkey)
+for n = 1, nnames do
+  local first, name = 6 + (n - 1) * nlev, ARGV[n + 1]
+  local size, sizes = 0, {}
+  for j = first + 1, first + nlev do
+    sizes[j] = redis.call('LLEN', KEYS[j])
+    size = size + sizes[j]
+  end
   local stamp = ''
   if string.sub(name, -7) == '.pidbox' or (size == 0 and not in_use(name)) then
     redis.call('SREM', known, name)
     if size == 0 then redis.call('SREM', ready, name) end
     size = -1
   elseif size > 0 and want_stamps then
-    stamp = stamp_of(redis.call('LINDEX', qkey, -1))
+    for j = first + 1, first + nlev do
+      if sizes[j] > 0 then
+        local s = stamp_of(redis.call('LINDEX', KEYS[j], -1))
+        if s ~= '' and (stamp == '' or tonumber(s) < tonumber(stamp)) then stamp = s end
+      end
+    end
   end
   out[#out + 1] = size
   out[#out + 1] = stamp

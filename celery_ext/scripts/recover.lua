@@ -1,8 +1,9 @@
 #!lua flags=allow-oom
 -- recover: return a dead (or vanished) pool's in-flight jobs to the FRONT of their
--- job queues, counting one recovery per job; a job recovered more than
--- max_recoveries times goes to the dead set instead (a poison pill). Also used
--- for a single job whose prefork child died (the pool itself is alive).
+-- job queues (of the list of their priority level), counting one recovery per job;
+-- a job recovered more than max_recoveries times goes to the dead set instead (a
+-- poison pill). Also used for a single job whose prefork child died (the pool
+-- itself is alive).
 -- KEYS[1]  in-flight hash of the pool   {ns}:inflight:<pool id>
 -- KEYS[2]  pools zset                   {ns}:pools
 -- KEYS[3]  pool hash                    {ns}:pool:<pool id>
@@ -12,7 +13,8 @@
 -- KEYS[7]  running counts hash          {ns}:running
 -- KEYS[8]  dead zset                    {ns}:dead
 -- KEYS[9]  dead jobs hash               {ns}:dead_jobs
--- KEYS[10..] job queue lists, one per tag
+-- KEYS[10..] job queue lists, one per tag: the list of the job's priority level,
+--          read by the caller from its payload (priority.py)
 -- ARGV[1]  pool id
 -- ARGV[2]  "pool": only if the pool's heartbeat is older than its own dead_after
 --          (field dead_after_ms of its hash, see liveness.py) or, for a pool
@@ -41,6 +43,13 @@ if ARGV[2] == 'pool' then
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('DEL', KEYS[3])
 end
+-- Whether `key` is one of the priority level lists of the job queue whose default
+-- level list is `queueKey`: that key itself, or it followed by "\6\22<level>" (keys.py).
+local function is_level_of(key, queueKey)
+  if key == queueKey then return true end
+  return string.sub(key, 1, #queueKey + 2) == queueKey .. '\6\22'
+    and string.find(key, '^%d+$', #queueKey + 3) ~= nil
+end
 local requeued, dead = {}, {}
 for i = 10, #KEYS do
   local tag = ARGV[i - 1]
@@ -48,7 +57,7 @@ for i = 10, #KEYS do
   if rec then
     local nl = string.find(rec, '\n', 1, true)
     local qname = string.sub(rec, 1, nl - 1)
-    if KEYS[i] == ARGV[5] .. qname then
+    if is_level_of(KEYS[i], ARGV[5] .. qname) then
       redis.call('HDEL', KEYS[1], tag)
       redis.call('HINCRBY', KEYS[7], qname, -1)
       local n = redis.call('HINCRBY', KEYS[6], tag, 1)

@@ -1,19 +1,29 @@
 #!lua flags=allow-oom
 -- requeue: move jobs from a pool's in-flight record back to the FRONT of their
--- job queues (reject with requeue, restore at shutdown).
+-- job queues (reject with requeue, restore at shutdown), each to the list of its
+-- priority level: ahead of the jobs of its level.
 -- KEYS[1]  in-flight hash of the pool   {ns}:inflight:<pool id>
 -- KEYS[2]  ready set                    {ns}:ready
 -- KEYS[3]  redelivery hash              {ns}:redelivery
 -- KEYS[4]  running counts hash          {ns}:running
--- KEYS[5..] job queue lists, one per tag
+-- KEYS[5..] job queue lists, one per tag: the list of the job's priority level
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job queue key prefix         {ns}:queue:
 -- ARGV[3..] delivery tags, one per KEYS[5..], in the order to push them
 --          (the last one pushed is the next fetched)
--- Each job is marked redelivered (recovery count kept, or 0). A tag whose
+-- The caller reads each job's priority from its payload (priority.py). Each job is
+-- marked redelivered (recovery count kept, or 0). A tag whose
 -- record is gone, or whose record names another queue than the key given, is
 -- skipped: the caller passes the queue it read, and this script re-checks it.
 -- Returns the tags requeued.
+
+-- Whether `key` is one of the priority level lists of the job queue whose default
+-- level list is `queueKey`: that key itself, or it followed by "\6\22<level>" (keys.py).
+local function is_level_of(key, queueKey)
+  if key == queueKey then return true end
+  return string.sub(key, 1, #queueKey + 2) == queueKey .. '\6\22'
+    and string.find(key, '^%d+$', #queueKey + 3) ~= nil
+end
 local done = {}
 for i = 5, #KEYS do
   local tag = ARGV[i - 2]
@@ -21,7 +31,7 @@ for i = 5, #KEYS do
   if rec then
     local nl = string.find(rec, '\n', 1, true)
     local qname = string.sub(rec, 1, nl - 1)
-    if KEYS[i] == ARGV[2] .. qname then
+    if is_level_of(KEYS[i], ARGV[2] .. qname) then
       redis.call('RPUSH', KEYS[i], string.sub(rec, nl + 1))
       redis.call('HDEL', KEYS[1], tag)
       redis.call('HINCRBY', KEYS[4], qname, -1)

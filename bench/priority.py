@@ -1,0 +1,203 @@
+"""Drain cost of per-message priority (ours only).
+
+The same number of no-op jobs is queued twice with the real producer: once every job
+at the default priority (one list per job queue is used), once spread evenly over the
+four default levels (priority 0, 3, 6, 9 in turn: four lists, and fetch finds the
+lower levels empty before each job of a higher one). Both are drained by one worker,
+alternating A/B per round as the other workloads do; the figure is spread/default.
+
+    python -m bench.priority                       # 20,000 jobs, 3 rounds, prefork -c 2, acks late
+    python -m bench.priority --jobs 5000 --rounds 1 --pool solo --acks early
+    python -m bench.priority enqueue --n N [--priorities 0,3,6,9]   # (the producer step)
+    python -m bench.priority fetch-cost [--jobs 20000] [--rounds 5] [--batch 8]
+
+``fetch-cost`` measures the fetch script alone (no Celery, no worker): the same jobs
+pushed at the default level or spread over the four levels, fetched ``--batch`` per
+call by one registered pool, A/B per round; it reports the server's own time per
+fetched job (``INFO commandstats``, microseconds inside the script) and the client's
+wall time per job. It is the part of the cost that priorities add, without the
+noise of a worker on a shared machine.
+
+Prints each round, the medians and the ratios, and writes ``<out>/priority.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+#: The two configurations: label -> priorities the producer cycles through ("" = none given).
+CONFIGS = {"default": "", "spread": "0,3,6,9"}
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def enqueue(n: int, priorities: list[int]) -> dict[str, float]:
+    """Send ``n`` jobs of the first job name, cycling through ``priorities`` (run in a
+    subprocess configured like ``bench.app``, as ``bench.client`` is)."""
+    from bench import app as bench_app
+
+    task = bench_app.TASKS[0]
+    wall = time.perf_counter()
+    if priorities:
+        for i in range(n):
+            task.apply_async(priority=priorities[i % len(priorities)])
+    else:
+        for _ in range(n):
+            task.apply_async()
+    return {"n": n, "seconds": time.perf_counter() - wall}
+
+
+def fetch_cost(jobs: int, rounds: int, batch: int) -> dict[str, Any]:
+    """Server-side and wall time per job of ``fetch.lua`` over ``jobs`` pre-pushed jobs."""
+    from bench.harness import median
+    from celery_ext.config import DEFAULT_PRIORITY_STEPS as STEPS
+    from celery_ext.keys import Keys
+    from celery_ext.scripts import Scripts
+    from celery_ext.server import RedisServer
+
+    k = Keys("bench")
+    pool, queue = "bench:1:pool", "bench.job"
+    fixed = [k.inflight(pool), k.pools, k.ready, k.redelivery, k.inflight_pools, k.running,
+             k.limits, k.paused]
+    levels = k.queue_levels(queue, STEPS)
+    out: dict[str, list[dict[str, float]]] = {label: [] for label in CONFIGS}
+    with RedisServer() as server:
+        client = server.client()
+        scripts = Scripts(client)
+        for rnd in range(rounds):
+            for label in (tuple(CONFIGS) if rnd % 2 == 0 else tuple(CONFIGS)[::-1]):
+                client.flushall()
+                client.zadd(k.pools, {pool: 1})
+                prios = [int(x) for x in CONFIGS[label].split(",") if x] or [0]
+                with client.pipeline(transaction=False) as pipe:
+                    for i in range(jobs):
+                        prio = prios[i % len(prios)]
+                        pipe.lpush(levels[STEPS.index(prio)], json.dumps({
+                            "body": "", "headers": {"id": str(i)}, "properties": {
+                                "priority": prio, "delivery_tag": f"t{i}"}}))
+                    pipe.execute()
+                client.config_resetstat()
+                keys = fixed + levels * batch
+                args = [pool, "1" * batch, *[queue] * batch, 0]
+                fetched, wall = 0, time.perf_counter()
+                while fetched < jobs:
+                    _, got, _, _ = scripts("fetch", keys, args)
+                    fetched += len(got)
+                    if not got:
+                        raise RuntimeError(f"fetch found nothing after {fetched} jobs")
+                wall = time.perf_counter() - wall
+                stats = client.info("commandstats")["cmdstat_evalsha"]
+                out[label].append({"server_us_per_job": stats["usec"] / jobs,
+                                   "wall_us_per_job": wall / jobs * 1e6})
+    med = {label: {m: median([r[m] for r in runs]) for m in runs[0]}
+           for label, runs in out.items()}
+    # The least time of the rounds: the cost with the least interference from other
+    # processes (on a shared machine a round is only ever slowed down, never sped up).
+    least = {label: {m: min(r[m] for r in runs) for m in runs[0]}
+             for label, runs in out.items()}
+    return {"jobs": jobs, "rounds": rounds, "batch": batch, "runs": out, "medians": med,
+            "least": least, "ratio_server_least": least["spread"]["server_us_per_job"]
+            / least["default"]["server_us_per_job"],
+            "ratio_server": med["spread"]["server_us_per_job"]
+            / med["default"]["server_us_per_job"],
+            "ratio_wall": med["spread"]["wall_us_per_job"] / med["default"]["wall_us_per_job"],
+            "loadavg": os.getloadavg()}
+
+
+def measure(jobs: int, rounds: int, pool: str, concurrency: int, acks_late: bool,
+            out: Path) -> dict[str, Any]:
+    from bench.harness import REPO_ROOT, Bench, median
+    from bench.workloads import drain_once, log, order
+
+    with Bench.open(out / "logs") as bench:
+        for label, priorities in CONFIGS.items():
+            bench.flush()
+            done = subprocess.run(
+                [sys.executable, "-m", "bench.priority", "enqueue", "--n", str(jobs),
+                 "--priorities", priorities], cwd=REPO_ROOT, env=bench.env("ours"),
+                stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                timeout=60 + jobs * 0.02, check=True)
+            sent = json.loads(done.stdout)
+            keys = bench.snapshot(f"ours/{label}")
+            log(f"  filled {jobs} jobs ({label}) in {sent['seconds']:.1f}s ({keys} keys)")
+        runs: dict[str, list[float]] = {label: [] for label in CONFIGS}
+        paired: list[float] = []
+        for rnd in range(rounds):
+            rates: dict[str, float] = {}
+            for label in order(rnd, tuple(CONFIGS)):
+                res = drain_once(bench, "ours", pool, concurrency, jobs, acks_late,
+                                 tag=f"/{label}")
+                rates[label] = res["jobs_per_s"]
+                runs[label].append(res["jobs_per_s"])
+                log(f"  round {rnd + 1} {label}: {res['jobs_per_s']:.0f} jobs/s (steady "
+                    f"{res['steady_jobs_per_s']:.0f}, worker {res['worker_cpu_us']:.0f} us/job, "
+                    f"main process {res['worker_main_cpu_us']:.0f}, "
+                    f"redis {res['redis_cpu_us']:.0f} us/job, calls/job "
+                    f"{res['redis_calls_per_job']})")
+            paired.append(rates["spread"] / rates["default"])
+    medians = {label: median(v) for label, v in runs.items()}
+    return {
+        "config": f"{pool} -c {concurrency}, acks {'late' if acks_late else 'early'}",
+        "jobs": jobs, "rounds": rounds, "jobs_per_s": runs, "medians": medians,
+        "ratio_spread_vs_default": medians["spread"] / medians["default"],
+        "paired_ratios": paired, "paired_ratio_median": median(paired),
+        "loadavg": os.getloadavg(),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["enqueue"]:
+        p = argparse.ArgumentParser(prog="python -m bench.priority enqueue")
+        p.add_argument("--n", type=int, required=True)
+        p.add_argument("--priorities", default="")
+        ns = p.parse_args(args[1:])
+        prios = [int(x) for x in ns.priorities.split(",") if x]
+        json.dump(enqueue(ns.n, prios), sys.stdout)
+        return 0
+    if args[:1] == ["fetch-cost"]:
+        p = argparse.ArgumentParser(prog="python -m bench.priority fetch-cost")
+        p.add_argument("--jobs", type=int, default=20_000)
+        p.add_argument("--rounds", type=int, default=5)
+        p.add_argument("--batch", type=int, default=8)
+        ns = p.parse_args(args[1:])
+        cost = fetch_cost(ns.jobs, ns.rounds, ns.batch)
+        print(json.dumps({"medians": cost["medians"], "least": cost["least"]}))
+        print(f"fetch.lua, {ns.jobs} jobs, {ns.batch} per call, {ns.rounds} rounds: "
+              f"spread/default server time {cost['ratio_server']:.3f} (medians), "
+              f"{cost['ratio_server_least']:.3f} (least), wall {cost['ratio_wall']:.3f} "
+              f"(medians); load {cost['loadavg'][0]:.2f}")
+        return 0
+    p = argparse.ArgumentParser(prog="python -m bench.priority", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jobs", type=int, default=20_000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pool", choices=("prefork", "threads", "solo"), default="prefork")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="default: 2 for prefork, 8 for threads, 1 for solo")
+    p.add_argument("--acks", choices=("early", "late"), default="late")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ns = p.parse_args(args)
+    conc = ns.concurrency or {"prefork": 2, "threads": 8, "solo": 1}[ns.pool]
+    result = measure(ns.jobs, ns.rounds, ns.pool, conc, ns.acks == "late", ns.out)
+    ns.out.mkdir(parents=True, exist_ok=True)
+    (ns.out / "priority.json").write_text(json.dumps(result, indent=2) + "\n")
+    med = result["medians"]
+    print(f"{result['config']}, {ns.jobs} jobs, {ns.rounds} rounds: default "
+          f"{med['default']:.0f} jobs/s, spread over 4 levels {med['spread']:.0f} jobs/s; "
+          f"spread/default {result['ratio_spread_vs_default']:.3f} (medians), "
+          f"{result['paired_ratio_median']:.3f} (median of paired rounds "
+          f"{[round(r, 3) for r in result['paired_ratios']]}); load "
+          f"{result['loadavg'][0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
