@@ -105,6 +105,14 @@ class Keys:
         key = self.queue(name)
         return [f"{key}{LEVEL_SEP}{level}" if level else key for level in steps]
 
+    def fetch(self, pool_id: str, queues: Sequence[str], steps: Sequence[int]) -> list[str]:
+        """KEYS of one ``fetch.lua`` call for ``pool_id`` ("-": no-ack) over ``queues``
+        (candidates, repeats allowed): the fixed keys, then each candidate's level lists."""
+        return [self.inflight(pool_id), self.pools, self.ready, self.redelivery,
+                self.inflight_pools, self.running, self.limits, self.paused, self.rate_limits,
+                self.rate_tat, self.stats,
+                *(key for q in queues for key in self.queue_levels(q, steps))]
+
     def queue_name(self, key: str) -> str:
         """Inverse of :meth:`queue`."""
         return key[len(self.prefix) + len("queue:"):]

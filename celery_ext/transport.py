@@ -525,10 +525,7 @@ class Channel(kredis.Channel):
             self.worker_pool.fetch_done(lost=lost)
 
     def _fetch_keys(self, pool_id: str, queues: list[str]) -> list[str]:
-        k = self.keys
-        return [k.inflight(pool_id), k.pools, k.ready, k.redelivery, k.inflight_pools,
-                k.running, k.limits, k.paused, k.rate_limits, k.rate_tat, k.stats,
-                *(key for q in queues for key in self._levels(q))]
+        return self.keys.fetch(pool_id, queues, self.settings.priority_steps)
 
     def _fetch_sync(self, queues: list[str], track: bool) -> list[Any]:
         pool_id = self.pool_id if track else "-"

@@ -19,6 +19,7 @@ import redis
 from kombu import Connection
 
 from celery_ext.client import Client
+from celery_ext.config import DEFAULT_PRIORITY_STEPS
 from celery_ext.keys import Keys
 from celery_ext.scripts import Scripts
 from tests import proj
@@ -57,8 +58,7 @@ def message(tag: str, body_size: int) -> str:
 
 
 def fetch_keys(n: int) -> list[str]:
-    return [K.inflight(POOL), K.pools, K.ready, K.redelivery, K.inflight_pools, K.running,
-            K.limits, K.paused, *[K.queue("q")] * n]
+    return K.fetch(POOL, ["q"] * n, DEFAULT_PRIORITY_STEPS)
 
 
 def script_usec(client: redis.Redis, command: str) -> int:
@@ -85,7 +85,7 @@ def test_fetch_cost_does_not_grow_with_the_payload_beyond_moving_it(
     fetch_big, fetch_small, bare_big = [], [], []
     for round_ in range(3):  # the minimum of three: a busy machine only adds time
         fill(redis_client, n, big, round_)
-        _, jobs, _, _ = scripts("fetch", fetch_keys(n), [POOL, "1" * n, *["q"] * n, 0])
+        jobs = scripts("fetch", fetch_keys(n), [POOL, "1" * n, *["q"] * n, 0])[1]
         assert [j[1].decode() for j in jobs] == [f"t{round_}-{i}" for i in range(n)]
         fetch_big.append(script_usec(redis_client, "evalsha"))
 
@@ -113,7 +113,7 @@ def test_a_job_without_its_tag_at_the_end_gets_a_stable_tag_and_runs_its_course(
     redis_client.zadd(K.pools, {POOL: 1})
     scripts = Scripts(redis_client)
     scripts("enqueue", [K.queue("q"), K.ready, K.queues], [payload, "q", K.wake_channel, 0])
-    _, jobs, _, _ = scripts("fetch", fetch_keys(1), [POOL, "1", "q", 0])
+    jobs = scripts("fetch", fetch_keys(1), [POOL, "1", "q", 0])[1]
     tag = jobs[0][1].decode()
     assert re.fullmatch(r"untagged-[0-9a-f]{40}", tag), tag
     assert jobs[0][2].decode() == payload and jobs[0][3] == -1
@@ -121,7 +121,7 @@ def test_a_job_without_its_tag_at_the_end_gets_a_stable_tag_and_runs_its_course(
     redis_client.hset(K.redelivery, tag, 1)
     redis_client.rpush(K.queue("q"), redis_client.hget(K.inflight(POOL), tag).split(b"\n", 1)[1])
     redis_client.hdel(K.inflight(POOL), tag)
-    _, jobs, _, _ = scripts("fetch", fetch_keys(1), [POOL, "1", "q", 0])
+    jobs = scripts("fetch", fetch_keys(1), [POOL, "1", "q", 0])[1]
     assert (jobs[0][1].decode(), jobs[0][3]) == (tag, 1)
 
 

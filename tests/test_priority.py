@@ -203,9 +203,8 @@ def payload(tag: str, priority: int | None) -> bytes:
 
 def fetch_one(client: redis.Redis, pool_id: str, queue: str) -> str:
     """Fetch one job of ``queue`` into ``pool_id``'s record (as a pool does); its tag."""
-    keys = [K.inflight(pool_id), K.pools, K.ready, K.redelivery, K.inflight_pools, K.running,
-            K.limits, K.paused, *K.queue_levels(queue, STEPS)]
-    status, jobs, _, _ = Scripts(client)("fetch", keys, [pool_id, "1", queue, 0])
+    status, jobs, *_ = Scripts(client)("fetch", K.fetch(pool_id, [queue], STEPS),
+                                       [pool_id, "1", queue, 0])
     assert status == 1 and len(jobs) == 1
     return str(jobs[0][1].decode())
 

@@ -36,7 +36,7 @@ from kombu.utils.json import dumps
 from redis.crc import key_slot
 
 from celery_ext.client import Client
-from celery_ext.config import Settings
+from celery_ext.config import DEFAULT_PRIORITY_STEPS, Settings
 from celery_ext.dead import dead_letter, parse_dead_record, split_record
 from celery_ext.envelope import envelope_problem
 from celery_ext.keys import Keys
@@ -269,9 +269,8 @@ def test_envelope_inflight_and_dead_records_round_trip(
     redis_client.zadd(K.pools, {POOL: 1})
     scripts("enqueue", [K.queue(queue), K.ready, K.queues], [payload, queue, K.wake_channel, 0])
 
-    keys = [K.inflight(POOL), K.pools, K.ready, K.redelivery, K.inflight_pools, K.running,
-            K.limits, K.paused, K.queue(queue)]
-    status, jobs, _empties, _blocked = scripts("fetch", keys, [POOL, "1", queue])
+    keys = K.fetch(POOL, [queue], DEFAULT_PRIORITY_STEPS)
+    status, jobs, *_ = scripts("fetch", keys, [POOL, "1", queue])
     assert status == 1 and len(jobs) == 1
     qname, got_tag, got_payload, recoveries = jobs[0]
     assert (qname.decode(), got_tag.decode(), got_payload.decode(), recoveries) == \

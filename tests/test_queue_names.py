@@ -14,7 +14,7 @@ import redis
 from kombu import Connection
 
 from celery_ext.client import Client
-from celery_ext.config import Settings
+from celery_ext.config import DEFAULT_PRIORITY_STEPS, Settings
 from celery_ext.dead import dead_letter
 from celery_ext.keys import Keys
 from celery_ext.scripts import Scripts
@@ -137,8 +137,7 @@ def test_a_manually_retried_dead_job_counts_as_enqueued_at_its_retry(
     queue: its queue's latency counts from the retry, not from its first enqueue."""
     seconds, _ = redis_client.time()
     push(redis_client, "retried", stamped("old-1", float(seconds) - 3600))
-    keys = [K.inflight("p"), K.pools, K.ready, K.redelivery, K.inflight_pools, K.running,
-            K.limits, K.paused, K.queue("retried")]
+    keys = K.fetch("p", ["retried"], DEFAULT_PRIORITY_STEPS)
     redis_client.zadd(K.pools, {"p": 1})
     Scripts(redis_client)("fetch", keys, ["p", "1", "retried", 0])
     assert dead_letter(redis_client, Settings(), "p", "old-1", reason="failed", error="x")

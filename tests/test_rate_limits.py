@@ -18,6 +18,7 @@ import redis
 from celery import Celery
 
 from celery_ext.client import Client
+from celery_ext.config import DEFAULT_PRIORITY_STEPS
 from celery_ext.keys import Keys
 from celery_ext.rate_limits import format_rate, interval_us, job_rate_limits
 from celery_ext.scripts import Scripts
@@ -30,9 +31,7 @@ K = Keys("celery_ext")
 def fetch(client: redis.Redis, *queues: str) -> tuple[list[Any], list[str], dict[str, int]]:
     """One no-ack fetch of ``queues`` (candidates, repeats allowed): the jobs, the
     blocked queues and the waits (µs) of the reply."""
-    keys = [K.inflight("-"), K.pools, K.ready, K.redelivery, K.inflight_pools, K.running,
-            K.limits, K.paused, K.rate_limits, K.rate_tat, K.stats,
-            *(K.queue(q) for q in queues)]
+    keys = K.fetch("-", queues, DEFAULT_PRIORITY_STEPS)
     _, jobs, _, blocked, waits = Scripts(client)("fetch", keys, ["-", "0" * len(queues), *queues])
     return (list(jobs), [b.decode() for b in blocked],
             {q.decode(): int(us) for q, us in waits})
