@@ -8,10 +8,12 @@ from typing import Any
 
 from celery import Celery
 from celery.app.amqp import AMQP as CeleryAMQP
+from kombu import pools
 from kombu.connection import maybe_channel
 from kombu.utils.objects import cached_property
 
 from .bootsteps import JobQueues, add_worker_parts, declare_job_queues
+from .producer import Producer
 from .unique import patch_send_task
 
 logger = logging.getLogger("celery_ext")
@@ -64,6 +66,20 @@ class AMQP(CeleryAMQP):
         elif self.app.autofinalize:
             self.app.finalize(auto=True)  # its on_after_finalize hook declares them
         return queues
+
+    @property
+    def producer_pool(self) -> Any:
+        """Celery's producer pool (Kombu's, on the same connection pool and limit), of
+        :class:`celery_ext.producer.Producer`: ``apply_async`` skips Kombu's
+        per-publish declaration round. Celery resets it after a fork."""
+        pool = self.__dict__.get("_producer_pool")  # (Celery's attribute, None after a fork)
+        if pool is None:
+            pool = self.__dict__["_producer_pool"] = pools.ProducerPool(
+                pools.connections[self.app.connection_for_write()],
+                limit=self.app.pool.limit, Producer=Producer)
+        return pool
+
+    publisher_pool = producer_pool
 
     def TaskConsumer(self, channel: Any, queues: Any = None, accept: Any = None,
                      **kw: Any) -> Any:
