@@ -13,7 +13,7 @@ from kombu.connection import maybe_channel
 from kombu.utils.objects import cached_property
 
 from .bootsteps import JobQueues, add_worker_parts, declare_job_queues
-from .producer import Producer
+from .producer import Producer, ProducerPool
 from .unique import patch_send_task
 
 logger = logging.getLogger("celery_ext")
@@ -69,12 +69,13 @@ class AMQP(CeleryAMQP):
 
     @property
     def producer_pool(self) -> Any:
-        """Celery's producer pool (Kombu's, on the same connection pool and limit), of
-        :class:`celery_ext.producer.Producer`: ``apply_async`` skips Kombu's
-        per-publish declaration round. Celery resets it after a fork."""
+        """Celery's producer pool (on Kombu's connection pool, with the same limit) of
+        :class:`celery_ext.producer.Producer`, which skips Kombu's per-publish declaration
+        round; its producers keep their connection between uses
+        (:class:`celery_ext.producer.ProducerPool`). Celery resets it after a fork."""
         pool = self.__dict__.get("_producer_pool")  # (Celery's attribute, None after a fork)
         if pool is None:
-            pool = self.__dict__["_producer_pool"] = pools.ProducerPool(
+            pool = self.__dict__["_producer_pool"] = ProducerPool(
                 pools.connections[self.app.connection_for_write()],
                 limit=self.app.pool.limit, Producer=Producer)
         return pool

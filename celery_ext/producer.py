@@ -64,7 +64,8 @@ from contextlib import AbstractContextManager, suppress
 from typing import Any
 
 import redis
-from kombu import messaging
+from kombu import messaging, pools
+from kombu.resource import Resource
 from kombu.utils.json import dumps
 
 from . import scripts as _scripts
@@ -304,3 +305,22 @@ class Producer(messaging.Producer):
         return super()._publish(body, priority, content_type, content_encoding, headers,
                                 properties, routing_key, mandatory, immediate, exchange,
                                 declare, *args, **kwargs)
+
+
+class ProducerPool(pools.ProducerPool):
+    """Kombu's producer pool, whose producers keep their connection between uses.
+
+    Kombu's pool hands a producer's connection back to the connection pool at every
+    release and, at the next acquire, takes one again and rebinds the producer (a new
+    channel promise, a copy of its exchange): a tenth of ``apply_async``'s CPU. Here a
+    producer keeps the connection it was made with for as long as the pool keeps it,
+    and the pool's limit bounds producers and connections alike (the connection pool
+    has the same limit). Without a limit a producer is not kept, so its connection is
+    released as Kombu does.
+    """
+
+    def release(self, resource: Any) -> None:
+        if not self.limit:
+            super().release(resource)
+            return
+        Resource.release(self, resource)
