@@ -66,6 +66,7 @@ from typing import Any
 import redis
 from kombu import messaging, pools
 from kombu.resource import Resource
+from kombu.utils.functional import ChannelPromise
 from kombu.utils.json import dumps
 
 from . import scripts as _scripts
@@ -316,8 +317,19 @@ class ProducerPool(pools.ProducerPool):
     producer keeps the connection it was made with for as long as the pool keeps it,
     and the pool's limit bounds producers and connections alike (the connection pool
     has the same limit). Without a limit a producer is not kept, so its connection is
-    released as Kombu does.
+    released as Kombu does. A producer whose channel closed while it was in the pool
+    (its connection failed or was closed) gets a connection and a channel again, the
+    way Kombu's pool gives them at every acquire.
     """
+
+    def prepare(self, p: Any) -> Any:
+        channel = getattr(p, "_channel", None)
+        if channel is not None and not isinstance(channel, ChannelPromise) and (
+                getattr(channel, "closed", False) or channel.connection is None):
+            if p.__connection__:
+                p.__connection__.release()
+            p.channel = None
+        return super().prepare(p)
 
     def release(self, resource: Any) -> None:
         if not self.limit:

@@ -158,3 +158,17 @@ def test_producers_of_several_threads_each_write_their_jobs(app: Celery,
         t.join(60)
     stored = [m["headers"]["id"] for m in _stored(redis_client, "enqueue_path.job")]
     assert len(ids) == 120 and sorted(stored) == sorted(ids)
+
+
+def test_a_kept_producer_whose_channel_closed_gets_a_new_one(
+        app: Celery, redis_client: redis.Redis) -> None:
+    job = app.tasks["enqueue_path.job"]
+    first = job.apply_async((1,))
+    with app.amqp.producer_pool.acquire(block=True) as p:
+        old = p.channel
+        old.close()  # (as a failed or closed connection closes it)
+    second = job.apply_async((2,))
+    with app.amqp.producer_pool.acquire(block=True) as p:
+        assert p.channel is not old and p.channel.connection is not None
+    stored = [m["headers"]["id"] for m in _stored(redis_client, "enqueue_path.job")]
+    assert stored == [second.id, first.id]
