@@ -95,6 +95,50 @@ def profile(n: int, top: int) -> dict[str, object]:
             "profiled_cpu_us_per_job": total / n * 1e6, "rows": rows[:top]}
 
 
+def layers(batches: int, size: int) -> dict[str, float]:
+    """CPU µs per ``apply_async`` in this process, layer by layer: batches of ``size``
+    calls of each variant in turn, the minimum over ``batches`` (the least disturbed
+    by other processes). Variants: ``full``; ``celery_only`` (Celery's
+    ``send_task_message`` replaced by a no-op: what Celery costs before the publish);
+    for ours also ``no_round_trip`` (the script call on the kept connection replaced by
+    a constant reply: everything but the round trip)."""
+    task = bench_app.TASKS[0]
+    amqp = bench_app.app.amqp
+    for _ in range(WARMUP):
+        task.apply_async()
+    sender = amqp.send_task_message
+
+    def no_publish(*args: object, **kwargs: object) -> None:
+        return None
+
+    variants: dict[str, tuple[object, object]] = {"full": (sender, None),
+                                                   "celery_only": (no_publish, None)}
+    if bench_app.MODE == "ours":
+        from celery_ext import producer
+
+        def constant(self: object, script: str, keys: object, args: object) -> int:
+            return 1
+
+        variants["no_round_trip"] = (sender, constant)
+        call = producer.PublishConnection.call
+    best = dict.fromkeys(variants, float("inf"))
+    try:
+        for _ in range(batches):
+            for name, (send, replace_call) in variants.items():
+                amqp.__dict__["send_task_message"] = send
+                if bench_app.MODE == "ours":
+                    producer.PublishConnection.call = replace_call or call  # type: ignore
+                cpu = time.process_time()
+                for _ in range(size):
+                    task.apply_async()
+                best[name] = min(best[name], (time.process_time() - cpu) / size * 1e6)
+    finally:
+        amqp.__dict__["send_task_message"] = sender
+        if bench_app.MODE == "ours":
+            producer.PublishConnection.call = call  # type: ignore[method-assign]
+    return best
+
+
 def latency(n: int, warmup: int, gap: float) -> dict[str, list[float]]:
     """Enqueue-to-start latencies in ms of ``n`` jobs after ``warmup`` unmeasured ones."""
     task = bench_app.TASKS[0]
@@ -122,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_prof = sub.add_parser("profile")
     p_prof.add_argument("--n", type=int, required=True)
     p_prof.add_argument("--top", type=int, default=40)
+    p_lay = sub.add_parser("layers")
+    p_lay.add_argument("--batches", type=int, default=15)
+    p_lay.add_argument("--size", type=int, default=500)
     p_lat = sub.add_parser("latency")
     p_lat.add_argument("--n", type=int, required=True)
     p_lat.add_argument("--warmup", type=int, default=20)
@@ -132,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result: object = enqueue(args.n, per, args.warmup)
     elif args.cmd == "profile":
         result = profile(args.n, args.top)
+    elif args.cmd == "layers":
+        result = layers(args.batches, args.size)
     else:
         result = latency(args.n, args.warmup, args.gap)
     json.dump(result, sys.stdout)

@@ -13,7 +13,9 @@ completed job until the last, and prints, per mode:
 ``python -m bench.profile --enqueue [--jobs 5000] [--backend] [--top 30]`` profiles the
 producer instead: cProfile (CPU clock) of ``apply_async`` in a ``bench.client`` process
 for stock, ours with ``install(app)`` and ours drop-in, with the enqueue workload's
-settings, and prints each side's CPU per job (unprofiled) and hottest functions.
+settings, and prints each side's CPU per job (unprofiled), its CPU by layer (the whole
+call, Celery alone with the publish replaced by a no-op, and for ours everything but the
+round trip; ``bench.client layers``) and its hottest functions.
 
 Raw stacks and the report go to ``bench/results/profile/``. Needs ``py-spy``
 (``pip install py-spy``) and ptrace permission; ``--no-pyspy`` keeps the Redis side.
@@ -226,6 +228,10 @@ def profile_enqueue(bench: Bench, jobs: int, backend: bool, top: int) -> str:
         lines.append(f"{label}, result backend {'redis' if backend else 'none'}: "
                      f"{res['cpu_us_per_job']:.0f} us CPU per apply_async unprofiled, "
                      f"{res['profiled_cpu_us_per_job']:.0f} under cProfile ({jobs} calls)")
+        lay = bench.run_client(mode, ["layers"], timeout=300, backend=int(backend),
+                               acks_late=1, **extra)
+        lines.append("  CPU us per apply_async by layer (min of 15 batches of 500): " + ", ".join(
+            f"{k.replace('_', ' ')} {v:.0f}" for k, v in lay.items()))
         lines.append("   incl%  self%  calls/job  function")
         lines += [f"  {incl:6.1f} {own:6.1f} {calls:9.1f}  {where}"
                   for incl, own, calls, where in res["rows"]]
