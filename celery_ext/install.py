@@ -8,7 +8,6 @@ from typing import Any
 
 from celery import Celery
 from celery.app.amqp import AMQP as CeleryAMQP
-from kombu import pools
 from kombu.connection import maybe_channel
 from kombu.utils.objects import cached_property
 
@@ -69,15 +68,18 @@ class AMQP(CeleryAMQP):
 
     @property
     def producer_pool(self) -> Any:
-        """Celery's producer pool (on Kombu's connection pool, with the same limit) of
-        :class:`celery_ext.producer.Producer`, which skips Kombu's per-publish declaration
-        round; its producers keep their connection between uses
-        (:class:`celery_ext.producer.ProducerPool`). Celery resets it after a fork."""
+        """Celery's producer pool, of :class:`celery_ext.producer.Producer` (which skips
+        Kombu's per-publish declaration round) on a connection pool of its own with the
+        same limit: its producers keep their connection between uses
+        (:class:`celery_ext.producer.ProducerPool`), so they must not hold connections
+        of Kombu's process-wide pool, which other apps on the same URL share. Celery
+        resets it after a fork."""
         pool = self.__dict__.get("_producer_pool")  # (Celery's attribute, None after a fork)
         if pool is None:
+            limit = self.app.pool.limit
             pool = self.__dict__["_producer_pool"] = ProducerPool(
-                pools.connections[self.app.connection_for_write()],
-                limit=self.app.pool.limit, Producer=Producer)
+                self.app.connection_for_write().Pool(limit=limit), limit=limit,
+                Producer=Producer)
         return pool
 
     publisher_pool = producer_pool

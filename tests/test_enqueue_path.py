@@ -172,3 +172,40 @@ def test_a_kept_producer_whose_channel_closed_gets_a_new_one(
         assert p.channel is not old and p.channel.connection is not None
     stored = [m["headers"]["id"] for m in _stored(redis_client, "enqueue_path.job")]
     assert stored == [second.id, first.id]
+
+
+def test_apps_on_one_url_do_not_starve_each_other_of_connections(
+        broker_url: str, redis_client: redis.Redis) -> None:
+    """Kept producers hold connections of their pool's own connection pool: two apps
+    on the same URL, each past its limit of 2 producers, both publish."""
+    apps = []
+    for name in ("starve_a", "starve_b"):
+        a = Celery(name, broker=broker_url, set_as_current=False)
+        a.conf.update(broker_pool_limit=2, task_ignore_result=True)
+
+        def job() -> None:
+            return None
+
+        a.task(name=f"{name}.job", shared=False)(job)
+        apps.append(celery_ext.install(a))
+    done: list[str] = []
+
+    def send(a: Celery, name: str) -> None:
+        held = [a.amqp.producer_pool.acquire(block=True) for _ in range(2)]
+        for p in held:
+            p.release()
+        for _ in range(3):
+            done.append(a.tasks[f"{name}.job"].apply_async().id)
+
+    try:
+        for a, name in zip(apps, ("starve_a", "starve_b"), strict=True):
+            t = threading.Thread(target=send, args=(a, name), daemon=True)
+            t.start()
+            t.join(20)
+            assert not t.is_alive(), f"{name} waits for a connection"
+    finally:
+        for a in apps:
+            a.close()
+    assert len(done) == 6
+    assert redis_client.llen(K.queue("starve_a.job")) == 3
+    assert redis_client.llen(K.queue("starve_b.job")) == 3
