@@ -116,6 +116,22 @@ def drain_once(bench: Bench, mode: str, pool: str, concurrency: int, n: int,
     }
 
 
+def drain_rows(config: str) -> tuple[Row, Row, Row]:
+    """The drain workload's rows of one configuration: rate, worker and Redis CPU."""
+    return (Row("drain", config, "jobs/s", True),
+            Row("drain", config, "worker CPU us/job", False, primary=False),
+            Row("drain", config, "Redis CPU us/job", False, primary=False))
+
+
+def record_drain(rows: tuple[Row, Row, Row], mode: str, res: dict[str, Any],
+                 label: str) -> None:
+    """Add one drain run's figures to its rows and log them."""
+    for row, key in zip(rows, ("jobs_per_s", "worker_cpu_us", "redis_cpu_us"), strict=True):
+        row.add(mode, res[key])
+    log(f"  {label}: {res['jobs_per_s']:.0f} jobs/s (steady {res['steady_jobs_per_s']:.0f}, "
+        f"worker {res['worker_cpu_us']:.0f} us/job, redis {res['redis_cpu_us']:.0f})")
+
+
 def drain(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) -> list[Row]:
     """1. Drain pre-queued no-op jobs: every pool type, early and late acks."""
     n = sizes.drain
@@ -126,40 +142,26 @@ def drain(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) -> l
         pool, conc = POOLS[pool_name]
         for acks in sizes.acks:
             config = f"{pool} -c {conc}, acks {acks}"
-            thr = Row("drain", config, "jobs/s", True)
-            wcpu = Row("drain", config, "worker CPU us/job", False, primary=False)
-            rcpu = Row("drain", config, "Redis CPU us/job", False, primary=False)
+            triple = drain_rows(config)
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
             for rnd in range(rounds):
                 for mode in order(rnd):
                     res = drain_once(bench, mode, pool, conc, n, acks == "late")
                     runs[mode].append(res)
-                    thr.add(mode, res["jobs_per_s"])
-                    wcpu.add(mode, res["worker_cpu_us"])
-                    rcpu.add(mode, res["redis_cpu_us"])
-                    log(f"  {config} round {rnd + 1} {mode}: {res['jobs_per_s']:.0f} jobs/s "
-                        f"(steady {res['steady_jobs_per_s']:.0f}, worker "
-                        f"{res['worker_cpu_us']:.0f} us/job, redis {res['redis_cpu_us']:.0f})")
+                    record_drain(triple, mode, res, f"{config} round {rnd + 1} {mode}")
             details.setdefault("drain", {})[config] = runs
-            rows += [thr, wcpu, rcpu]
+            rows += triple
     from bench import dramatiq_app
 
     config = f"dramatiq --processes {dramatiq_app.PROCESSES} --threads {dramatiq_app.THREADS}"
-    thr = Row("drain", config, "jobs/s", True)
-    wcpu = Row("drain", config, "worker CPU us/job", False, primary=False)
-    rcpu = Row("drain", config, "Redis CPU us/job", False, primary=False)
+    triple = drain_rows(config)
     dram: list[dict[str, Any]] = []
     for rnd in range(rounds):
         res = drain_once(bench, DRAMATIQ, "", 0, n, True)
         dram.append(res)
-        thr.add(DRAMATIQ, res["jobs_per_s"])
-        wcpu.add(DRAMATIQ, res["worker_cpu_us"])
-        rcpu.add(DRAMATIQ, res["redis_cpu_us"])
-        log(f"  {config} round {rnd + 1}: {res['jobs_per_s']:.0f} jobs/s "
-            f"(steady {res['steady_jobs_per_s']:.0f}, worker {res['worker_cpu_us']:.0f} us/job, "
-            f"redis {res['redis_cpu_us']:.0f})")
+        record_drain(triple, DRAMATIQ, res, f"{config} round {rnd + 1}")
     details.setdefault("drain", {})[config] = {DRAMATIQ: dram}
-    return [*rows, thr, wcpu, rcpu]
+    return [*rows, *triple]
 
 
 #: The enqueue workload's configurations: (result backend configured, ours installed).
