@@ -30,7 +30,7 @@ from bench.report import (
     targets_text,
     write_json,
 )
-from bench.workloads import ACKS, FULL, POOLS, QUICK, WORKLOADS, restrict
+from bench.workloads import ACKS, FULL, POOLS, QUICK, WORKLOADS, restrict, settings
 
 DEFAULT_OUT = REPO_ROOT / "bench" / "results"
 
@@ -107,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sizes": sizes.__dict__, "workloads": selected,
         "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(),
         "python": platform.python_version(),
-        "versions": {p: version(p) for p in ("celery", "kombu", "redis", "celery-ext")},
+        "versions": {p: version(p) for p in ("celery", "kombu", "redis", "celery-ext",
+                                              "dramatiq")},
     }
     rows: list[Row] = []
     details: dict[str, Any] = {}
@@ -119,7 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with Bench.open(log_dir, aof=args.aof) as bench:
             meta["server"] = bench.server_version()
+            meta["settings"] = {name: settings(name, sizes) for name in selected}
             for name in selected:
+                print(f"[{name}] settings: {meta['settings'][name]}", file=sys.stderr,
+                      flush=True)
                 w0 = time.monotonic()
                 rows += WORKLOADS[name](bench, sizes, rounds, details)
                 details.setdefault("seconds", {})[name] = round(time.monotonic() - w0, 1)
@@ -139,14 +143,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks = targets(rows)
     details["targets"] = checks
     write_json(json_path, meta, rows, details)
-    (out / "table.md").write_text(markdown(rows) + "\n")
+    (out / "table.md").write_text(markdown(rows) + "\n\n" + settings_text(meta) + "\n")
     print(table(rows))
+    print("\n" + settings_text(meta))
     print("\ntargets (ours vs stock, this run):\n" + targets_text(checks))
     print(f"\nresults: {json_path} (table.md beside it); {meta['seconds']}s, "
           f"load {meta['loadavg_before'][0]:.2f} -> {meta['loadavg_after'][0]:.2f}")
     if not args.no_chart:
         draw(out, rows, meta, args.save_chart)
     return 0
+
+
+def settings_text(meta: dict[str, Any]) -> str:
+    """The settings of every workload of a run, one line each."""
+    lines = [f"settings (server {meta.get('server')}, aof {meta.get('aof')}, "
+             f"{meta.get('rounds')} rounds):"]
+    lines += [f"- {name}: {text}" for name, text in meta.get("settings", {}).items()]
+    return "\n".join(lines)
 
 
 def draw(out: Path, rows: list[Row], meta: dict[str, Any], save_chart: bool) -> None:
@@ -173,9 +186,11 @@ def replot(out: Path, save_chart: bool) -> int:
         print(f"no {path}: run the benchmark first", file=sys.stderr)
         return 2
     rows = load_rows(path)
-    (out / "table.md").write_text(markdown(rows) + "\n")
+    meta = json.loads(path.read_text())["meta"]
+    (out / "table.md").write_text(markdown(rows) + "\n\n" + settings_text(meta) + "\n")
     print(table(rows))
-    draw(out, rows, json.loads(path.read_text())["meta"], save_chart)
+    print("\n" + settings_text(meta))
+    draw(out, rows, meta, save_chart)
     return 0
 
 

@@ -4,7 +4,12 @@ Everything comes from environment variables, so one module serves both transport
 and every workload (the harness sets them for each subprocess):
 
 - ``BENCH_BROKER_URL``  broker URL; ``redis://`` = stock Kombu, ``celery-ext://`` = ours
-- ``BENCH_MODE``        ``stock`` or ``ours`` (``ours`` calls ``celery_ext.install(app)``)
+- ``BENCH_MODE``        ``stock`` or ``ours`` (``dramatiq``: see ``bench.dramatiq_app``)
+- ``BENCH_INSTALL``     ours only: ``1`` (default) calls ``celery_ext.install(app)``, ``0`` is
+  drop-in (only the broker URL is ours)
+- ``BENCH_BACKEND``     ``1`` configures a Redis result backend (db 1 of the same server);
+  the jobs still ignore their results (``task_ignore_result``), as a new user's no-op
+  task with ``ignore_result=True`` would
 - ``BENCH_NAMES``       number of counting job names ``bench.job_0000``... (default 1)
 - ``BENCH_WEIGHTS``     comma-separated weights, one job name each (fairness workload)
 - ``BENCH_LATENCY``     ``1`` registers only ``bench.latency``
@@ -15,7 +20,7 @@ and every workload (the harness sets them for each subprocess):
   per-task-name cost); the client enqueues round-robin over them
 
 Jobs count their completions with one ``INCR`` on db 2 of the same server (the
-same cost for both transports); there is no result backend and no task events.
+same cost for both transports); no task events, no result stored.
 Stock routes each job name to its own queue (``task_queues`` + ``task_routes``),
 so with many names it consumes as many queues as ours does.
 """
@@ -40,6 +45,8 @@ LATENCY = os.environ.get("BENCH_LATENCY") == "1"
 ACKS_LATE = os.environ.get("BENCH_ACKS_LATE") == "1"
 COUNT_LIMIT = int(os.environ.get("BENCH_COUNT_LIMIT", "0"))
 QUEUES = int(os.environ.get("BENCH_QUEUES", "0"))
+INSTALL = MODE == "ours" and os.environ.get("BENCH_INSTALL", "1") == "1"
+BACKEND = os.environ.get("BENCH_BACKEND") == "1"
 #: The queues one job name is spread over (empty unless BENCH_QUEUES is set).
 QUEUE_NAMES = [f"bench.q_{i:04d}" for i in range(QUEUES)]
 
@@ -49,6 +56,9 @@ SHARE_KEY = "bench:share"
 LATENCY_KEY = "bench:latency"
 READY_KEY = "bench:ready"
 COUNTER_DB = 2
+#: The result backend's db when ``BENCH_BACKEND=1`` (nothing is stored there: no job
+#: keeps its result; configuring it is what costs, in ``apply_async``).
+BACKEND_DB = 1
 
 if MODE == "ours":
     import celery_ext  # registers the celery-ext:// scheme
@@ -60,7 +70,8 @@ def counter_url(broker_url: str = BROKER_URL, db: int = COUNTER_DB) -> str:
     return urlunsplit(("redis", parts.netloc, f"/{db}", parts.query, ""))
 
 
-app = Celery("bench", broker=BROKER_URL)
+app = Celery("bench", broker=BROKER_URL,
+             backend=counter_url(db=BACKEND_DB) if BACKEND else None)
 app.conf.update(
     task_ignore_result=True,
     task_acks_late=ACKS_LATE,
@@ -129,10 +140,11 @@ elif QUEUE_NAMES:
 else:
     TASKS = [_make_job(i) for i in range(NAMES)]
 
-if MODE == "ours":
+if INSTALL:
     celery_ext.install(app)
 elif not QUEUE_NAMES:
-    # Stock: one queue per job name too, all consumed by a worker started without -Q.
+    # Stock and drop-in: one queue per job name too, all consumed by a worker started
+    # without -Q (install() does this for ours).
     names = [t.name for t in TASKS]
     app.conf.task_queues = [Queue(n, routing_key=n) for n in names]
     app.conf.task_routes = {n: {"queue": n} for n in names}

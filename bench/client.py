@@ -2,7 +2,9 @@
 
 ``python -m bench.client enqueue --n N`` sends N jobs with ``apply_async`` (spread
 round-robin over the app's job names, or ``--per-task`` counts) and prints
-``{"n", "seconds", "cpu_seconds"}`` as JSON. ``python -m bench.client latency --n N``
+``{"n", "seconds", "cpu_seconds"}`` as JSON (with ``BENCH_MODE=dramatiq``: Dramatiq's
+``noop.send()``). ``python -m bench.client profile --n N`` runs the same loop under
+cProfile (CPU clock) and prints the hottest functions. ``python -m bench.client latency --n N``
 sends N jobs one at a time to an idle worker, waiting for each to start, and prints
 ``{"latencies_ms": [...]}`` (enqueue call to job start, one clock).
 """
@@ -18,9 +20,28 @@ from collections.abc import Sequence
 
 from bench import app as bench_app
 
+#: Jobs sent before the measured loop: connections, script loading, first declarations.
+WARMUP = 200
 
-def enqueue(n: int, per_task: list[int] | None = None) -> dict[str, float]:
-    """Send jobs; returns wall and CPU seconds of the ``apply_async`` loop."""
+
+def dramatiq_enqueue(n: int, warmup: int = 0) -> dict[str, float]:
+    """Dramatiq's producer: ``send()`` of the no-op actor."""
+    from bench import dramatiq_app
+
+    for _ in range(warmup):
+        dramatiq_app.noop.send()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        dramatiq_app.noop.send()
+    return {"n": n, "seconds": time.perf_counter() - wall,
+            "cpu_seconds": time.process_time() - cpu}
+
+
+def enqueue(n: int, per_task: list[int] | None = None, warmup: int = 0) -> dict[str, float]:
+    """Send jobs (after ``warmup`` unmeasured ones: connecting, loading scripts, first
+    declarations); returns wall and CPU seconds of the ``apply_async`` loop."""
+    if bench_app.MODE == "dramatiq":
+        return dramatiq_enqueue(n, warmup)
     tasks = bench_app.TASKS
     if per_task is not None:
         order = [t for t, count in zip(tasks, per_task, strict=True) for _ in range(count)]
@@ -28,6 +49,8 @@ def enqueue(n: int, per_task: list[int] | None = None) -> dict[str, float]:
     else:
         order = [tasks[i % len(tasks)] for i in range(n)]
     queues = bench_app.QUEUE_NAMES
+    for i in range(warmup):
+        tasks[i % len(tasks)].apply_async()
     wall, cpu = time.perf_counter(), time.process_time()
     if queues:
         for i, task in enumerate(order):
@@ -37,6 +60,83 @@ def enqueue(n: int, per_task: list[int] | None = None) -> dict[str, float]:
             task.apply_async()
     return {"n": len(order), "seconds": time.perf_counter() - wall,
             "cpu_seconds": time.process_time() - cpu}
+
+
+def profile(n: int, top: int) -> dict[str, object]:
+    """cProfile (process CPU clock) of ``n`` ``apply_async`` of the first job name, after
+    a warm-up; rows are (inclusive %, self %, calls per job, function)."""
+    import cProfile
+    import pstats
+
+    task = bench_app.TASKS[0]
+    for _ in range(WARMUP):
+        task.apply_async()
+    cpu = time.process_time()
+    for _ in range(n):
+        task.apply_async()
+    plain_us = (time.process_time() - cpu) / n * 1e6
+    prof = cProfile.Profile(time.process_time)
+    prof.enable()
+    for _ in range(n):
+        task.apply_async()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    total = stats.total_tt  # type: ignore[attr-defined]
+    rows = []
+    for (path, _line, func), (_cc, calls, tt, ct, _callers) in \
+            stats.stats.items():  # type: ignore[attr-defined]
+        where = path.split("site-packages/")[-1]
+        where = where if where.startswith(("celery", "kombu", "redis", "bench", "~")) else \
+            "/".join(where.split("/")[-2:])
+        rows.append((round(100 * ct / total, 1), round(100 * tt / total, 1),
+                     round(calls / n, 1), f"{where}:{func}"))
+    rows.sort(reverse=True)
+    return {"n": n, "cpu_us_per_job": plain_us,
+            "profiled_cpu_us_per_job": total / n * 1e6, "rows": rows[:top]}
+
+
+def layers(batches: int, size: int) -> dict[str, float]:
+    """CPU µs per ``apply_async`` in this process, layer by layer: batches of ``size``
+    calls of each variant in turn, the minimum over ``batches`` (the least disturbed
+    by other processes). Variants: ``full``; ``celery_only`` (Celery's
+    ``send_task_message`` replaced by a no-op: what Celery costs before the publish);
+    for ours also ``no_round_trip`` (the script call on the kept connection replaced by
+    a constant reply: everything but the round trip)."""
+    task = bench_app.TASKS[0]
+    amqp = bench_app.app.amqp
+    for _ in range(WARMUP):
+        task.apply_async()
+    sender = amqp.send_task_message
+
+    def no_publish(*args: object, **kwargs: object) -> None:
+        return None
+
+    variants: dict[str, tuple[object, object]] = {"full": (sender, None),
+                                                   "celery_only": (no_publish, None)}
+    if bench_app.MODE == "ours":
+        from celery_ext import producer
+
+        def constant(self: object, script: str, keys: object, args: object) -> int:
+            return 1
+
+        variants["no_round_trip"] = (sender, constant)
+        call = producer.PublishConnection.call
+    best = dict.fromkeys(variants, float("inf"))
+    try:
+        for _ in range(batches):
+            for name, (send, replace_call) in variants.items():
+                amqp.__dict__["send_task_message"] = send
+                if bench_app.MODE == "ours":
+                    producer.PublishConnection.call = replace_call or call  # type: ignore
+                cpu = time.process_time()
+                for _ in range(size):
+                    task.apply_async()
+                best[name] = min(best[name], (time.process_time() - cpu) / size * 1e6)
+    finally:
+        amqp.__dict__["send_task_message"] = sender
+        if bench_app.MODE == "ours":
+            producer.PublishConnection.call = call  # type: ignore[method-assign]
+    return best
 
 
 def latency(n: int, warmup: int, gap: float) -> dict[str, list[float]]:
@@ -62,6 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_enq = sub.add_parser("enqueue")
     p_enq.add_argument("--n", type=int, required=True)
     p_enq.add_argument("--per-task", default="", help="comma-separated count per job name")
+    p_enq.add_argument("--warmup", type=int, default=0, help="unmeasured jobs sent first")
+    p_prof = sub.add_parser("profile")
+    p_prof.add_argument("--n", type=int, required=True)
+    p_prof.add_argument("--top", type=int, default=40)
+    p_lay = sub.add_parser("layers")
+    p_lay.add_argument("--batches", type=int, default=15)
+    p_lay.add_argument("--size", type=int, default=500)
     p_lat = sub.add_parser("latency")
     p_lat.add_argument("--n", type=int, required=True)
     p_lat.add_argument("--warmup", type=int, default=20)
@@ -69,7 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "enqueue":
         per = [int(c) for c in args.per_task.split(",")] if args.per_task else None
-        result: object = enqueue(args.n, per)
+        result: object = enqueue(args.n, per, args.warmup)
+    elif args.cmd == "profile":
+        result = profile(args.n, args.top)
+    elif args.cmd == "layers":
+        result = layers(args.batches, args.size)
     else:
         result = latency(args.n, args.warmup, args.gap)
     json.dump(result, sys.stdout)

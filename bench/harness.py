@@ -34,7 +34,10 @@ from celery_ext.server import RedisServer
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: The two contenders: stock Kombu ``redis://`` and ours (``celery-ext://`` + install).
 MODES = ("stock", "ours")
-SCHEMES = {"stock": "redis", "ours": "celery-ext"}
+#: Dramatiq (its own Redis broker, ``bench.dramatiq_app``): a third side of the enqueue
+#: and drain workloads.
+DRAMATIQ = "dramatiq"
+SCHEMES = {"stock": "redis", "ours": "celery-ext", DRAMATIQ: "redis"}
 BROKER_DB = 0
 #: Spare databases that hold pre-filled snapshots (db 2 is the jobs' counter db).
 SNAPSHOT_DBS = tuple(range(3, 16))
@@ -239,6 +242,17 @@ class Bench:
                 *WORKER_FLAGS]
         return Proc(argv, self.env(mode, **extra),
                     self.log_dir / f"worker-{n:03d}-{mode}-{pool}.log")
+
+    def dramatiq_worker(self) -> Proc:
+        """A ``dramatiq bench.dramatiq_app`` worker (not started): its processes x threads
+        as stated in ``bench.dramatiq_app``."""
+        from bench import dramatiq_app
+
+        n = next(_ids)
+        argv = [sys.executable, "-m", "dramatiq", "bench.dramatiq_app",
+                "--processes", str(dramatiq_app.PROCESSES),
+                "--threads", str(dramatiq_app.THREADS)]
+        return Proc(argv, self.env(DRAMATIQ), self.log_dir / f"worker-{n:03d}-dramatiq.log")
 
     def run_client(self, mode: str, args: list[str], timeout: float,
                    **extra: Any) -> dict[str, Any]:

@@ -10,6 +10,13 @@ completed job until the last, and prints, per mode:
 - Redis ``INFO commandstats`` deltas per job (calls, µs) and the slowest entries of
   ``SLOWLOG`` (threshold ``--slowlog-us``).
 
+``python -m bench.profile --enqueue [--jobs 5000] [--backend] [--top 30]`` profiles the
+producer instead: cProfile (CPU clock) of ``apply_async`` in a ``bench.client`` process
+for stock, ours with ``install(app)`` and ours drop-in, with the enqueue workload's
+settings, and prints each side's CPU per job (unprofiled), its CPU by layer (the whole
+call, Celery alone with the publish replaced by a no-op, and for ours everything but the
+round trip; ``bench.client layers``) and its hottest functions.
+
 Raw stacks and the report go to ``bench/results/profile/``. Needs ``py-spy``
 (``pip install py-spy``) and ptrace permission; ``--no-pyspy`` keeps the Redis side.
 """
@@ -207,6 +214,31 @@ def slowlog_report(entries: list[dict[str, Any]], calls_per_job: dict[str, float
     return "\n".join(lines)
 
 
+def profile_enqueue(bench: Bench, jobs: int, backend: bool, top: int) -> str:
+    """cProfile of ``apply_async`` per side (see ``bench.client profile``)."""
+    sides = [("stock", {}), ("ours", {"install": 1}), ("ours", {"install": 0})]
+    lines = []
+    for mode, extra in sides:
+        bench.flush()
+        res = bench.run_client(mode, ["profile", "--n", str(jobs), "--top", str(top)],
+                               timeout=120 + jobs * 0.05, backend=int(backend), acks_late=1,
+                               **extra)
+        how = "install(app)" if extra.get("install") else "drop-in"
+        label = mode if mode == "stock" else f"ours, {how}"
+        lines.append(f"{label}, result backend {'redis' if backend else 'none'}: "
+                     f"{res['cpu_us_per_job']:.0f} us CPU per apply_async unprofiled, "
+                     f"{res['profiled_cpu_us_per_job']:.0f} under cProfile ({jobs} calls)")
+        lay = bench.run_client(mode, ["layers"], timeout=300, backend=int(backend),
+                               acks_late=1, **extra)
+        lines.append("  CPU us per apply_async by layer (min of 15 batches of 500): " + ", ".join(
+            f"{k.replace('_', ' ')} {v:.0f}" for k, v in lay.items()))
+        lines.append("   incl%  self%  calls/job  function")
+        lines += [f"  {incl:6.1f} {own:6.1f} {calls:9.1f}  {where}"
+                  for incl, own, calls, where in res["rows"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -221,7 +253,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--no-pyspy", action="store_true")
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--enqueue", action="store_true",
+                   help="profile apply_async in the producer (cProfile) instead of the drain")
+    p.add_argument("--backend", action="store_true",
+                   help="--enqueue: with a Redis result backend configured")
     args = p.parse_args(argv)
+    if args.enqueue:
+        with Bench.open(args.out / "logs") as bench:
+            text = profile_enqueue(bench, min(args.jobs, 5_000), args.backend, args.top)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"enqueue-{'backend' if args.backend else 'nobackend'}.txt").write_text(text)
+        print(text)
+        return 0
     modes = [m for m in args.modes.split(",") if m in MODES]
     pyspy = None if args.no_pyspy else _pyspy()
     if not args.no_pyspy and pyspy is None:

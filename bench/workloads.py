@@ -12,7 +12,9 @@ from typing import Any
 
 from bench import app as bench_app
 from bench.harness import (
+    DRAMATIQ,
     MODES,
+    WORKER_FLAGS,
     Bench,
     CommandCounter,
     counts_delta,
@@ -49,7 +51,7 @@ class Sizes:
 
 
 FULL = Sizes()
-QUICK = Sizes(drain=200, enqueue=200, latency=50, latency_warmup=5, many_jobs=200,
+QUICK = Sizes(drain=200, enqueue=2_000, latency=50, latency_warmup=5, many_jobs=200,
               names=(1, 10, 100), idle_seconds=3.0, idle_settle=1.0, memory_jobs=2_000,
               rss_jobs=100, fairness_fetches=400)
 
@@ -64,10 +66,10 @@ def order(rnd: int, modes: tuple[str, ...] = MODES) -> tuple[str, ...]:
 
 
 def fill(bench: Bench, n: int, timeout_per_job: float = 0.02, tag: str = "",
-         **extra: Any) -> None:
+         modes: tuple[str, ...] = MODES, **extra: Any) -> None:
     """Pre-queue ``n`` jobs with the real producer of each mode and snapshot them
     (as snapshot ``mode + tag``)."""
-    for mode in MODES:
+    for mode in modes:
         bench.flush()
         t0 = time.perf_counter()
         bench.run_client(mode, ["enqueue", "--n", str(n)], timeout=60 + n * timeout_per_job,
@@ -81,7 +83,8 @@ def drain_once(bench: Bench, mode: str, pool: str, concurrency: int, n: int,
     """Restore the pre-filled queue, start a worker, time until ``n`` jobs are done."""
     bench.restore(mode + tag)
     stats0 = bench.commandstats()
-    worker = bench.worker(mode, pool, concurrency, acks_late=int(acks_late), **extra)
+    worker = (bench.dramatiq_worker() if mode == DRAMATIQ else
+              bench.worker(mode, pool, concurrency, acks_late=int(acks_late), **extra))
     at_first: dict[str, Any] = {}
 
     def on_first(done: int) -> None:
@@ -113,55 +116,112 @@ def drain_once(bench: Bench, mode: str, pool: str, concurrency: int, n: int,
     }
 
 
+def drain_rows(config: str) -> tuple[Row, Row, Row]:
+    """The drain workload's rows of one configuration: rate, worker and Redis CPU."""
+    return (Row("drain", config, "jobs/s", True),
+            Row("drain", config, "worker CPU us/job", False, primary=False),
+            Row("drain", config, "Redis CPU us/job", False, primary=False))
+
+
+def record_drain(rows: tuple[Row, Row, Row], mode: str, res: dict[str, Any],
+                 label: str) -> None:
+    """Add one drain run's figures to its rows and log them."""
+    for row, key in zip(rows, ("jobs_per_s", "worker_cpu_us", "redis_cpu_us"), strict=True):
+        row.add(mode, res[key])
+    log(f"  {label}: {res['jobs_per_s']:.0f} jobs/s (steady {res['steady_jobs_per_s']:.0f}, "
+        f"worker {res['worker_cpu_us']:.0f} us/job, redis {res['redis_cpu_us']:.0f})")
+
+
 def drain(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) -> list[Row]:
     """1. Drain pre-queued no-op jobs: every pool type, early and late acks."""
     n = sizes.drain
     log(f"[drain] {n} jobs")
-    fill(bench, n)
+    fill(bench, n, modes=(*MODES, DRAMATIQ))
     rows: list[Row] = []
     for pool_name in sizes.pools:
         pool, conc = POOLS[pool_name]
         for acks in sizes.acks:
             config = f"{pool} -c {conc}, acks {acks}"
-            thr = Row("drain", config, "jobs/s", True)
-            wcpu = Row("drain", config, "worker CPU us/job", False, primary=False)
-            rcpu = Row("drain", config, "Redis CPU us/job", False, primary=False)
+            triple = drain_rows(config)
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
             for rnd in range(rounds):
                 for mode in order(rnd):
                     res = drain_once(bench, mode, pool, conc, n, acks == "late")
                     runs[mode].append(res)
-                    thr.add(mode, res["jobs_per_s"])
-                    wcpu.add(mode, res["worker_cpu_us"])
-                    rcpu.add(mode, res["redis_cpu_us"])
-                    log(f"  {config} round {rnd + 1} {mode}: {res['jobs_per_s']:.0f} jobs/s "
-                        f"(steady {res['steady_jobs_per_s']:.0f}, worker "
-                        f"{res['worker_cpu_us']:.0f} us/job, redis {res['redis_cpu_us']:.0f})")
+                    record_drain(triple, mode, res, f"{config} round {rnd + 1} {mode}")
             details.setdefault("drain", {})[config] = runs
-            rows += [thr, wcpu, rcpu]
-    return rows
+            rows += triple
+    from bench import dramatiq_app
+
+    config = f"dramatiq --processes {dramatiq_app.PROCESSES} --threads {dramatiq_app.THREADS}"
+    triple = drain_rows(config)
+    dram: list[dict[str, Any]] = []
+    for rnd in range(rounds):
+        res = drain_once(bench, DRAMATIQ, "", 0, n, True)
+        dram.append(res)
+        record_drain(triple, DRAMATIQ, res, f"{config} round {rnd + 1}")
+    details.setdefault("drain", {})[config] = {DRAMATIQ: dram}
+    return [*rows, *triple]
+
+
+#: The enqueue workload's configurations: (result backend configured, ours installed).
+#: Stock runs once per backend setting; its runs are the baseline of both of ours.
+ENQUEUE_CONFIGS = ((False, True), (False, False), (True, True), (True, False))
+#: Jobs each enqueue client sends before its measured loop (connect, load, declare).
+ENQUEUE_WARMUP = 200
+
+
+def enqueue_config(backend: bool, install: bool) -> str:
+    return (f"1 process, result backend {'redis' if backend else 'none'}, "
+            f"ours {'install(app)' if install else 'drop-in'}")
 
 
 def enqueue(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) -> list[Row]:
-    """2. ``apply_async`` from one process."""
+    """2. ``apply_async`` of a no-op ``ignore_result`` job from one process: stock vs ours
+    with and without a result backend configured and with and without ``install(app)``;
+    Dramatiq's ``send()`` from one process as the third side (same rounds)."""
     n = sizes.enqueue
-    log(f"[enqueue] {n} apply_async")
-    thr = Row("enqueue", "1 process", "jobs/s", True)
-    cpu = Row("enqueue", "1 process", "client CPU us/job", False, primary=False)
-    rcpu = Row("enqueue", "1 process", "Redis CPU us/job", False, primary=False)
+    log(f"[enqueue] {n} apply_async (after {ENQUEUE_WARMUP} unmeasured)")
+    rows: dict[tuple[bool, bool], tuple[Row, Row, Row]] = {}
+    for backend, install in ENQUEUE_CONFIGS:
+        config = enqueue_config(backend, install)
+        rows[backend, install] = (Row("enqueue", config, "jobs/s", True),
+                                  Row("enqueue", config, "client CPU us/job", False,
+                                      primary=False),
+                                  Row("enqueue", config, "Redis CPU us/job", False,
+                                      primary=False))
+    runs: list[dict[str, Any]] = []
+
+    def run(mode: str, **extra: Any) -> tuple[float, float, float]:
+        bench.flush()
+        r0 = bench.redis_cpu()
+        res = bench.run_client(mode, ["enqueue", "--n", str(n), "--warmup",
+                                      str(ENQUEUE_WARMUP)], timeout=60 + n * 0.02, **extra)
+        r1 = bench.redis_cpu()
+        rate, cpu = res["n"] / res["seconds"], res["cpu_seconds"] / res["n"] * 1e6
+        redis_us = (r1 - r0) / (res["n"] + ENQUEUE_WARMUP) * 1e6
+        runs.append({"mode": mode, **extra, "jobs_per_s": rate, "cpu_us": cpu,
+                     "redis_cpu_us": redis_us})
+        log(f"  {mode} {extra}: {rate:.0f} jobs/s, {cpu:.0f} us CPU/job")
+        return rate, cpu, redis_us
+
+    sides: list[tuple[str, dict[str, Any]]] = [
+        ("stock", {"backend": int(b), "acks_late": 1}) for b in (False, True)]
+    sides += [("ours", {"backend": int(b), "install": int(i), "acks_late": 1})
+              for b, i in ENQUEUE_CONFIGS]
+    sides.append((DRAMATIQ, {}))
     for rnd in range(rounds):
-        for mode in order(rnd):
-            bench.flush()
-            r0 = bench.redis_cpu()
-            res = bench.run_client(mode, ["enqueue", "--n", str(n)], timeout=60 + n * 0.02)
-            r1 = bench.redis_cpu()
-            thr.add(mode, res["n"] / res["seconds"])
-            cpu.add(mode, res["cpu_seconds"] / res["n"] * 1e6)
-            rcpu.add(mode, (r1 - r0) / res["n"] * 1e6)
-            log(f"  round {rnd + 1} {mode}: {res['n'] / res['seconds']:.0f} jobs/s, "
-                f"{res['cpu_seconds'] / res['n'] * 1e6:.0f} us CPU/job")
-    details["enqueue"] = {"jobs": n}
-    return [thr, cpu, rcpu]
+        log(f"  round {rnd + 1}")
+        for mode, extra in (sides if rnd % 2 == 0 else sides[::-1]):
+            values = run(mode, **extra)
+            for (backend, install), triple in rows.items():
+                if mode == DRAMATIQ or (mode == "stock" and extra["backend"] == backend) or (
+                        mode == "ours" and (extra["backend"], extra["install"])
+                        == (backend, install)):
+                    for row, value in zip(triple, values, strict=True):
+                        row.add(mode, value)
+    details["enqueue"] = {"jobs": n, "warmup": ENQUEUE_WARMUP, "runs": runs}
+    return [row for triple in rows.values() for row in triple]
 
 
 def latency(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) -> list[Row]:
@@ -354,6 +414,40 @@ WORKLOADS: dict[str, Callable[[Bench, Sizes, int, dict[str, Any]], list[Row]]] =
     "memory": memory,
     "fairness": fairness,
 }
+
+
+def settings(name: str, sizes: Sizes) -> str:
+    """Every setting a workload runs with, in words (printed with the table and kept in
+    ``results.json``): install or drop-in, acks, result backend, prefetch, pool, sizes."""
+    from bench import dramatiq_app
+
+    worker = ("Celery workers: prefetch multiplier 4 (Celery's default), no result backend, "
+              "no task events, " + " ".join(WORKER_FLAGS) + "; stock = redis://, "
+              "ours = celery-ext:// with install(app)")
+    dram = (f"Dramatiq: RedisBroker on the same server, {dramatiq_app.PROCESSES} processes x "
+            f"{dramatiq_app.THREADS} threads, prefetch {2 * dramatiq_app.THREADS} per process "
+            "(its default), acks after the job, default middleware, no result backend")
+    text = {
+        "drain": f"{sizes.drain:,} pre-queued no-op jobs, {sizes.pools} x acks {sizes.acks}; "
+                 f"{worker}; {dram}",
+        "enqueue": f"{sizes.enqueue:,} apply_async of one no-op task (ignore_result=True) from "
+                   f"one process after {ENQUEUE_WARMUP} unmeasured, task_acks_late=True in "
+                   "the client app; result backend none or redis:// (db 1, same server); "
+                   "ours with install(app) or drop-in (only the URL); no worker running; "
+                   f"Dramatiq: noop.send() from one process, its default middleware, no "
+                   "result backend",
+        "latency": f"{sizes.latency:,} jobs one at a time after {sizes.latency_warmup} warm-up, "
+                   f"prefork -c 2, acks early; {worker}",
+        "many_queues": f"{sizes.many_jobs:,} jobs over {sizes.names} job names "
+                       f"(+ one name over {sizes.one_name_queues} queues), prefork -c 2, "
+                       f"acks early; {worker}",
+        "idle": f"{sizes.idle_seconds:g} s of one idle prefork -c 2 pool, acks early; {worker}",
+        "memory": f"{sizes.memory_jobs:,} queued jobs; then prefork -c 2, acks early draining "
+                  f"{sizes.rss_jobs:,}; {worker}",
+        "fairness": f"{sizes.fairness_fetches:,} fetches over weights {sizes.weights}, "
+                    f"prefork -c 2, acks early; ours only, with install(app)",
+    }
+    return text[name]
 
 
 def restrict(sizes: Sizes, pools: Iterable[str] | None, acks: Iterable[str] | None,

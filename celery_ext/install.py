@@ -12,6 +12,7 @@ from kombu.connection import maybe_channel
 from kombu.utils.objects import cached_property
 
 from .bootsteps import JobQueues, add_worker_parts, declare_job_queues
+from .producer import Producer, ProducerPool
 from .unique import patch_send_task
 
 logger = logging.getLogger("celery_ext")
@@ -64,6 +65,24 @@ class AMQP(CeleryAMQP):
         elif self.app.autofinalize:
             self.app.finalize(auto=True)  # its on_after_finalize hook declares them
         return queues
+
+    @property
+    def producer_pool(self) -> Any:
+        """Celery's producer pool, of :class:`celery_ext.producer.Producer` (which skips
+        Kombu's per-publish declaration round) on a connection pool of its own with the
+        same limit: its producers keep their connection between uses
+        (:class:`celery_ext.producer.ProducerPool`), so they must not hold connections
+        of Kombu's process-wide pool, which other apps on the same URL share. Celery
+        resets it after a fork."""
+        pool = self.__dict__.get("_producer_pool")  # (Celery's attribute, None after a fork)
+        if pool is None:
+            limit = self.app.pool.limit
+            pool = self.__dict__["_producer_pool"] = ProducerPool(
+                self.app.connection_for_write().Pool(limit=limit), limit=limit,
+                Producer=Producer)
+        return pool
+
+    publisher_pool = producer_pool
 
     def TaskConsumer(self, channel: Any, queues: Any = None, accept: Any = None,
                      **kw: Any) -> Any:

@@ -48,6 +48,16 @@ where the pool's reconcile or the reaper runs it again. Waiting there would cost
 round trip on the hot path to turn a possible duplicate into none, which is not the
 promise (delivery is at-least-once). Jobs added to a publish batch are covered when
 the batch is flushed (one ``WAIT`` for the whole batch).
+One connection per channel
+--------------------------
+A publish is one script call, and most of its client-side cost was redis-py's client
+layer (pool checkout and release, command lookup, retry wrapper), not the script: the
+Enqueuer keeps one connection of the channel's pool for its script calls
+(:class:`PublishConnection`) and writes on it directly. Only one thread uses it at a
+time; one that finds it busy, and any call that fails on it (connection lost, script
+cache flushed), goes through the channel's client as before, with redis-py's own
+retries and NOSCRIPT handling, and the publish marker makes that second write a no-op
+if the first one landed.
 
 The publish id is never part of the stored payload: a consumer that republishes a
 job (``celery migrate``) copies its properties, and its copy must not be mistaken
@@ -59,14 +69,20 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from typing import Any
 
+import redis
+from kombu import messaging, pools
 from kombu.exceptions import BatchPublishError
+from kombu.resource import Resource
 from kombu.transport.redis import PublishBatch
+from kombu.utils.functional import ChannelPromise
 from kombu.utils.json import dumps
 from redis.exceptions import NoScriptError
 
@@ -92,17 +108,99 @@ def publish_marker(publish_id: str, queue: str) -> str:
     return base64.urlsafe_b64encode(digest).decode("ascii")
 
 
+#: What :meth:`PublishConnection.call` returns when it did not get a reply.
+NOT_SENT = object()
+
+
+def pack_evalsha(sha: str, keys: list[str], args: list[Any], encoding: str) -> bytes:
+    """``EVALSHA sha len(keys) *keys *args`` in the Redis protocol, as one buffer (the
+    arguments are str, bytes or int; redis-py's packer handles every type and splits
+    large values, at several times the cost for our few small arguments)."""
+    parts = ["EVALSHA", sha, len(keys), *keys, *args]
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        if isinstance(part, str):
+            data = part.encode(encoding)
+        elif isinstance(part, bytes):
+            data = part
+        elif isinstance(part, int) and not isinstance(part, bool):
+            data = b"%d" % part
+        elif isinstance(part, float):
+            data = repr(part).encode()
+        else:
+            raise redis.exceptions.DataError(
+                f"celery_ext: cannot send a {type(part).__name__} to Redis")
+        out += (b"$%d\r\n" % len(data), data, b"\r\n")
+    return b"".join(out)
+
+
+class PublishConnection:
+    """One connection of a channel's pool, kept for the producer's script calls.
+
+    ``pool`` returns the channel's current connection pool; the connection is taken
+    from it at first use and again when the pool changed or the process forked (a
+    child never writes on its parent's socket). The pool still owns it: closing the
+    channel disconnects it with the others.
+    """
+
+    def __init__(self, pool: Callable[[], Any]) -> None:
+        self._pool_of = pool
+        self._lock = threading.Lock()
+        self._pool: Any = None
+        self._conn: Any = None
+        self._pid = 0
+
+    def call(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        """EVALSHA ``script`` on the kept connection and return its reply, or
+        :data:`NOT_SENT` when the connection is busy in another thread or the call
+        failed on it (connection error, NOSCRIPT): the caller then uses its client,
+        which has redis-py's retries and script loading. An error reply of the script
+        itself (out of memory, ...) is raised: the client would raise the same."""
+        if not self._lock.acquire(blocking=False):
+            return NOT_SENT
+        try:
+            conn = self._connection()
+            try:
+                conn.send_packed_command(
+                    [pack_evalsha(_scripts.sha(script), keys, args, conn.encoder.encoding)],
+                    check_health=False)
+                return conn.read_response()
+            except redis.exceptions.NoScriptError:
+                return NOT_SENT
+            except redis.exceptions.ResponseError:
+                raise
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+                with suppress(Exception):
+                    conn.disconnect()  # its reply may still come: never read it later
+                return NOT_SENT
+        finally:
+            self._lock.release()
+
+    def _connection(self) -> Any:
+        pool = self._pool_of()
+        if self._conn is None or pool is not self._pool or self._pid != os.getpid():
+            if self._conn is not None and self._pid == os.getpid():
+                with suppress(Exception):
+                    self._pool.release(self._conn)
+            self._pool, self._pid = pool, os.getpid()
+            self._conn = pool.get_connection()
+        return self._conn
+
+
 class Enqueuer:
     """Writes published jobs to Redis for one channel (see the module docstring).
 
     ``acquire`` is the channel's ``conn_or_acquire``: one client per channel, reused
-    by every publish. ``expires`` is the channel's queue-expiry dict (``x-expires``),
-    read at each publish.
+    by every publish. ``pool`` returns the channel's connection pool, from which one
+    connection is kept for the script calls (:class:`PublishConnection`; None: every
+    call goes through the client). ``expires`` is the channel's queue-expiry dict
+    (``x-expires``), read at each publish.
     """
 
     def __init__(self, settings: Settings, keys: Keys, scripts: _scripts.Scripts,
                  acquire: Callable[[], AbstractContextManager[Any]],
-                 expires: Mapping[str, int], clock_offset: float) -> None:
+                 expires: Mapping[str, int], clock_offset: float,
+                 pool: Callable[[], Any] | None = None) -> None:
         self.settings = settings
         self.keys = keys
         self._scripts = scripts
@@ -110,6 +208,7 @@ class Enqueuer:
         self._expires = expires
         self._clock_offset = clock_offset
         self._marker_ttl_ms = int(settings.publish_idempotency_ttl * 1000)
+        self._line = PublishConnection(pool) if pool is not None else None
 
     def put(self, queue: str, message: dict[str, Any], batch: Any = None) -> None:
         """Write one job to ``queue`` (or to ``batch``, a Kombu ``PublishBatch``)."""
@@ -219,6 +318,10 @@ class Enqueuer:
         if batch is not None:
             batch.add("evalsha", _scripts.sha(script), len(keys), *keys, *args)
             return None
+        if self._line is not None and not self.settings.wait_replicas:  # WAIT: see _call
+            reply = self._line.call(script, keys, args)
+            if reply is not NOT_SENT:
+                return reply
         with self._acquire() as client:
             return self._call(script, keys, args, client=client)
 
@@ -279,3 +382,57 @@ class ReplicatedPublishBatch(PublishBatch):
         if int(acked) < settings.wait_replicas:
             raise NotReplicated(f"a publish batch of up to {self.max_size} jobs was enqueued",
                                 settings.wait_replicas, int(acked), settings.wait_timeout_ms)
+class Producer(messaging.Producer):
+    """Kombu's producer, without the per-publish declaration round of binding copies.
+
+    Before every publish Kombu "maybe declares" the target queue: it binds a copy of
+    the queue entity to the channel (three copies per publish) only to find its hash in
+    the connection's set of declared entities. This producer looks the entity up in
+    that set first and leaves to Kombu (declaration, retries, caching) only what is not
+    there: what is written and when is unchanged. ``install(app)`` makes it the class of
+    the app's producer pool (``install.AMQP.producer_pool``).
+    """
+
+    def _publish(self, body: Any, priority: Any, content_type: Any, content_encoding: Any,
+                 headers: Any, properties: Any, routing_key: Any, mandatory: Any,
+                 immediate: Any, exchange: Any, declare: Any, *args: Any, **kwargs: Any) -> Any:
+        if declare:
+            connection = self.channel.connection
+            declared = connection.client.declared_entities if connection is not None else None
+            if declared is not None:
+                declare = [e for e in declare
+                           if not e.can_cache_declaration or hash(e) not in declared]
+        return super()._publish(body, priority, content_type, content_encoding, headers,
+                                properties, routing_key, mandatory, immediate, exchange,
+                                declare, *args, **kwargs)
+
+
+class ProducerPool(pools.ProducerPool):
+    """Kombu's producer pool, whose producers keep their connection between uses.
+
+    Kombu's pool hands a producer's connection back to the connection pool at every
+    release and, at the next acquire, takes one again and rebinds the producer (a new
+    channel promise, a copy of its exchange): about 25 µs of CPU per ``apply_async``.
+    Here a producer keeps the connection it was made with for as long as the pool
+    keeps it; the connection pool must be the producer pool's own, with the same limit
+    (``install.AMQP.producer_pool``): kept connections of a pool other apps share would
+    starve them. Without a limit a producer is not kept, so its connection is released
+    as Kombu does. A producer whose channel closed while it was in the pool (its
+    connection failed or was closed) gets a connection and a channel again, the way
+    Kombu's pool gives them at every acquire.
+    """
+
+    def prepare(self, p: Any) -> Any:
+        channel = getattr(p, "_channel", None)
+        if channel is not None and not isinstance(channel, ChannelPromise) and (
+                getattr(channel, "closed", False) or channel.connection is None):
+            if p.__connection__:
+                p.__connection__.release()
+            p.channel = None
+        return super().prepare(p)
+
+    def release(self, resource: Any) -> None:
+        if not self.limit:
+            super().release(resource)
+            return
+        Resource.release(self, resource)

@@ -299,7 +299,7 @@ class Channel(kredis.Channel):
         if enqueuer is None:
             enqueuer = self.__dict__["_enqueuer"] = Enqueuer(
                 self.settings, self.keys, self._scripts, self.conn_or_acquire, self._expires,
-                clock_offset=getattr(self, "_clock_offset", 0.0))
+                clock_offset=getattr(self, "_clock_offset", 0.0), pool=lambda: self.pool)
         return enqueuer
 
     def basic_publish(self, message: Any, exchange: str, routing_key: str,

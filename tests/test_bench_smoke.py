@@ -27,19 +27,35 @@ def test_bench_quick_writes_every_workload(tmp_path: Path) -> None:
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ours/stock" in done.stdout  # the table was printed
+    # ...with every workload's settings: install or not, acks, backend, prefetch, sizes.
+    for name in WORKLOADS:
+        assert f"- {name}: " in done.stdout
+    assert "result backend none or redis" in done.stdout and "prefetch" in done.stdout
 
     data = json.loads((tmp_path / "results.json").read_text())
     assert "error" not in data["meta"]
     rows = data["rows"]
     assert {r["workload"] for r in rows} == set(WORKLOADS)
     for row in rows:
-        sides = ("ours",) if row["workload"] == "fairness" else ("stock", "ours")
+        if row["config"].startswith("dramatiq"):  # Dramatiq's own drain rows
+            sides: tuple[str, ...] = ("dramatiq",)
+        elif row["workload"] == "fairness":
+            sides = ("ours",)
+        else:
+            sides = ("stock", "ours")
+        if row["workload"] == "enqueue":
+            sides += ("dramatiq",)
         for side in sides:
             runs = row[side]["runs"]
             assert runs, (row["workload"], row["config"], row["metric"], side)
             for value in [*runs, row[side]["median"]]:
                 assert math.isfinite(value) and value > 0, (row, side)
-        assert row["ratio"] is not None and math.isfinite(row["ratio"]) and row["ratio"] > 0
+        if "stock" in sides or "ours" in sides:
+            assert row["ratio"] is not None and math.isfinite(row["ratio"]) and row["ratio"] > 0
+    # Enqueue: with and without a result backend, with and without install(app).
+    assert {r["config"] for r in rows if r["workload"] == "enqueue"} == {
+        f"1 process, result backend {b}, ours {i}"
+        for b in ("none", "redis") for i in ("install(app)", "drop-in")}
     # Fairness: shares of the first N fetches add up to 100 %.
     shares = [r["ours"]["median"] for r in rows if r["workload"] == "fairness"]
     assert abs(sum(shares) - 100.0) < 1e-6
