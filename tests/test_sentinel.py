@@ -148,6 +148,8 @@ def test_worker_cli_and_client_through_sentinels(group: SentinelGroup, sentinel_
         app.send_task("tests.proj.record", args=[key])
     wait_for(lambda: all(runs(rec, keys)), 30, "the jobs to run")
     client = Client.from_url(sentinel_url, master_name=MASTER)
+    # The pool writes its counters about once a second, not at each job's end.
+    wait_for(lambda: client.totals()["processed"] >= len(keys), 10, "the counters")
     pools = client.worker_pools()
     assert [p["pid"] for p in pools] == [worker.pid]
     out = celery_cli("-A", "tests.proj", "ext", "status", "--json", broker_url=sentinel_url,
