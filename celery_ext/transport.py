@@ -528,7 +528,7 @@ class Channel(kredis.Channel):
         k = self.keys
         return [k.inflight(pool_id), k.pools, k.ready, k.redelivery, k.inflight_pools,
                 k.running, k.limits, k.paused, k.rate_limits, k.rate_tat, k.stats,
-                *(key for q in queues for key in self._levels(q))]
+                k.job_index, *(key for q in queues for key in self._levels(q))]
 
     def _fetch_sync(self, queues: list[str], track: bool) -> list[Any]:
         pool_id = self.pool_id if track else "-"
@@ -540,7 +540,8 @@ class Channel(kredis.Channel):
                 try:
                     status, jobs, *_ = self._scripts(
                         "fetch", self._fetch_keys(pool_id, queues),
-                        [pool_id, flags, *queues, self.settings.max_payload_bytes], client=client)
+                        [pool_id, flags, *queues, self.settings.max_payload_bytes,
+                         int(self.settings.job_index)], client=client)
                 except BaseException:
                     if track:
                         self.worker_pool.fetch_done(lost=True)
@@ -582,7 +583,8 @@ class Channel(kredis.Channel):
         if pool_id != "-":
             self._fetch_sent()
         conn.send_command("EVALSHA", _scripts.sha("fetch"), len(keys), *keys,
-                          pool_id, flags, *picks, self.settings.max_payload_bytes)
+                          pool_id, flags, *picks, self.settings.max_payload_bytes,
+                          int(self.settings.job_index))
 
     def _brpop_read(self, **options: Any) -> bool:
         conn = self.client.connection
