@@ -124,3 +124,82 @@ def test_sigkilled_pools_job_is_queued_again_after_the_reaper(
     assert st["state"] == "queued" and e and e["state"] == "queued", (st, e)
     assert not redis_client.hexists(K.inflight(pool or ""), e["ref"])
     assert redis_client.llen(K.queue(mode.queue(app.gated))) == 1
+
+
+def test_job_past_the_old_search_windows_is_found(broker_url: str,
+                                                  redis_client: redis.Redis) -> None:
+    """The oldest of more than SCHEDULED_SCAN_MAX scheduled jobs and of more than DEAD_SCAN
+    dead jobs: the sets' search gave up on them ("queued"); the index finds them."""
+    proj.configure(broker_url)
+    settings = Settings()
+    look = JobLookup(redis_client, settings, proj.app)
+    first = proj.record.apply_async(("w",), countdown=3600)
+    for _ in range(SCHEDULED_SCAN_MAX):
+        proj.record.apply_async(("w",), countdown=3600)
+    queue = "tests.proj.noop"
+    sent = [proj.noop.apply_async() for _ in range(DEAD_SCAN + 5)]
+    for result in sent:  # each job fails for good, oldest first
+        payload = redis_client.rpop(K.queue(queue))
+        assert payload and result.id.encode() in payload
+        assert dead_letter(redis_client, settings, "p", f"tag-{result.id}", reason="failed",
+                           error="ValueError: no", fallback=f"{queue}\n".encode() + payload)
+
+    st = look.status(first.id)
+    assert st["state"] == "scheduled" and st["indexed"] and st["due_at"]
+    st = look.status(sent[0].id)
+    assert st["state"] == "dead" and st["dead_id"] == f"tag-{sent[0].id}"
+    assert st["error"] == "ValueError: no"
+    # Without their entries the search of the sets does not reach them.
+    redis_client.hdel(K.job_index, first.id, sent[0].id)
+    assert look.status(first.id)["state"] == "queued"
+    assert look.status(sent[0].id)["state"] == "queued"
+    assert look.status(sent[-1].id)["state"] == "dead"  # the newest: both ways
+
+
+def test_entries_are_removed_with_their_jobs_and_finished_ones_expire(
+        broker_url: str, redis_client: redis.Redis, worker_factory: Factory) -> None:
+    """1,000 jobs done with job_index_ttl shrunk leave no entry behind once the TTL has
+    passed; a job deleted from the scheduled set or trimmed from the dead set neither."""
+    proj.configure(broker_url)
+    from celery_ext.client import Client
+    client = Client(redis_client)
+    doomed = proj.record.apply_async(("x",), countdown=3600)
+    tag = entry(redis_client, doomed.id)
+    assert tag and client.delete_scheduled(tag["ref"])
+    assert entry(redis_client, doomed.id) is None
+
+    settings = Settings(dead_max_size=3)
+    queue = "tests.proj.noop"
+    sent = [proj.noop.apply_async() for _ in range(6)]
+    for result in sent:
+        payload = redis_client.rpop(K.queue(queue))
+        assert payload is not None
+        dead_letter(redis_client, settings, "p", result.id, reason="failed",
+                    fallback=f"{queue}\n".encode() + payload)
+    assert [entry(redis_client, r.id) is None for r in sent] == [True] * 3 + [False] * 3
+
+    ttl = 1.0
+    (worker,) = start_workers(worker_factory, 1, app="tests.proj",
+                              env={"CELERY_EXT_JOB_INDEX_TTL": str(ttl)})
+    ids = [proj.noop.apply_async().id for _ in range(1000)]
+
+    def all_done(ids: list[str]) -> bool:
+        raw = redis_client.hmget(K.job_index, ids)
+        return all(r is None or r.startswith(b"done\n") for r in raw)
+    wait_for(lambda: all_done(ids), 60, "1,000 jobs done")
+    assert redis_client.zcard(K.job_index_done) > 0  # entries were written, not skipped
+    time.sleep(ttl + 0.1)  # every entry of the 1,000 is past its TTL
+    late = [proj.noop.apply_async().id for _ in range(60)]  # each finish trims up to 20
+    wait_for(lambda: all_done(late) and redis_client.llen(K.queue(queue)) == 0, 30,
+             "60 more jobs done")
+    wait_for(lambda: not redis_client.hlen(K.inflight(worker_pool(redis_client))), 10,
+             "the last acks")
+    left = {k.decode() for k in redis_client.hkeys(K.job_index)}
+    assert not left & set(ids) and left & set(late)  # the last finished is within its TTL
+    assert left <= set(late) | {r.id for r in sent}, left - set(late)
+    assert redis_client.zcard(K.job_index_done) <= len(late)
+
+
+def worker_pool(client: redis.Redis) -> str:
+    (pool,) = client.zrange(K.pools, 0, -1)
+    return str(pool.decode())

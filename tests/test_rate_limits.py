@@ -31,7 +31,7 @@ def fetch(client: redis.Redis, *queues: str) -> tuple[list[Any], list[str], dict
     """One no-ack fetch of ``queues`` (candidates, repeats allowed): the jobs, the
     blocked queues and the waits (µs) of the reply."""
     keys = [K.inflight("-"), K.pools, K.ready, K.redelivery, K.inflight_pools, K.running,
-            K.limits, K.paused, K.rate_limits, K.rate_tat, K.stats,
+            K.limits, K.paused, K.rate_limits, K.rate_tat, K.stats, K.job_index,
             *(K.queue(q) for q in queues)]
     _, jobs, _, blocked, waits = Scripts(client)("fetch", keys, ["-", "0" * len(queues), *queues])
     return (list(jobs), [b.decode() for b in blocked],

@@ -18,7 +18,7 @@
 -- already: a retry of a publish whose write landed (nothing pushed again).
 local queueKey, readyKey, queuesKey, markerKey = KEYS[1], KEYS[2], KEYS[3], KEYS[6]
 local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]
-local expiresMs, indexTtl, markerTtlMs = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
+local expiresMs, indexTtl, markerTtlMs = tonumber(ARGV[4]), tonumber(ARGV[5] or 0) or 0, ARGV[6]
 -- @include job_index
 if markerKey and not redis.call('SET', markerKey, '1', 'NX', 'PX', markerTtlMs) then
   return -1
