@@ -179,8 +179,7 @@ def test_entries_are_removed_with_their_jobs_and_finished_ones_expire(
     assert [entry(redis_client, r.id) is None for r in sent] == [True] * 3 + [False] * 3
 
     ttl = 1.0
-    (worker,) = start_workers(worker_factory, 1, app="tests.proj",
-                              env={"CELERY_EXT_JOB_INDEX_TTL": str(ttl)})
+    start_workers(worker_factory, 1, app="tests.proj", env={"CELERY_EXT_JOB_INDEX_TTL": str(ttl)})
     ids = [proj.noop.apply_async().id for _ in range(1000)]
 
     def all_done(ids: list[str]) -> bool:
