@@ -40,8 +40,9 @@ end
 local function jix_level(key)
   return string.match(key, '\6\22(%d+)$') or '0'
 end
--- {state, ms, queue, ref, detail} of a job's entry, or nil.
+-- {state, ms, queue, ref, detail} of a job's entry, or nil (also for no task id).
 local function jix_get(idx, id)
+  if not id then return nil end
   local e = redis.call('HGET', idx, id)
   if not e then return nil end
   local f = {}
