@@ -111,6 +111,17 @@ def _payload_task_id(payload: str) -> str | None:
     return str(value) if value is not None else None
 
 
+def _payload_task_name(payload: str) -> str | None:
+    """The task name of a Kombu payload (``headers.task``), or None."""
+    try:
+        headers = json.loads(payload.partition("\n")[2] if payload[:1] != "{" else payload
+                             ).get("headers") or {}
+    except (ValueError, AttributeError):
+        return None
+    value = headers.get("task") if isinstance(headers, dict) else None
+    return str(value) if value is not None else None
+
+
 def new_status(job_id: str, state: str = "queued", **fields: Any) -> JobStatus:
     status = JobStatus(
         job_id=job_id, state=state, done=state in FINAL_STATES, job_name=None,
@@ -218,22 +229,23 @@ class JobLookup:
             status.update({"state": "retrying" if where == "retry" else "scheduled",
                            "finished_at": None, "due_at": int(entry["detail"]) / 1000
                            if entry["detail"].isdigit() else None})
-            if state == "RETRY":
-                status["error"] = _error_text(meta.get("result"))
+            record = self._record(self.keys.scheduled_jobs, entry["ref"])
+            status["job_name"] = status["job_name"] or record.get("name")
+            error = _error_text(meta.get("result")) if state == "RETRY" else record.get("error")
+            status["error"] = _cut(str(error)) if error else None
         elif where == "dead":
             status.update({"state": "dead", "done": True, "dead_id": entry["ref"],
                            "finished_at": at})
-            raw = self.client.hget(self.keys.dead_jobs, entry["ref"])
-            if raw:
-                try:
-                    dead_meta, _queue, _payload = split_record(raw)
-                except ValueError:
-                    dead_meta = {}
-                status["error"] = _cut(str(dead_meta.get("error") or dead_meta.get("reason")
-                                           or "")) or None
+            record = self._record(self.keys.dead_jobs, entry["ref"])
+            status["job_name"] = status["job_name"] or record.get("name")
+            status["error"] = _cut(str(record.get("error") or record.get("reason")
+                                       or "")) or None
         elif where == "inflight" or not final:
             # Done while no outcome is known: acked when it started (acks_late off).
             status.update({"pool": entry["detail"] or None, "finished_at": None})
+            if where == "inflight" and not status["job_name"]:
+                raw = self.client.hget(self.keys.inflight(entry["detail"]), entry["ref"])
+                status["job_name"] = _payload_task_name(bytes_to_str(raw)) if raw else None
             if not final and self._find_busy(status, [entry["detail"]]):
                 return status
             if where == "inflight" and not final:
@@ -254,6 +266,18 @@ class JobLookup:
                 status.update({"state": "failed", "done": True,
                                "error": _error_text(meta.get("result"))})
         return status
+
+    def _record(self, records: str, record_id: str) -> dict[str, Any]:
+        """The meta of a ``"<meta json>\n<queue>\n<payload>"`` record, with its job
+        name (the meta's, else the payload's); {} when gone or unreadable."""
+        raw = self.client.hget(records, record_id)
+        try:
+            meta, _queue, payload = split_record(raw) if raw else ({}, "", "")
+        except ValueError:
+            return {}
+        if not meta.get("name"):
+            meta["name"] = _payload_task_name(payload)
+        return meta
 
     # -- the places a job can be -------------------------------------------------------------
     def _find_busy(self, status: JobStatus, pools: list[str] | None = None) -> bool:

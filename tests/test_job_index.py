@@ -62,6 +62,7 @@ def test_job_followed_from_enqueue_to_done(app: Any, mode: Mode, redis_client: r
     e = entry(redis_client, result.id)
     assert st["state"] == "scheduled" and e and e["state"] == "scheduled"
     assert e["queue"] == queue and st["due_at"] and st["due_at"] > time.time()
+    assert st["job_name"] == app.gated.name
     assert redis_client.zscore(K.scheduled, e["ref"]) is not None
 
     redis_client.sadd(K.paused, queue)  # promoted but not fetched: it stays queued
@@ -76,6 +77,7 @@ def test_job_followed_from_enqueue_to_done(app: Any, mode: Mode, redis_client: r
     e = entry(redis_client, result.id)
     assert e and e["state"] == ("done" if mode.dropin else "inflight")  # acked at start
     assert st["pool"] == e["detail"] and redis_client.zscore(K.pools, e["detail"])
+    assert st["job_name"] == app.gated.name
     if not mode.dropin:
         assert redis_client.hexists(K.inflight(e["detail"]), e["ref"])
 
@@ -87,7 +89,7 @@ def test_job_followed_from_enqueue_to_done(app: Any, mode: Mode, redis_client: r
     st = until(look, result.id, "dead")
     e = entry(redis_client, result.id)
     assert e and st["dead_id"] == e["ref"] and redis_client.hexists(K.dead_jobs, e["ref"])
-    assert "j is broken" in (st["error"] or "")
+    assert "j is broken" in (st["error"] or "") and st["job_name"] == app.gated.name
 
     from celery_ext.client import Client
     client = Client(redis_client)
