@@ -178,6 +178,10 @@ class JobLookup:
         status["job_name"] = meta.get("name")
         status["finished_at"] = _timestamp(meta.get("date_done"))
         entry = parse_entry(raw_entry)
+        if entry is not None and entry["state"] == "queued" and entry["ref"].isdigit() \
+                and not self.client.llen(self.keys.queue_level(entry["queue"],
+                                                               int(entry["ref"]))):
+            entry = None  # its queue was purged or deleted (no script moved the job)
         if entry is not None:
             return self._from_index(status, entry, meta, state)
         if state == "SUCCESS":
@@ -226,9 +230,12 @@ class JobLookup:
             status.update({"state": "queued", "level": int(entry["ref"] or 0),
                            "finished_at": None})
         elif where in ("scheduled", "retry"):
+            # The set's score: "run now" (client) moves it without a script.
+            due = self.client.zscore(self.keys.retry if where == "retry"
+                                     else self.keys.scheduled, entry["ref"])
             status.update({"state": "retrying" if where == "retry" else "scheduled",
-                           "finished_at": None, "due_at": int(entry["detail"]) / 1000
-                           if entry["detail"].isdigit() else None})
+                           "finished_at": None, "due_at": due / 1000 if due is not None
+                           else None})
             record = self._record(self.keys.scheduled_jobs, entry["ref"])
             status["job_name"] = status["job_name"] or record.get("name")
             error = _error_text(meta.get("result")) if state == "RETRY" else record.get("error")
