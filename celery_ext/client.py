@@ -27,6 +27,7 @@ from kombu.utils.json import dumps
 from .config import Settings
 from .connections import client_from_url
 from .dead import split_record
+from .job_index import index_keys, index_ttl_ms
 from .keys import Keys
 from .priority import level, payload_priority
 from .rate_limits import format_rate, interval_us
@@ -345,8 +346,8 @@ class Client:
         releasing each unique job's lock; returns the ids deleted."""
         done: set[str] = set()
         for _ in range(3):  # a record that changed after it was read is read again
-            keys = [records, first, second]
-            args: list[Any] = []
+            keys = [records, first, second, *index_keys(self.keys)]
+            args: list[Any] = [index_ttl_ms(self.settings)]
             for job_id, raw in zip(ids, self.client.hmget(records, ids), strict=True):
                 if raw is None:
                     continue
@@ -358,7 +359,7 @@ class Client:
                     keys.append(self.keys.unique(lock[0]))
                 args += [job_id, hashlib.sha1(raw).hexdigest(),
                          len(keys) if lock is not None else 0, lock[1] if lock else ""]
-            if not args:
+            if len(args) == 1:
                 break
             deleted, changed = self.scripts("forget", keys, args)
             done.update(bytes_to_str(d) for d in deleted)
@@ -382,8 +383,9 @@ class Client:
             args += [job_id, hashlib.sha1(raw).hexdigest(), _manual_retry_payload(payload, now)]
         if not keys:
             return set()
-        done = self.scripts("dead_retry", [k.dead, k.dead_jobs, k.ready, k.queues, *keys],
-                            [k.wake_channel, k.queue(""), *args])
+        done = self.scripts("dead_retry", [k.dead, k.dead_jobs, k.ready, k.queues,
+                                           *index_keys(k), *keys],
+                            [k.wake_channel, k.queue(""), index_ttl_ms(self.settings), *args])
         return {bytes_to_str(d) for d in done}
 
     def _dead_ids(self, name: str | None) -> Iterator[list[str]]:

@@ -93,6 +93,12 @@ DEFAULT_REPLY_TIMEOUT = 30.0
 DEFAULT_WAIT_REPLICAS = 0
 #: Longest ``WAIT`` for those replicas, in milliseconds; fewer in time raise ``NotReplicated``.
 DEFAULT_WAIT_TIMEOUT_MS = 1000
+#: Whether the scripts that move a job keep the job index (task id -> where the job is
+#: now; see ``job_index.py``): one hash field per job, written in the same script as
+#: each move. Off, a job's status is searched for in the sets (slower, incomplete).
+DEFAULT_JOB_INDEX = True
+#: Seconds a finished job's index entry (done, when, which pool) is kept.
+DEFAULT_JOB_INDEX_TTL = 3600.0
 
 _ENV_PREFIX = "CELERY_EXT_"
 _NAMESPACE_RE = re.compile(r"\A[A-Za-z0-9_.:-]{1,64}\Z")  # not "$": it accepts a trailing newline
@@ -133,6 +139,8 @@ class Settings:
     wait_replicas: int = DEFAULT_WAIT_REPLICAS
     wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS
     priority_steps: tuple[int, ...] = DEFAULT_PRIORITY_STEPS
+    job_index: bool = DEFAULT_JOB_INDEX
+    job_index_ttl: float = DEFAULT_JOB_INDEX_TTL
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -147,7 +155,8 @@ class Settings:
             )
         for name in ("heartbeat_interval", "dead_after", "reap_interval", "idle_refresh_interval",
                      "promote_interval", "unique_ttl", "retry_backoff_base",
-                     "retry_backoff_max", "reply_timeout", "history_sample_interval"):
+                     "retry_backoff_max", "reply_timeout", "history_sample_interval",
+                     "job_index_ttl"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"celery_ext: {name} must be > 0, got {getattr(self, name)!r}")
         if self.dead_after < 2 * self.heartbeat_interval:

@@ -20,6 +20,7 @@ from celery.exceptions import NotRegistered
 
 from .config import Settings
 from .errors import CONNECTION_ERRORS
+from .job_index import index_keys, index_ttl_ms
 from .keys import Keys
 from .scripts import Scripts
 
@@ -69,9 +70,9 @@ def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,
     moved = Scripts(client)(
         "dead",
         [keys.inflight(pool_id), keys.dead, keys.dead_jobs, keys.redelivery, keys.running,
-         keys.limits, keys.ready],
+         keys.limits, keys.ready, *index_keys(keys)],
         [tag, record, settings.dead_max_size, int(settings.dead_max_age * 1000), fallback,
-         keys.wake_channel],
+         keys.wake_channel, index_ttl_ms(settings)],
     )
     return bool(moved)
 

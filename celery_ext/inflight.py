@@ -17,6 +17,7 @@ import redis
 from kombu.utils.encoding import bytes_to_str
 
 from .config import DEFAULT_PRIORITY_STEPS, Settings
+from .job_index import index_keys, index_ttl_ms
 from .keys import STAT_POISON_PILLS, STAT_RECOVERED, Keys
 from .priority import level, payload_priority
 from .scripts import Scripts
@@ -46,10 +47,12 @@ class InflightRecord:
     """One pool's in-flight record, through one client."""
 
     def __init__(self, client: Any, keys: Keys, pool_id: str,
-                 priority_steps: Sequence[int] = DEFAULT_PRIORITY_STEPS) -> None:
+                 priority_steps: Sequence[int] = DEFAULT_PRIORITY_STEPS,
+                 index_ttl: int = 0) -> None:
         self.client = client
         self.keys = keys
         self.priority_steps = priority_steps
+        self.index_ttl = index_ttl  # the job index's TTL in ms, 0 = off (job_index.py)
         self.pool_id = pool_id
         self.key = keys.inflight(pool_id)
         self.scripts = Scripts(client)
@@ -57,8 +60,8 @@ class InflightRecord:
     def ack_call(self, tags: list[str]) -> tuple[list[str], list[Any]]:
         """KEYS and ARGV of the ``ack`` script for ``tags`` (tags last)."""
         k = self.keys
-        return ([self.key, k.redelivery, k.running, k.limits, k.ready],
-                [k.wake_channel, *tags])
+        return ([self.key, k.redelivery, k.running, k.limits, k.ready, *index_keys(k)],
+                [k.wake_channel, self.index_ttl, *tags])
 
     def ack(self, tags: list[str]) -> int:
         """Drop finished jobs from the record; tags no longer in it are ignored."""
@@ -79,8 +82,9 @@ class InflightRecord:
         pairs = lists_of(self.client, keys, self.priority_steps, self.key, tags)
         done = self.scripts(
             "requeue",
-            [self.key, keys.ready, keys.redelivery, keys.running, *(q for _, q in pairs)],
-            [keys.wake_channel, keys.queue(""), *(t for t, _ in pairs)],
+            [self.key, keys.ready, keys.redelivery, keys.running, *index_keys(keys),
+             *(q for _, q in pairs)],
+            [keys.wake_channel, keys.queue(""), self.index_ttl, *(t for t, _ in pairs)],
         )
         return [bytes_to_str(t) for t in done]
 
@@ -119,9 +123,11 @@ def recover_tags(client: Any, settings: Settings, pool_id: str, tags: list[str],
     status, requeued, dead = scripts(
         "recover",
         [inflight, keys.pools, keys.pool(pool_id), keys.inflight_pools, keys.ready,
-         keys.redelivery, keys.running, keys.dead, keys.dead_jobs, *(q for _, q in pairs)],
+         keys.redelivery, keys.running, keys.dead, keys.dead_jobs, *index_keys(keys),
+         *(q for _, q in pairs)],
         [pool_id, mode, deadline_ms, keys.wake_channel, keys.queue(""),
-         settings.max_recoveries, settings.dead_max_size, reason, *(t for t, _ in pairs)],
+         settings.max_recoveries, settings.dead_max_size, reason, index_ttl_ms(settings),
+         *(t for t, _ in pairs)],
     )
     _count_recoveries(client, keys, len(requeued) if mode == "pool" else 0, len(dead))
     return bool(status), [bytes_to_str(t) for t in requeued], [bytes_to_str(t) for t in dead]

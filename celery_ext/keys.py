@@ -61,6 +61,11 @@ Layout (``ns`` = namespace)::
                                      queue-size sample ("q") of one minute (ms // 60000);
                                      expires 24 h after it (see history.py)
     {ns}:history:h:<hour>    hash    the same per hour (ms // 3600000); expires after 30 days
+    {ns}:jobs                hash    task id -> where the job is now (the job index, see
+                                     job_index.py): "<state>\n<ms>\n<queue>\n<ref>\n<detail>",
+                                     written by the script that moves the job
+    {ns}:jobs_done           zset    task id -> ms after which its finished entry in
+                                     {ns}:jobs is trimmed (job_index_ttl past the finish)
     {ns}:periodic            set     names of the periodic job entries (the leader's beat_schedule)
     {ns}:periodic:<name>     hash    one entry's state: next_due, last_due, last_run_at (ms),
                                      last_job_id, runs, missed, paused, outcome (+ its
@@ -110,7 +115,7 @@ class Keys:
         (candidates, repeats allowed): the fixed keys, then each candidate's level lists."""
         return [self.inflight(pool_id), self.pools, self.ready, self.redelivery,
                 self.inflight_pools, self.running, self.limits, self.paused, self.rate_limits,
-                self.rate_tat, self.stats,
+                self.rate_tat, self.stats, self.job_index,
                 *(key for q in queues for key in self.queue_levels(q, steps))]
 
     def queue_name(self, key: str) -> str:
@@ -233,6 +238,15 @@ class Keys:
 
     def history_hour(self, hour: int) -> str:
         return f"{self.prefix}history:h:{hour}"
+
+    @property
+    def job_index(self) -> str:
+        return self.prefix + "jobs"
+
+    @property
+    def job_index_done(self) -> str:
+        return self.prefix + "jobs_done"
+
     @property
     def periodic(self) -> str:
         return self.prefix + "periodic"

@@ -49,6 +49,7 @@ from .dead import one_line
 from .errors import CONNECTION_ERRORS
 from .heartbeater import Heartbeater, current_pool_id
 from .inflight import InflightRecord, recover_tags
+from .job_index import index_ttl_ms
 from .keys import Keys
 from .memory import eviction_warning
 from .observer import flush_observers
@@ -134,7 +135,7 @@ class WorkerPool:
         #: still running when a channel closed on a lost connection go through it).
         self.client = client_factory()
         self.record = InflightRecord(self.client, self.keys, self.pool_id,
-                                     settings.priority_steps)
+                                     settings.priority_steps, index_ttl_ms(settings))
         self.heartbeater = Heartbeater(self.client, settings, self.pool_id)
         self.reaper = Reaper(client_factory(), settings, own_pool_id=self.pool_id)
         self.requeuer = Requeuer(client_factory(), settings)

@@ -89,6 +89,7 @@ from redis.exceptions import NoScriptError
 from . import scripts as _scripts
 from .config import Settings
 from .errors import NotReplicated, check_payload_size, job_name
+from .job_index import index_keys, index_ttl_ms
 from .keys import STAT_UNIQUE_HITS, Keys
 from .periodic import PeriodicRun, current_run
 from .priority import level as priority_level
@@ -209,6 +210,8 @@ class Enqueuer:
         self._clock_offset = clock_offset
         self._marker_ttl_ms = int(settings.publish_idempotency_ttl * 1000)
         self._line = PublishConnection(pool) if pool is not None else None
+        self._index_keys = index_keys(keys)  # the job index (job_index.py)
+        self._index_ttl = index_ttl_ms(settings)
 
     def put(self, queue: str, message: dict[str, Any], batch: Any = None) -> None:
         """Write one job to ``queue`` (or to ``batch``, a Kombu ``PublishBatch``)."""
@@ -255,28 +258,31 @@ class Enqueuer:
         marker_keys, marker_args = ([marker[0]], [marker[1]]) if marker else ([], [])
         if delay is not None and uniq is None:
             keys, args = schedule_args(self.keys, queue, message, delay,
-                                       max_payload=max_payload, marker=marker)
+                                       max_payload=max_payload, marker=marker,
+                                       index_ttl_ms=self._index_ttl)
             self._run("schedule", keys, args, batch)
         elif delay is not None:
             assert uniq is not None
             with self._acquire() as client:
                 _, uniq.holder = schedule(self._call, self.keys, queue, message, delay,
                                           client, lock=self._lock(uniq, message),
-                                          max_payload=max_payload, marker=marker)
+                                          max_payload=max_payload, marker=marker,
+                                          index_ttl_ms=self._index_ttl)
             self._count_unique_hit(uniq, message)
         elif uniq is not None:
             lock_key, task_id, ttl_ms, force = self._lock(uniq, message)
             _, holder = self._run(
                 "enqueue_unique",
-                [lock_key, *self._queue_keys(queue, message), *marker_keys],
-                [*self._queue_args(queue, message), task_id, ttl_ms, "1" if force else "0",
-                 *marker_args],
+                [lock_key, *self._queue_keys(queue, message), *self._index_keys, *marker_keys],
+                [*self._queue_args(queue, message), self._index_ttl, task_id, ttl_ms,
+                 "1" if force else "0", *marker_args],
                 None)
             uniq.holder = holder.decode() if isinstance(holder, bytes) else str(holder)
             self._count_unique_hit(uniq, message)
         else:
-            self._run("enqueue", [*self._queue_keys(queue, message), *marker_keys],
-                      [*self._queue_args(queue, message), *marker_args], batch)
+            self._run("enqueue",
+                      [*self._queue_keys(queue, message), *self._index_keys, *marker_keys],
+                      [*self._queue_args(queue, message), self._index_ttl, *marker_args], batch)
 
     def _count_unique_hit(self, uniq: UniqueRequest, message: dict[str, Any]) -> None:
         """Count an enqueue dropped because an identical job is pending (another job
@@ -291,8 +297,10 @@ class Enqueuer:
         with self._acquire() as client:
             run.outcome = int(self._scripts(
                 "periodic_run",
-                [self.keys.periodic_entry(run.entry), *self._queue_keys(queue, message)],
-                [*run.script_args(), *self._queue_args(queue, message)], client=client))
+                [self.keys.periodic_entry(run.entry), *self._queue_keys(queue, message),
+                 *self._index_keys],
+                [*run.script_args(), *self._queue_args(queue, message), "", self._index_ttl],
+                client=client))
         if uniq is not None:
             uniq.holder = run.job_id  # the entry, not the unique lock, keeps it single
 

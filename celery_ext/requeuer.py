@@ -41,6 +41,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from .config import Settings
 from .history import HistoryWriter, sample_queues
+from .job_index import index_keys, index_ttl_ms
 from .keys import Keys
 from .periodic import Periodic
 from .priority import level
@@ -99,10 +100,11 @@ class Requeuer:
             moved, found, next_due, leader = self.scripts(
                 "promote",
                 [k.scheduled, k.retry, k.scheduled_jobs, k.ready, k.queues, k.requeuer_lease,
+                 *index_keys(k),
                  *(k.queue_level(q, level(p, steps)) for _, _, q, p in candidates)],
                 [k.wake_channel, k.queue(""), self.settings.promote_batch, self.id,
-                 self.lease_ms, *(v for which, job_id, _, _ in candidates
-                                       for v in (which, job_id))],
+                 self.lease_ms, index_ttl_ms(self.settings),
+                 *(v for which, job_id, _, _ in candidates for v in (which, job_id))],
             )
             result.calls += 1
             result.moved += int(moved)

@@ -88,13 +88,14 @@ def schedule_meta(message: Mapping[str, Any]) -> dict[str, Any]:
 
 def schedule_args(keys: Keys, queue: str, message: dict[str, Any], delay_ms: int,
                   lock: tuple[str, str, int, bool] | None = None, max_payload: int = 0,
-                  marker: tuple[str, int] | None = None) -> tuple[list[str], list[Any]]:
+                  marker: tuple[str, int] | None = None,
+                  index_ttl_ms: int = 0) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of the ``schedule`` script for one message.
 
     ``lock`` = (lock key, task id, TTL ms, force) makes it a unique job; ``marker`` =
     (publish marker key, TTL ms) makes a retry of this publish store nothing (see
     :mod:`celery_ext.producer`); a payload over ``max_payload`` bytes (0 = no limit)
-    raises ``PayloadTooLarge``.
+    raises ``PayloadTooLarge``; ``index_ttl_ms`` > 0 keeps the job index (job_index.py).
     """
     retry = retries_of(message) > 0
     target, other = (keys.retry, keys.scheduled) if retry else (keys.scheduled, keys.retry)
@@ -102,8 +103,10 @@ def schedule_args(keys: Keys, queue: str, message: dict[str, Any], delay_ms: int
     meta = dumps(schedule_meta(message))
     payload = dumps(message)
     check_payload_size(payload, message, queue, max_payload)
-    script_keys = [target, keys.scheduled_jobs, other, keys.queues]
-    args: list[Any] = [tag, delay_ms, meta, queue, payload, keys.schedule_channel]
+    script_keys = [target, keys.scheduled_jobs, other, keys.queues, keys.job_index,
+                   keys.job_index_done]
+    args: list[Any] = [tag, delay_ms, meta, queue, payload, keys.schedule_channel,
+                       index_ttl_ms, str((message.get("headers") or {}).get("id") or "")]
     if lock is not None:
         lock_key, task_id, ttl_ms, force = lock
         script_keys.append(lock_key)
@@ -118,7 +121,8 @@ def schedule_args(keys: Keys, queue: str, message: dict[str, Any], delay_ms: int
 
 def schedule(scripts: Callable[..., Any], keys: Keys, queue: str, message: dict[str, Any],
              delay_ms: int, client: Any, lock: tuple[str, str, int, bool] | None = None,
-             max_payload: int = 0, marker: tuple[str, int] | None = None) -> tuple[bool, str]:
+             max_payload: int = 0, marker: tuple[str, int] | None = None,
+             index_ttl_ms: int = 0) -> tuple[bool, str]:
     """Store one message in the scheduled or retry set.
 
     Returns (stored, task id of the pending job): stored is False when ``lock`` was
@@ -126,6 +130,6 @@ def schedule(scripts: Callable[..., Any], keys: Keys, queue: str, message: dict[
     says this publish stored its job already.
     """
     script_keys, args = schedule_args(keys, queue, message, delay_ms, lock, max_payload,
-                                      marker)
+                                      marker, index_ttl_ms)
     ok, _due, holder = scripts("schedule", script_keys, args, client=client)
     return bool(ok), holder.decode() if isinstance(holder, bytes) else str(holder)

@@ -12,6 +12,9 @@ stopped half-way at its first growing write). So does queue_info, which only rea
 and removes: the dashboard and the CLI must work on a full Redis. New work (enqueue,
 schedule, promote) is refused, so memory cannot grow without bound. Flags need
 Redis 7.0+ / Valkey.
+
+A line ``-- @include <fragment>`` in a script is replaced by ``scripts/_<fragment>.lua``:
+the job index's helpers (``_job_index.lua``) are shared by every script that moves a job.
 """
 
 from __future__ import annotations
@@ -31,10 +34,15 @@ SCRIPT_NAMES = (
 )
 
 
+INCLUDE = "-- @include "
+
+
 @cache
 def source(name: str) -> str:
-    """The text of ``scripts/<name>.lua`` shipped with the package."""
-    return resources.files("celery_ext").joinpath("scripts", f"{name}.lua").read_text("utf-8")
+    """The text of ``scripts/<name>.lua`` shipped with the package, its includes pasted."""
+    text = resources.files("celery_ext").joinpath("scripts", f"{name}.lua").read_text("utf-8")
+    return "".join(source("_" + line[len(INCLUDE):].strip()) if line.startswith(INCLUDE)
+                   else line for line in text.splitlines(keepends=True))
 
 
 @cache

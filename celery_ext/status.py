@@ -1,6 +1,14 @@
 """One job's status by its id, for the job observer widget and ``celery ext job``.
 
-A job's state is spread over several records: the result backend knows finished
+Where a job is comes from the job index (:mod:`celery_ext.job_index`): one read, kept by
+the same scripts that move the job, so it says queued (which queue, which priority
+level), in flight (which pool; ``running`` when that pool's busy records show it, else
+``reserved``), scheduled, retrying, dead, or done (when, which pool); the result backend
+adds the outcome of a done job (``finished`` without a backend), the checkin record the
+progress. A job is ``queued`` only when its entry says so.
+
+A job without an entry (enqueued before the index existed, or ``job_index=False``) is
+searched for as follows. Its state is spread over several records: the result backend knows finished
 jobs (and started ones with ``task_track_started``), the busy-worker records and
 checkins know running jobs, the dead, scheduled and retry sets know jobs parked
 there. :func:`job_status` reads them in the order that answers cheapest:
@@ -11,7 +19,7 @@ there. :func:`job_status` reads them in the order that answers cheapest:
 4. when still unknown, the scheduled and retry sets, only while they are small
    (``deep=True``): they are keyed by delivery tag, not job id.
 
-A job found nowhere is reported ``queued``: a job id nobody enqueued looks the
+Such a job found nowhere is reported ``queued``: a job id nobody enqueued looks the
 same (as Celery's ``PENDING``).
 """
 
@@ -27,10 +35,13 @@ from kombu.utils.encoding import bytes_to_str
 from .clock import now_ms
 from .config import Settings
 from .dead import split_record
+from .job_index import IndexEntry
+from .job_index import parse as parse_entry
 from .keys import Keys
 
-#: States after which nothing changes any more (the widget stops watching).
-FINAL_STATES = frozenset({"succeeded", "failed", "dead", "revoked"})
+#: States after which nothing changes any more (the widget stops watching); "finished":
+#: done, with no result backend to say how.
+FINAL_STATES = frozenset({"succeeded", "failed", "dead", "revoked", "finished"})
 #: How many of the newest dead jobs are searched for a job id.
 DEAD_SCAN = 50
 #: The scheduled and retry sets are searched only while they hold at most this many jobs.
@@ -41,7 +52,8 @@ TEXT_MAX = 1000
 
 class JobStatus(TypedDict):
     job_id: str
-    state: str  # queued, scheduled, retrying, running, succeeded, failed, dead, revoked
+    # queued, scheduled, retrying, reserved, running, succeeded, failed, dead, revoked, finished
+    state: str
     done: bool
     job_name: str | None
     progress: float | None  # 0..1 from the last checkin
@@ -54,6 +66,10 @@ class JobStatus(TypedDict):
     error: str | None  # "ExcType: message" (failed, dead, retrying)
     dead_id: str | None  # id in the dead set (dead)
     stop_requested: bool
+    queue: str | None  # the job queue it is in or was fetched from (by the job index)
+    level: int | None  # queued: its priority level in that queue
+    pool: str | None  # reserved / running / finished: the worker pool (by the job index)
+    indexed: bool  # found in the job index (else searched for in the sets)
 
 
 def _cut(text: str, limit: int = TEXT_MAX) -> str:
@@ -95,11 +111,23 @@ def _payload_task_id(payload: str) -> str | None:
     return str(value) if value is not None else None
 
 
+def _payload_task_name(payload: str) -> str | None:
+    """The task name of a Kombu payload (``headers.task``), or None."""
+    try:
+        headers = json.loads(payload.partition("\n")[2] if payload[:1] != "{" else payload
+                             ).get("headers") or {}
+    except (ValueError, AttributeError):
+        return None
+    value = headers.get("task") if isinstance(headers, dict) else None
+    return str(value) if value is not None else None
+
+
 def new_status(job_id: str, state: str = "queued", **fields: Any) -> JobStatus:
     status = JobStatus(
         job_id=job_id, state=state, done=state in FINAL_STATES, job_name=None,
         progress=None, message=None, checkin_at=None, started_at=None, due_at=None,
-        finished_at=None, result=None, error=None, dead_id=None, stop_requested=False)
+        finished_at=None, result=None, error=None, dead_id=None, stop_requested=False,
+        queue=None, level=None, pool=None, indexed=False)
     status.update(fields)  # type: ignore[typeddict-item]
     return status
 
@@ -132,7 +160,8 @@ class JobLookup:
         with self.client.pipeline(transaction=False) as pipe:
             pipe.hget(k.checkins, job_id)
             pipe.sismember(k.stop_requests, job_id)
-            checkin, stop = pipe.execute()
+            pipe.hget(k.job_index, job_id)
+            checkin, stop, raw_entry = pipe.execute()
         status = new_status(job_id, stop_requested=bool(stop))
         if checkin:
             at, _, body = bytes_to_str(checkin).partition("\n")
@@ -148,6 +177,13 @@ class JobLookup:
         state = str(meta.get("status") or "PENDING")
         status["job_name"] = meta.get("name")
         status["finished_at"] = _timestamp(meta.get("date_done"))
+        entry = parse_entry(raw_entry)
+        if entry is not None and entry["state"] == "queued" and entry["ref"].isdigit() \
+                and not self.client.llen(self.keys.queue_level(entry["queue"],
+                                                               int(entry["ref"]))):
+            entry = None  # its queue was purged or deleted (no script moved the job)
+        if entry is not None:
+            return self._from_index(status, entry, meta, state)
         if state == "SUCCESS":
             status.update({"state": "succeeded", "done": True,
                            "result": _cut(repr(meta.get("result")))})
@@ -180,10 +216,81 @@ class JobLookup:
             self._find_scheduled(status)
         return status
 
+    def _from_index(self, status: JobStatus, entry: IndexEntry, meta: dict[str, Any],
+                    state: str) -> JobStatus:
+        """The status from the job's index entry, with the backend's outcome and error."""
+        where, at = entry["state"], entry["at"]
+        status.update({"indexed": True, "queue": entry["queue"]})
+        finished = status["finished_at"]
+        # The backend's outcome belongs to this run only if written after the last move
+        # (a dead job retried by hand keeps its old FAILURE until it runs again).
+        final = state in ("SUCCESS", "FAILURE", "REVOKED") and finished is not None \
+            and finished >= at - 1
+        if where == "queued":
+            status.update({"state": "queued", "level": int(entry["ref"] or 0),
+                           "finished_at": None})
+        elif where in ("scheduled", "retry"):
+            # The set's score: "run now" (client) moves it without a script.
+            due = self.client.zscore(self.keys.retry if where == "retry"
+                                     else self.keys.scheduled, entry["ref"])
+            status.update({"state": "retrying" if where == "retry" else "scheduled",
+                           "finished_at": None, "due_at": due / 1000 if due is not None
+                           else None})
+            record = self._record(self.keys.scheduled_jobs, entry["ref"])
+            status["job_name"] = status["job_name"] or record.get("name")
+            error = _error_text(meta.get("result")) if state == "RETRY" else record.get("error")
+            status["error"] = _cut(str(error)) if error else None
+        elif where == "dead":
+            status.update({"state": "dead", "done": True, "dead_id": entry["ref"],
+                           "finished_at": at})
+            record = self._record(self.keys.dead_jobs, entry["ref"])
+            status["job_name"] = status["job_name"] or record.get("name")
+            status["error"] = _cut(str(record.get("error") or record.get("reason")
+                                       or "")) or None
+        elif where == "inflight" or not final:
+            # Done while no outcome is known: acked when it started (acks_late off).
+            status.update({"pool": entry["detail"] or None, "finished_at": None})
+            if where == "inflight" and not status["job_name"]:
+                raw = self.client.hget(self.keys.inflight(entry["detail"]), entry["ref"])
+                status["job_name"] = _payload_task_name(bytes_to_str(raw)) if raw else None
+            if not final and self._find_busy(status, [entry["detail"]]):
+                return status
+            if where == "inflight" and not final:
+                status["state"] = "running" if status["checkin_at"] or state == "STARTED" \
+                    else "reserved"
+                return status
+            if not final:
+                status.update({"state": "finished", "done": True, "finished_at": at})
+                return status
+        if final and where in ("inflight", "done"):
+            status["pool"] = entry["detail"] or None
+            if state == "SUCCESS":
+                status.update({"state": "succeeded", "done": True,
+                               "result": _cut(repr(meta.get("result")))})
+            elif state == "REVOKED":
+                status.update({"state": "revoked", "done": True})
+            else:
+                status.update({"state": "failed", "done": True,
+                               "error": _error_text(meta.get("result"))})
+        return status
+
+    def _record(self, records: str, record_id: str) -> dict[str, Any]:
+        """The meta of a ``"<meta json>\n<queue>\n<payload>"`` record, with its job
+        name (the meta's, else the payload's); {} when gone or unreadable."""
+        raw = self.client.hget(records, record_id)
+        try:
+            meta, _queue, payload = split_record(raw) if raw else ({}, "", "")
+        except ValueError:
+            return {}
+        if not meta.get("name"):
+            meta["name"] = _payload_task_name(payload)
+        return meta
+
     # -- the places a job can be -------------------------------------------------------------
-    def _find_busy(self, status: JobStatus) -> bool:
+    def _find_busy(self, status: JobStatus, pools: list[str] | None = None) -> bool:
         k = self.keys
-        ids = [bytes_to_str(p) for p in self.client.zrange(k.pools, 0, -1)]
+        ids = pools if pools is not None else [
+            bytes_to_str(p) for p in self.client.zrange(k.pools, 0, -1)]
         if not ids:
             return False
         with self.client.pipeline(transaction=False) as pipe:

@@ -537,7 +537,8 @@ class Channel(kredis.Channel):
                 try:
                     status, jobs, *_ = self._scripts(
                         "fetch", self._fetch_keys(pool_id, queues),
-                        [pool_id, flags, *queues, self.settings.max_payload_bytes], client=client)
+                        [pool_id, flags, *queues, self.settings.max_payload_bytes,
+                         int(self.settings.job_index)], client=client)
                 except BaseException:
                     if track:
                         self.worker_pool.fetch_done(lost=True)
@@ -579,7 +580,8 @@ class Channel(kredis.Channel):
         if pool_id != "-":
             self._fetch_sent()
         conn.send_command("EVALSHA", _scripts.sha("fetch"), len(keys), *keys,
-                          pool_id, flags, *picks, self.settings.max_payload_bytes)
+                          pool_id, flags, *picks, self.settings.max_payload_bytes,
+                          int(self.settings.job_index))
 
     def _brpop_read(self, **options: Any) -> bool:
         conn = self.client.connection

@@ -5,8 +5,13 @@
 -- KEYS[3]  running counts hash          {ns}:running
 -- KEYS[4]  concurrency limits hash      {ns}:limits
 -- KEYS[5]  ready set                    {ns}:ready
+-- KEYS[6]  job index hash               {ns}:jobs
+-- KEYS[7]  finished index entries       {ns}:jobs_done
 -- ARGV[1]  wake channel                 {ns}:wake
--- ARGV[2..] delivery tags
+-- ARGV[2]  job index TTL of finished entries in ms, "0" = no index (_job_index.lua)
+-- ARGV[3..] delivery tags
+-- A job whose index entry names another copy (a retry scheduled under its task id)
+-- leaves that entry alone.
 -- A tag no longer in the record (its pool was reaped and the job requeued) is
 -- ignored, so a late ack from a pool that came back never touches the new copy.
 -- A job queue at its max_concurrency is skipped by fetch (and left in the ready
@@ -14,10 +19,17 @@
 -- Returns how many tags were removed.
 local removed = 0
 local limited = redis.call('HLEN', KEYS[4]) > 0
-for i = 2, #ARGV do
+local indexTtl = tonumber(ARGV[2])
+-- @include job_index
+for i = 3, #ARGV do
   local rec = redis.call('HGET', KEYS[1], ARGV[i])
   if rec then
     local qname = string.sub(rec, 1, string.find(rec, '\n', 1, true) - 1)
+    if indexTtl > 0 then
+      local id = jix_task_id(jix_payload_after(rec, 1))
+      local same, f = jix_is(KEYS[6], id, 'inflight', ARGV[i])
+      if same then jix_finish(KEYS[6], KEYS[7], indexTtl, id, qname, ARGV[i], f and f[5]) end
+    end
     redis.call('HDEL', KEYS[1], ARGV[i])
     redis.call('HDEL', KEYS[2], ARGV[i])
     local n = redis.call('HINCRBY', KEYS[3], qname, -1)

@@ -7,6 +7,8 @@
 -- KEYS[5]  running counts hash          {ns}:running
 -- KEYS[6]  concurrency limits hash      {ns}:limits
 -- KEYS[7]  ready set                    {ns}:ready
+-- KEYS[8]  job index hash               {ns}:jobs
+-- KEYS[9]  finished index entries       {ns}:jobs_done
 -- ARGV[1]  delivery tag (becomes the dead job id)
 -- ARGV[2]  meta JSON (reason, error, pool, ...), one line
 -- ARGV[3]  max dead jobs kept
@@ -15,10 +17,16 @@
 --          (a job acked when it started, acks_late off, that then failed)
 -- ARGV[6]  wake channel                 {ns}:wake (as in ack: a job queue at its
 --          max_concurrency that drops below it wakes idle pools)
+-- ARGV[7]  job index TTL of finished entries in ms, "0" = no index (_job_index.lua):
+--          the entry says dead unless it names another copy of the job; jobs trimmed
+--          from the dead set lose theirs
 -- Returns 1 if moved, 0 if the tag was not in flight and no record was given
 -- (already moved: idempotent). The dead job's id is the tag, with "~<n>" added
 -- if that id is already dead.
+local indexTtl = tonumber(ARGV[7] or 0) or 0
+-- @include job_index
 local rec = redis.call('HGET', KEYS[1], ARGV[1])
+local inflight = rec ~= false
 if rec then
   redis.call('HDEL', KEYS[1], ARGV[1])
   redis.call('HDEL', KEYS[4], ARGV[1])
@@ -43,18 +51,32 @@ while redis.call('HEXISTS', KEYS[3], id) == 1 do
 end
 redis.call('HSET', KEYS[3], id, ARGV[2] .. '\n' .. rec)
 redis.call('ZADD', KEYS[2], now, id)
+if indexTtl > 0 then
+  local nl = string.find(rec, '\n', 1, true)
+  local tid = jix_task_id(string.sub(rec, nl + 1))
+  -- Not in flight (acked when it started): the entry may say done already.
+  if jix_is(KEYS[8], tid, inflight and 'inflight' or nil, ARGV[1]) or not inflight then
+    local reason = string.match(ARGV[2], '"reason": *"([^"]*)"') or ''
+    jix_set(KEYS[8], tid, 'dead', string.sub(rec, 1, nl - 1), id, reason)
+  end
+end
+-- The index entry of a job trimmed below goes with it.
+local function forget(did)
+  if indexTtl > 0 then
+    local drec = redis.call('HGET', KEYS[3], did)
+    if drec then
+      jix_drop(KEYS[8], jix_task_id(jix_payload_after(drec, string.find(drec, '\n', 1, true) + 1)), 'dead', did)
+    end
+  end
+  redis.call('HDEL', KEYS[3], did)
+  redis.call('ZREM', KEYS[2], did)
+end
 -- Trim: too old first, then too many; bounded work per call.
 local old = redis.call('ZRANGE', KEYS[2], '-inf', now - tonumber(ARGV[4]), 'BYSCORE', 'LIMIT', 0, 100)
-for _, id in ipairs(old) do
-  redis.call('HDEL', KEYS[3], id)
-  redis.call('ZREM', KEYS[2], id)
-end
+for _, did in ipairs(old) do forget(did) end
 local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[3])
 if over > 0 then
   local ids = redis.call('ZRANGE', KEYS[2], 0, math.min(over, 100) - 1)
-  for _, id in ipairs(ids) do
-    redis.call('HDEL', KEYS[3], id)
-    redis.call('ZREM', KEYS[2], id)
-  end
+  for _, did in ipairs(ids) do forget(did) end
 end
 return 1

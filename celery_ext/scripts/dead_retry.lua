@@ -3,11 +3,14 @@
 -- KEYS[2]  dead jobs hash               {ns}:dead_jobs
 -- KEYS[3]  ready set                    {ns}:ready
 -- KEYS[4]  known queues set             {ns}:queues
--- KEYS[5..] job queue lists, one per job: the list of the job's priority level,
+-- KEYS[5]  job index hash               {ns}:jobs
+-- KEYS[6]  finished index entries       {ns}:jobs_done
+-- KEYS[7..] job queue lists, one per job: the list of the job's priority level,
 --          read by the caller from its payload (priority.py)
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job queue key prefix         {ns}:queue:
--- ARGV[3..] three values per job, in the order of KEYS[5..]: dead job id, SHA1 of
+-- ARGV[3]  job index TTL of finished entries in ms, "0" = no index (_job_index.lua)
+-- ARGV[4..] three values per job, in the order of KEYS[7..]: dead job id, SHA1 of
 --          the dead record the caller read, payload to enqueue (the caller's
 --          rewrite of it: attempts reset, marked as a manual retry)
 -- A job whose record is gone (retried or deleted by someone else) or changed
@@ -20,9 +23,11 @@ local function is_level_of(key, queueKey)
   return string.sub(key, 1, #queueKey + 2) == queueKey .. '\6\22'
     and string.find(key, '^%d+$', #queueKey + 3) ~= nil
 end
+local indexTtl = tonumber(ARGV[3])
+-- @include job_index
 local done = {}
-for i = 5, #KEYS do
-  local j = 3 + (i - 5) * 3
+for i = 7, #KEYS do
+  local j = 4 + (i - 7) * 3
   local id = ARGV[j]
   local rec = redis.call('HGET', KEYS[2], id)
   if rec and redis.sha1hex(rec) == ARGV[j + 1] then
@@ -33,6 +38,10 @@ for i = 5, #KEYS do
       redis.call('ZREM', KEYS[1], id)
       redis.call('HDEL', KEYS[2], id)
       redis.call('RPUSH', KEYS[i], ARGV[j + 2])
+      if indexTtl > 0 then
+        local tid = jix_task_id(ARGV[j + 2])
+        if jix_is(KEYS[5], tid, 'dead', id) then jix_set(KEYS[5], tid, 'queued', qname, jix_level(KEYS[i])) end
+      end
       redis.call('SADD', KEYS[4], qname)
       if redis.call('SADD', KEYS[3], qname) == 1 then
         redis.call('PUBLISH', ARGV[1], qname)

@@ -2,20 +2,24 @@
 -- KEYS[1]  job queue list            {ns}:queue:<name>
 -- KEYS[2]  ready set                 {ns}:ready
 -- KEYS[3]  known queues set          {ns}:queues (job queues only)
--- KEYS[4]  (optional) publish marker {ns}:published:<id>, one per publish call
+-- KEYS[4]  job index hash            {ns}:jobs
+-- KEYS[5]  finished index entries    {ns}:jobs_done
+-- KEYS[6]  (optional) publish marker {ns}:published:<id>, one per publish call
 -- ARGV[1]  message payload (kombu JSON)
 -- ARGV[2]  queue name
 -- ARGV[3]  wake channel              {ns}:wake
 -- ARGV[4]  queue expiry in ms (x-expires), 0 = never
--- ARGV[5]  (with KEYS[4]) marker TTL in ms
+-- ARGV[5]  job index TTL of finished entries in ms, "0" = no index (_job_index.lua)
+-- ARGV[6]  (with KEYS[6]) marker TTL in ms
 -- Kombu's remote-control replies (queues named "<id>.reply.<mailbox>.pidbox", one per
 -- `celery inspect`/`control` call) use the same path but are not job queues: they are
 -- not recorded in the known queues set (queue_info.lua drops such names too).
 -- Returns the queue length after the push, or -1 when the publish marker was there
 -- already: a retry of a publish whose write landed (nothing pushed again).
-local queueKey, readyKey, queuesKey, markerKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local queueKey, readyKey, queuesKey, markerKey = KEYS[1], KEYS[2], KEYS[3], KEYS[6]
 local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]
-local expiresMs, markerTtlMs = tonumber(ARGV[4]), ARGV[5]
+local expiresMs, indexTtl, markerTtlMs = tonumber(ARGV[4]), tonumber(ARGV[5] or 0) or 0, ARGV[6]
+-- @include job_index
 if markerKey and not redis.call('SET', markerKey, '1', 'NX', 'PX', markerTtlMs) then
   return -1
 end
@@ -27,6 +31,9 @@ if redis.call('SADD', readyKey, queueName) == 1 then
     redis.call('SADD', queuesKey, queueName)
   end
   redis.call('PUBLISH', wakeChannel, queueName)
+end
+if indexTtl > 0 and string.sub(queueName, -7) ~= '.pidbox' then
+  jix_set(KEYS[4], jix_task_id(payload), 'queued', queueName, jix_level(queueKey))
 end
 if expiresMs > 0 then
   redis.call('PEXPIRE', queueKey, expiresMs)

@@ -14,12 +14,16 @@
 -- KEYS[9]  rate limits hash             {ns}:rate_limits
 -- KEYS[10] rate limit state hash        {ns}:rate_tat
 -- KEYS[11] stats hash                   {ns}:stats
--- KEYS[12..] job queue lists, L per candidate (repeats allowed): one per priority
---          level, the level that runs first first (L = (#KEYS - 11) / candidates)
+-- KEYS[12] job index hash               {ns}:jobs (_job_index.lua)
+-- KEYS[13..] job queue lists, L per candidate (repeats allowed): one per priority
+--          level, the level that runs first first (L = (#KEYS - 12) / candidates)
 -- ARGV[1]  pool id
 -- ARGV[2]  one char per candidate: "1" = record in-flight (acked consumer), "0" = no-ack
--- ARGV[3..] queue names, one per candidate, in the order of the KEYS[12..] groups
+-- ARGV[3..] queue names, one per candidate, in the order of the KEYS[13..] groups
 -- ARGV[3 + n] (optional, n = number of candidates) max_payload_bytes, 0 = no limit
+-- ARGV[4 + n] (optional) "1" = keep the job index: each tracked job's entry says
+--          inflight in this pool under its delivery tag (O(1): the task id is read
+--          from the payload's last bytes)
 -- Delivery tag: Kombu writes "properties" last, with "delivery_tag" after its other
 -- properties, and our producers add only "enqueued_at" after it (a republished
 -- message, e.g. by celery migrate, may add delivery_mode/priority): the tag is looked
@@ -46,12 +50,14 @@
 -- candidate queues skipped (paused, at their limit or not due) or left at their limit
 -- or not due; waits = {{queue name, µs until its next job is due}, ...}.
 local TAG_WINDOW = 1024
-local NFIXED = 11
+local NFIXED = 12
 local flags = ARGV[2]
 local ncand = #flags
 -- Lists per candidate, one per priority level: the first non-empty one is popped.
 local nlev = ncand > 0 and (#KEYS - NFIXED) / ncand or 1
 local max_payload = tonumber(ARGV[3 + ncand] or 0) or 0
+local indexed = ARGV[4 + ncand] == '1'
+-- @include job_index
 
 -- The message's own delivery tag, from the end of the payload only (see above): the
 -- last occurrence in its last `window` bytes, or nil.
@@ -160,7 +166,12 @@ for i = 1, ncand do
         end
         redis.call('HINCRBY', KEYS[6], qname, 1)
         tracked = true
+        if indexed then
+          jix_set(KEYS[12], jix_task_id(payload), 'inflight', qname, tag, ARGV[1])
+        end
         if room[qname] then room[qname] = room[qname] - 1 end
+      elseif indexed then
+        jix_drop(KEYS[12], jix_task_id(payload), 'queued')  -- no-ack: delivered is gone
       end
       local rec = redis.call('HGET', KEYS[4], tag)
       if track and max_payload > 0 and #payload > max_payload then

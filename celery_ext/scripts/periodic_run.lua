@@ -15,7 +15,10 @@
 -- ARGV[7]  queue name
 -- ARGV[8]  wake channel              {ns}:wake
 -- ARGV[9]  queue expiry in ms (x-expires), 0 = never
+-- KEYS[5]  (with a payload) job index hash          {ns}:jobs
+-- KEYS[6]  (with a payload) finished index entries  {ns}:jobs_done
 -- ARGV[10] (optional) why this due time has no run, kept as the entry's error
+-- ARGV[11] (with a payload) job index TTL of finished entries in ms, "0" = no index
 -- Returns 1 when the job was pushed; 2 when this job id is the entry's last run already
 -- (Kombu retried a publish whose write landed: nothing pushed again); 0 when the entry
 -- moved on meanwhile (another leader took this due time); -1 when the entry is paused
@@ -24,6 +27,8 @@ local stateKey, queueKey, readyKey, queuesKey = KEYS[1], KEYS[2], KEYS[3], KEYS[
 local expected, dueMs, nextMs, passed, jobId = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local payload, queueName, wakeChannel, expiresMs = ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
 local err = ARGV[10] or ''
+local indexTtl = tonumber(ARGV[11] or 0) or 0
+-- @include job_index
 
 if payload ~= '' and redis.call('HGET', stateKey, 'last_job_id') == jobId then
   return 2
@@ -47,6 +52,9 @@ if redis.call('SADD', readyKey, queueName) == 1 then
     redis.call('SADD', queuesKey, queueName)
   end
   redis.call('PUBLISH', wakeChannel, queueName)
+end
+if indexTtl > 0 then
+  jix_set(KEYS[5], jobId, 'queued', queueName, jix_level(queueKey))
 end
 if expiresMs > 0 then
   redis.call('PEXPIRE', queueKey, expiresMs)

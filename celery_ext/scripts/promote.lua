@@ -12,14 +12,17 @@
 -- KEYS[4]  ready set                    {ns}:ready
 -- KEYS[5]  known queues set             {ns}:queues
 -- KEYS[6]  requeuer lease               {ns}:requeuer
--- KEYS[7..] job queue lists, one per candidate: the list of its priority level
+-- KEYS[7]  job index hash               {ns}:jobs
+-- KEYS[8]  finished index entries       {ns}:jobs_done
+-- KEYS[9..] job queue lists, one per candidate: the list of its priority level
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job queue key prefix         {ns}:queue:
 -- ARGV[3]  most candidates to report per set
 -- ARGV[4]  the caller's requeuer id
 -- ARGV[5]  lease time in ms
--- ARGV[6..] candidates, two values each: set ("s" or "r") and job id, in the
---          order of KEYS[7..]
+-- ARGV[6]  job index TTL of finished entries in ms, "0" = no index (_job_index.lua)
+-- ARGV[7..] candidates, two values each: set ("s" or "r") and job id, in the
+--          order of KEYS[9..]
 -- Every caller may move due jobs; the lease only says which requeuer is the
 -- leader (the one that wakes for every due time, while the others make a pass
 -- now and then in case it died). The caller takes the lease if it is free or its
@@ -54,9 +57,11 @@ local function is_level_of(key, queueKey)
     and string.find(key, '^%d+$', #queueKey + 3) ~= nil
 end
 
+local indexTtl = tonumber(ARGV[6])
+-- @include job_index
 local moved = 0
-for i = 7, #KEYS do
-  local which, id = ARGV[6 + (i - 7) * 2], ARGV[7 + (i - 7) * 2]
+for i = 9, #KEYS do
+  local which, id = ARGV[7 + (i - 9) * 2], ARGV[8 + (i - 9) * 2]
   local zkey = sets[which]
   local score = zkey and redis.call('ZSCORE', zkey, id)
   if score and tonumber(score) <= now then
@@ -69,6 +74,10 @@ for i = 7, #KEYS do
         redis.call('ZREM', zkey, id)
         redis.call('HDEL', KEYS[3], id)
         local payload = string.sub(rec, nl2 + 1)
+        if indexTtl > 0 then
+          local tid = jix_task_id(payload)
+          if jix_is(KEYS[7], tid, nil, id) then jix_set(KEYS[7], tid, 'queued', qname, jix_level(KEYS[i])) end
+        end
         if which == 'r' then
           redis.call('RPUSH', KEYS[i], payload)
         else

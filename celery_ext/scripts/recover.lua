@@ -13,7 +13,9 @@
 -- KEYS[7]  running counts hash          {ns}:running
 -- KEYS[8]  dead zset                    {ns}:dead
 -- KEYS[9]  dead jobs hash               {ns}:dead_jobs
--- KEYS[10..] job queue lists, one per tag: the list of the job's priority level,
+-- KEYS[10] job index hash               {ns}:jobs
+-- KEYS[11] finished index entries       {ns}:jobs_done
+-- KEYS[12..] job queue lists, one per tag: the list of the job's priority level,
 --          read by the caller from its payload (priority.py)
 -- ARGV[1]  pool id
 -- ARGV[2]  "pool": only if the pool's heartbeat is older than its own dead_after
@@ -26,7 +28,8 @@
 -- ARGV[6]  max recoveries
 -- ARGV[7]  max dead jobs kept
 -- ARGV[8]  reason/error text prefix for the dead set (e.g. "worker lost")
--- ARGV[9..] delivery tags, one per KEYS[10..], in the order to push them
+-- ARGV[9]  job index TTL of finished entries in ms, "0" = no index (_job_index.lua)
+-- ARGV[10..] delivery tags, one per KEYS[12..], in the order to push them
 -- Returns {status, requeued tags, dead tags}; status 0 = the pool heartbeated
 -- meanwhile (alive: nothing done), 1 = done.
 local t = redis.call('TIME')
@@ -50,14 +53,18 @@ local function is_level_of(key, queueKey)
   return string.sub(key, 1, #queueKey + 2) == queueKey .. '\6\22'
     and string.find(key, '^%d+$', #queueKey + 3) ~= nil
 end
+local indexTtl = tonumber(ARGV[9])
+-- @include job_index
 local requeued, dead = {}, {}
-for i = 10, #KEYS do
-  local tag = ARGV[i - 1]
+for i = 12, #KEYS do
+  local tag = ARGV[i - 2]
   local rec = redis.call('HGET', KEYS[1], tag)
   if rec then
     local nl = string.find(rec, '\n', 1, true)
     local qname = string.sub(rec, 1, nl - 1)
     if is_level_of(KEYS[i], ARGV[5] .. qname) then
+      local id = indexTtl > 0 and jix_task_id(string.sub(rec, nl + 1))
+      local same = id and jix_is(KEYS[10], id, 'inflight', tag)
       redis.call('HDEL', KEYS[1], tag)
       redis.call('HINCRBY', KEYS[7], qname, -1)
       local n = redis.call('HINCRBY', KEYS[6], tag, 1)
@@ -74,17 +81,23 @@ for i = 10, #KEYS do
         local over = redis.call('ZCARD', KEYS[8]) - tonumber(ARGV[7])
         if over > 0 then
           local ids = redis.call('ZRANGE', KEYS[8], 0, math.min(over, 100) - 1)
-          for _, id in ipairs(ids) do
-            redis.call('HDEL', KEYS[9], id)
-            redis.call('ZREM', KEYS[8], id)
+          for _, did in ipairs(ids) do
+            if indexTtl > 0 then
+              local drec = redis.call('HGET', KEYS[9], did)
+              if drec then jix_drop(KEYS[10], jix_task_id(jix_payload_after(drec, string.find(drec, '\n', 1, true) + 1)), 'dead', did) end
+            end
+            redis.call('HDEL', KEYS[9], did)
+            redis.call('ZREM', KEYS[8], did)
           end
         end
+        if same then jix_set(KEYS[10], id, 'dead', qname, tag, 'worker_lost') end
         dead[#dead + 1] = tag
       else
         redis.call('RPUSH', KEYS[i], string.sub(rec, nl + 1))
         if redis.call('SADD', KEYS[5], qname) == 1 then
           redis.call('PUBLISH', ARGV[4], qname)
         end
+        if same then jix_set(KEYS[10], id, 'queued', qname, jix_level(KEYS[i])) end
         requeued[#requeued + 1] = tag
       end
     end

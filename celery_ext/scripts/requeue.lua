@@ -6,10 +6,13 @@
 -- KEYS[2]  ready set                    {ns}:ready
 -- KEYS[3]  redelivery hash              {ns}:redelivery
 -- KEYS[4]  running counts hash          {ns}:running
--- KEYS[5..] job queue lists, one per tag: the list of the job's priority level
+-- KEYS[5]  job index hash               {ns}:jobs
+-- KEYS[6]  finished index entries       {ns}:jobs_done
+-- KEYS[7..] job queue lists, one per tag: the list of the job's priority level
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job queue key prefix         {ns}:queue:
--- ARGV[3..] delivery tags, one per KEYS[5..], in the order to push them
+-- ARGV[3]  job index TTL of finished entries in ms, "0" = no index (_job_index.lua)
+-- ARGV[4..] delivery tags, one per KEYS[7..], in the order to push them
 --          (the last one pushed is the next fetched)
 -- The caller reads each job's priority from its payload (priority.py). Each job is
 -- marked redelivered (recovery count kept, or 0). A tag whose
@@ -24,9 +27,11 @@ local function is_level_of(key, queueKey)
   return string.sub(key, 1, #queueKey + 2) == queueKey .. '\6\22'
     and string.find(key, '^%d+$', #queueKey + 3) ~= nil
 end
+local indexTtl = tonumber(ARGV[3])
+-- @include job_index
 local done = {}
-for i = 5, #KEYS do
-  local tag = ARGV[i - 2]
+for i = 7, #KEYS do
+  local tag = ARGV[i - 3]
   local rec = redis.call('HGET', KEYS[1], tag)
   if rec then
     local nl = string.find(rec, '\n', 1, true)
@@ -36,6 +41,10 @@ for i = 5, #KEYS do
       redis.call('HDEL', KEYS[1], tag)
       redis.call('HINCRBY', KEYS[4], qname, -1)
       redis.call('HSETNX', KEYS[3], tag, 0)
+      if indexTtl > 0 then
+        local id = jix_task_id(string.sub(rec, nl + 1))
+        if jix_is(KEYS[5], id, 'inflight', tag) then jix_set(KEYS[5], id, 'queued', qname, jix_level(KEYS[i])) end
+      end
       if redis.call('SADD', KEYS[2], qname) == 1 then
         redis.call('PUBLISH', ARGV[1], qname)
       end

@@ -4,18 +4,22 @@
 -- KEYS[2]  scheduled jobs hash          {ns}:scheduled_jobs
 -- KEYS[3]  the other zset               {ns}:retry or {ns}:scheduled
 -- KEYS[4]  known queues set             {ns}:queues
--- KEYS[5]  (unique jobs only) lock      {ns}:unique:<digest>
--- KEYS[5 or 6, after the lock if any] (optional) publish marker {ns}:published:<id>
+-- KEYS[5]  job index hash               {ns}:jobs
+-- KEYS[6]  finished index entries       {ns}:jobs_done
+-- KEYS[7]  (unique jobs only) lock      {ns}:unique:<digest>
+-- KEYS[7 or 8, after the lock if any] (optional) publish marker {ns}:published:<id>
 -- ARGV[1]  job id (delivery tag)
 -- ARGV[2]  delay in ms from now (Redis time)
 -- ARGV[3]  meta JSON object (one line); "scheduled_at" is added here
 -- ARGV[4]  queue name
 -- ARGV[5]  message payload (kombu JSON)
 -- ARGV[6]  schedule channel             {ns}:schedule
--- ARGV[7]  (unique) lock value: the job's task id; "" = not a unique job
--- ARGV[8]  (unique) lock TTL in ms, counted from the due time
--- ARGV[9]  (unique) "1" = schedule even if the lock is held (a retry), else "0"
--- ARGV[10] (with the marker) marker TTL in ms
+-- ARGV[7]  job index TTL of finished entries in ms, "0" = no index (_job_index.lua)
+-- ARGV[8]  the job's task id (its index entry says scheduled or retry)
+-- ARGV[9]  (unique) lock value: the job's task id; "" = not a unique job
+-- ARGV[10] (unique) lock TTL in ms, counted from the due time
+-- ARGV[11] (unique) "1" = schedule even if the lock is held (a retry), else "0"
+-- ARGV[12] (with the marker) marker TTL in ms
 -- Returns {1, due ms, task id} when scheduled, {0, 0, holder} when a unique job
 -- with the same key is already pending (nothing stored; the same task id
 -- published twice counts as pending), {0, 0, marker value} when the publish marker
@@ -23,13 +27,15 @@
 local targetKey, jobsKey, otherKey, queuesKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local jobId, delayMs, metaJson, queueName = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local payload, scheduleChannel = ARGV[5], ARGV[6]
-local taskId, lockTtlMs, force, markerTtlMs = ARGV[7] or '', ARGV[8], ARGV[9], ARGV[10]
+local indexTtl, indexId = tonumber(ARGV[7]), ARGV[8]
+local taskId, lockTtlMs, force, markerTtlMs = ARGV[9] or '', ARGV[10], ARGV[11], ARGV[12]
 local lockKey, markerKey = nil, nil
 if taskId ~= '' then
-  lockKey, markerKey = KEYS[5], KEYS[6]
+  lockKey, markerKey = KEYS[7], KEYS[8]
 else
-  markerKey = KEYS[5]
+  markerKey = KEYS[7]
 end
+-- @include job_index
 if markerKey then
   local stored = redis.call('GET', markerKey)
   if stored then
@@ -61,6 +67,10 @@ end
 redis.call('HSET', jobsKey, jobId, cjson.encode(meta) .. '\n' .. queueName .. '\n' .. payload)
 redis.call('ZADD', targetKey, due, jobId)
 redis.call('SADD', queuesKey, queueName)
+if indexTtl > 0 and indexId ~= '' then
+  local state = string.sub(targetKey, -7) == '}:retry' and 'retry' or 'scheduled'
+  jix_set(KEYS[5], indexId, state, queueName, jobId, due)
+end
 if markerKey then
   redis.call('SET', markerKey, taskId ~= '' and taskId or '1', 'PX', markerTtlMs)
 end

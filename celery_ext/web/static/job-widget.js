@@ -12,14 +12,16 @@
   "use strict";
 
   var COLORS = {
-    queued: "#6b7483", scheduled: "#6b7483", retrying: "#b7791f", running: "#2f6fde",
-    succeeded: "#1f8a4c", failed: "#c53030", dead: "#c53030", revoked: "#6b7483"
+    queued: "#6b7483", scheduled: "#6b7483", retrying: "#b7791f", reserved: "#2f6fde",
+    running: "#2f6fde", succeeded: "#1f8a4c", failed: "#c53030", dead: "#c53030",
+    revoked: "#6b7483", finished: "#1f8a4c"
   };
   var LABELS = {
-    queued: "queued", scheduled: "scheduled", retrying: "waiting to retry", running: "running",
-    succeeded: "done", failed: "failed", dead: "dead", revoked: "revoked"
+    queued: "queued", scheduled: "scheduled", retrying: "waiting to retry",
+    reserved: "fetched, about to run", running: "running", succeeded: "done", failed: "failed",
+    dead: "dead", revoked: "revoked", finished: "finished"
   };
-  var FINAL = { succeeded: 1, failed: 1, dead: 1, revoked: 1 };
+  var FINAL = { succeeded: 1, failed: 1, dead: 1, revoked: 1, finished: 1 };
 
   var scriptBase = (function () {
     var el = document.currentScript;
@@ -93,6 +95,9 @@
       text = st.due_at ? "due " + new Date(st.due_at * 1000).toLocaleTimeString() : "";
       if (st.error) text += (text ? " · " : "") + st.error;
     } else if (st.error) text = st.error;
+    else if (st.state === "queued" && st.queue) {
+      text = "in " + st.queue + (st.level ? " (priority level " + st.level + ")" : "");
+    } else if ((st.state === "reserved" || st.state === "finished") && st.pool) text = "pool " + st.pool;
     this.line.textContent = text;
     if (this.opts.onUpdate) { try { this.opts.onUpdate(st); } catch (e) { /* the page's bug */ } }
   };

@@ -1,0 +1,84 @@
+-- job index fragment: pasted by the loader (scripts.py) where a script says
+-- "-- @include job_index". Every script that moves a job writes where it is now:
+-- {ns}:jobs            hash  task id -> "<state>\n<ms>\n<queue>\n<ref>\n<detail>"
+-- {ns}:jobs_done       zset  task id -> ms after which its finished entry is trimmed
+-- state / ref / detail: queued / priority level / ""; inflight / delivery tag / pool id;
+-- scheduled, retry / job id / due ms; dead / dead job id / reason; done / delivery tag /
+-- pool id. The calling script is given both keys and the TTL of finished entries in ms
+-- ("0" = the index is off: nothing is read or written).
+-- The task id: Celery's correlation_id, which Kombu writes in "properties", last, so it
+-- is read from the payload's last bytes (O(1) whatever the body); another layout falls
+-- back to the "id" of "headers" (a scan of the payload). nil when neither is there.
+local function jix_task_id(payload)
+  local from = math.max(1, #payload - 1023)
+  local _, e = string.find(payload, '"correlation_id": "', from, true)
+  if not e then
+    local _, h = string.find(payload, '"headers": {', 1, true)
+    if not h then return nil end
+    _, e = string.find(payload, '"id": "', h, true)
+    if not e then return nil end
+  end
+  local q = string.find(payload, '"', e + 1, true)
+  if not q or q == e + 1 then return nil end
+  return string.sub(payload, e + 1, q - 1)
+end
+-- The payload of a "<...>\n<queue>\n<payload>" record whose payload follows the
+-- newline at or after `from`.
+local function jix_payload_after(rec, from)
+  local nl = string.find(rec, '\n', from, true)
+  return nl and string.sub(rec, nl + 1) or rec
+end
+local jix_clock = nil
+local function jix_now()
+  if not jix_clock then
+    local t = redis.call('TIME')
+    jix_clock = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return jix_clock
+end
+-- The priority level of a job queue level list key ("\6\22<level>" suffix, keys.py).
+local function jix_level(key)
+  return string.match(key, '\6\22(%d+)$') or '0'
+end
+-- {state, ms, queue, ref, detail} of a job's entry, or nil (also for no task id).
+local function jix_get(idx, id)
+  if not id then return nil end
+  local e = redis.call('HGET', idx, id)
+  if not e then return nil end
+  local f = {}
+  for part in string.gmatch(e .. '\n', '([^\n]*)\n') do f[#f + 1] = part end
+  return f
+end
+-- Whether the entry of `id` is missing or still says `state` with `ref` (any when nil):
+-- a move of one copy of a job never overwrites the entry of a newer copy (a Celery
+-- retry is scheduled under the same task id before the failed run is acked).
+local function jix_is(idx, id, state, ref)
+  local f = jix_get(idx, id)
+  return not f or ((not state or f[1] == state) and (not ref or f[4] == ref)), f
+end
+local function jix_set(idx, id, state, queue, ref, detail)
+  if not id then return end
+  redis.call('HSET', idx, id, state .. '\n' .. jix_now() .. '\n' .. queue .. '\n'
+             .. (ref or '') .. '\n' .. (detail or ''))
+end
+-- A finished job: the entry is kept ttl ms; each finish trims a few expired ones.
+local function jix_finish(idx, done, ttl, id, queue, ref, detail)
+  if not id then return end
+  jix_set(idx, id, 'done', queue, ref, detail)
+  local now = jix_now()
+  redis.call('ZADD', done, now + ttl, id)
+  local old = redis.call('ZRANGE', done, '-inf', now, 'BYSCORE', 'LIMIT', 0, 20)
+  for _, oid in ipairs(old) do
+    local f = jix_get(idx, oid)
+    if f and f[1] == 'done' and tonumber(f[2]) + ttl <= now then
+      redis.call('HDEL', idx, oid)
+    end
+    redis.call('ZREM', done, oid)
+  end
+end
+-- A job deleted from a set: its entry goes if it still points at that record.
+local function jix_drop(idx, id, state, ref)
+  if id and jix_is(idx, id, state, ref) then
+    redis.call('HDEL', idx, id)
+  end
+end
