@@ -31,10 +31,17 @@ SCRIPT_NAMES = (
 )
 
 
+#: A line ``-- #include <name>`` in a script is replaced by ``scripts/<name>.lua``: the
+#: helpers several scripts share (``_fair.lua``) have one text.
+INCLUDE = "-- #include "
+
+
 @cache
 def source(name: str) -> str:
-    """The text of ``scripts/<name>.lua`` shipped with the package."""
-    return resources.files("celery_ext").joinpath("scripts", f"{name}.lua").read_text("utf-8")
+    """The text of ``scripts/<name>.lua`` shipped with the package, includes expanded."""
+    text = resources.files("celery_ext").joinpath("scripts", f"{name}.lua").read_text("utf-8")
+    return "".join(source(line[len(INCLUDE):].strip()) if line.startswith(INCLUDE) else line
+                   for line in text.splitlines(keepends=True))
 
 
 @cache

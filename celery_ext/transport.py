@@ -54,6 +54,7 @@ from .config import TLS_SCHEME, TLS_SENTINEL_SCHEME, Settings
 from .dead import dead_letter, one_line
 from .envelope import envelope_problem
 from .errors import CONNECTION_ERRORS, BrokerOutOfMemory, job_name
+from .fair import connect as connect_fair_keys
 from .heartbeater import current_pool_id
 from .keys import LEVEL_SEP, Keys
 from .pool import WorkerPool, pool_for
@@ -62,6 +63,9 @@ from .readiness import ReadyQueues
 from .weights import weight_of
 
 logger = logging.getLogger("celery_ext.transport")
+# A process that publishes through this transport computes the fair keys of its jobs
+# (fair.py); this module is imported before its first publish, in drop-in mode too.
+connect_fair_keys()
 
 
 class QoS(virtual.QoS):

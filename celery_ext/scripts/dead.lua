@@ -18,12 +18,14 @@
 -- Returns 1 if moved, 0 if the tag was not in flight and no record was given
 -- (already moved: idempotent). The dead job's id is the tag, with "~<n>" added
 -- if that id is already dead.
+-- #include _fair
 local rec = redis.call('HGET', KEYS[1], ARGV[1])
 if rec then
   redis.call('HDEL', KEYS[1], ARGV[1])
   redis.call('HDEL', KEYS[4], ARGV[1])
   local qname = string.sub(rec, 1, string.find(rec, '\n', 1, true) - 1)
   local n = redis.call('HINCRBY', KEYS[5], qname, -1)
+  fair_release(KEYS[5], qname, rec)
   local limit = tonumber(redis.call('HGET', KEYS[6], qname))
   if limit and n == limit - 1 and redis.call('SISMEMBER', KEYS[7], qname) == 1 then
     redis.call('PUBLISH', ARGV[6], qname)

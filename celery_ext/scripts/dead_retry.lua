@@ -4,7 +4,8 @@
 -- KEYS[3]  ready set                    {ns}:ready
 -- KEYS[4]  known queues set             {ns}:queues
 -- KEYS[5..] job queue lists, one per job: the list of the job's priority level,
---          read by the caller from its payload (priority.py)
+--          read by the caller from its payload (priority.py); a job with a fair key
+--          goes to its key's sub-queue of that queue instead (_fair.lua)
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job queue key prefix         {ns}:queue:
 -- ARGV[3..] three values per job, in the order of KEYS[5..]: dead job id, SHA1 of
@@ -20,6 +21,7 @@ local function is_level_of(key, queueKey)
   return string.sub(key, 1, #queueKey + 2) == queueKey .. '\6\22'
     and string.find(key, '^%d+$', #queueKey + 3) ~= nil
 end
+-- #include _fair
 local done = {}
 for i = 5, #KEYS do
   local j = 3 + (i - 5) * 3
@@ -32,7 +34,7 @@ for i = 5, #KEYS do
     if is_level_of(KEYS[i], ARGV[2] .. qname) then
       redis.call('ZREM', KEYS[1], id)
       redis.call('HDEL', KEYS[2], id)
-      redis.call('RPUSH', KEYS[i], ARGV[j + 2])
+      push_front(ARGV[2] .. qname, KEYS[i], ARGV[j + 2])
       redis.call('SADD', KEYS[4], qname)
       if redis.call('SADD', KEYS[3], qname) == 1 then
         redis.call('PUBLISH', ARGV[1], qname)

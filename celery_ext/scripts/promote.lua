@@ -12,7 +12,8 @@
 -- KEYS[4]  ready set                    {ns}:ready
 -- KEYS[5]  known queues set             {ns}:queues
 -- KEYS[6]  requeuer lease               {ns}:requeuer
--- KEYS[7..] job queue lists, one per candidate: the list of its priority level
+-- KEYS[7..] job queue lists, one per candidate: the list of its priority level (a job
+--          with a fair key goes to its key's sub-queue of that queue instead, _fair.lua)
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job queue key prefix         {ns}:queue:
 -- ARGV[3]  most candidates to report per set
@@ -54,6 +55,7 @@ local function is_level_of(key, queueKey)
     and string.find(key, '^%d+$', #queueKey + 3) ~= nil
 end
 
+-- #include _fair
 local moved = 0
 for i = 7, #KEYS do
   local which, id = ARGV[6 + (i - 7) * 2], ARGV[7 + (i - 7) * 2]
@@ -69,7 +71,10 @@ for i = 7, #KEYS do
         redis.call('ZREM', zkey, id)
         redis.call('HDEL', KEYS[3], id)
         local payload = string.sub(rec, nl2 + 1)
-        if which == 'r' then
+        local key = fair_of(payload)
+        if key then
+          fair_push(ARGV[2] .. qname, key, payload, which == 'r')
+        elseif which == 'r' then
           redis.call('RPUSH', KEYS[i], payload)
         else
           redis.call('LPUSH', KEYS[i], payload)

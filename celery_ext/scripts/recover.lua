@@ -14,7 +14,8 @@
 -- KEYS[8]  dead zset                    {ns}:dead
 -- KEYS[9]  dead jobs hash               {ns}:dead_jobs
 -- KEYS[10..] job queue lists, one per tag: the list of the job's priority level,
---          read by the caller from its payload (priority.py)
+--          read by the caller from its payload (priority.py); a job with a fair key
+--          goes to its key's sub-queue of that queue instead (_fair.lua)
 -- ARGV[1]  pool id
 -- ARGV[2]  "pool": only if the pool's heartbeat is older than its own dead_after
 --          (field dead_after_ms of its hash, see liveness.py) or, for a pool
@@ -50,6 +51,7 @@ local function is_level_of(key, queueKey)
   return string.sub(key, 1, #queueKey + 2) == queueKey .. '\6\22'
     and string.find(key, '^%d+$', #queueKey + 3) ~= nil
 end
+-- #include _fair
 local requeued, dead = {}, {}
 for i = 10, #KEYS do
   local tag = ARGV[i - 1]
@@ -60,6 +62,7 @@ for i = 10, #KEYS do
     if is_level_of(KEYS[i], ARGV[5] .. qname) then
       redis.call('HDEL', KEYS[1], tag)
       redis.call('HINCRBY', KEYS[7], qname, -1)
+      fair_release(KEYS[7], qname, rec)
       local n = redis.call('HINCRBY', KEYS[6], tag, 1)
       if n > tonumber(ARGV[6]) then
         redis.call('HDEL', KEYS[6], tag)
@@ -81,7 +84,7 @@ for i = 10, #KEYS do
         end
         dead[#dead + 1] = tag
       else
-        redis.call('RPUSH', KEYS[i], string.sub(rec, nl + 1))
+        push_front(ARGV[5] .. qname, KEYS[i], string.sub(rec, nl + 1))
         if redis.call('SADD', KEYS[5], qname) == 1 then
           redis.call('PUBLISH', ARGV[4], qname)
         end

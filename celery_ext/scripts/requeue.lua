@@ -6,7 +6,8 @@
 -- KEYS[2]  ready set                    {ns}:ready
 -- KEYS[3]  redelivery hash              {ns}:redelivery
 -- KEYS[4]  running counts hash          {ns}:running
--- KEYS[5..] job queue lists, one per tag: the list of the job's priority level
+-- KEYS[5..] job queue lists, one per tag: the list of the job's priority level (a job
+--          with a fair key goes to its key's sub-queue of that queue instead, _fair.lua)
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job queue key prefix         {ns}:queue:
 -- ARGV[3..] delivery tags, one per KEYS[5..], in the order to push them
@@ -24,6 +25,7 @@ local function is_level_of(key, queueKey)
   return string.sub(key, 1, #queueKey + 2) == queueKey .. '\6\22'
     and string.find(key, '^%d+$', #queueKey + 3) ~= nil
 end
+-- #include _fair
 local done = {}
 for i = 5, #KEYS do
   local tag = ARGV[i - 2]
@@ -32,9 +34,10 @@ for i = 5, #KEYS do
     local nl = string.find(rec, '\n', 1, true)
     local qname = string.sub(rec, 1, nl - 1)
     if is_level_of(KEYS[i], ARGV[2] .. qname) then
-      redis.call('RPUSH', KEYS[i], string.sub(rec, nl + 1))
+      push_front(ARGV[2] .. qname, KEYS[i], string.sub(rec, nl + 1))
       redis.call('HDEL', KEYS[1], tag)
       redis.call('HINCRBY', KEYS[4], qname, -1)
+      fair_release(KEYS[4], qname, rec)
       redis.call('HSETNX', KEYS[3], tag, 0)
       if redis.call('SADD', KEYS[2], qname) == 1 then
         redis.call('PUBLISH', ARGV[1], qname)
