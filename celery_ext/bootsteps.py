@@ -35,8 +35,8 @@ from . import pool as _pool
 from .config import ConfigError, Settings, check_broker_url, uses_our_transport
 from .connections import sentinel_config
 from .dead import wrap_consumer_handlers
-from .keys import Keys
 from .fair import job_fair_limits, write_fair_limits
+from .keys import Keys
 from .limits import job_limits, write_limits
 from .rate_limits import ClusterBuckets, job_rate_limits, write_rate_limits
 from .retry import apply_backoffs

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
+import warnings
 from typing import Any
 
 import pytest
@@ -27,6 +27,7 @@ from celery_ext.keys import Keys
 from celery_ext.reaper import Reaper
 from celery_ext.requeuer import Requeuer
 from celery_ext.scripts import Scripts
+from celery_ext.web import create_app
 from tests import proj
 from tests.helpers import Factory, Mode, celery_cli, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
@@ -249,12 +250,26 @@ def test_every_move_keeps_the_key_and_readers_see_it(redis_client: redis.Redis) 
     assert redis_client.lrange(K.fair_ring("q"), 0, -1) == [b"a", b"c"]
 
 
-def test_queues_cli_shows_active_keys(broker_url: str, redis_client: redis.Redis) -> None:
+def test_cli_and_dashboard_show_active_keys_and_a_dead_jobs_key(
+        broker_url: str, redis_client: redis.Redis) -> None:
     for i in range(5):
         redis_client.lpush(K.fair_queue("q", "big"), keyed(f"b{i}", "big"))
     redis_client.lpush(K.fair_queue("q", "small"), keyed("s", "small"))
     redis_client.rpush(K.fair_ring("q"), "small", "big")
     redis_client.sadd(K.queues, "q")
+    assert dead_letter(redis_client, Settings(), "-", "d1", reason="failed", error="x",
+                       fallback=b"q\n" + keyed("d1", "small"))
     out = celery_cli("-A", "tests.proj", "ext", "queues", broker_url=broker_url)
     assert out.returncode == 0, out.stderr
-    assert "2 keys" in out.stdout and "big=5" in out.stdout, out.stdout
+    assert out.stdout.splitlines()[1].split()[-4:] == ["2", "keys:", "big=5", "small=1"]
+    out = celery_cli("-A", "tests.proj", "ext", "dead", "show", "d1", broker_url=broker_url)
+    assert "fair_key        small" in out.stdout, out.stdout + out.stderr
+    with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2
+        warnings.simplefilter("ignore")
+        from starlette.testclient import TestClient
+    with TestClient(create_app(Client(redis_client), sample_interval=0.2)) as api:
+        queue = api.get("/api/queues").json()["items"][0]
+        assert queue["size"] == 6
+        assert queue["fair"] == {"active_keys": 2, "top_keys": [["big", 5], ["small", 1]]}
+        assert api.get("/api/dead").json()["items"][0]["fair_key"] == "small"
+        assert "Fair key" in api.get("/dead/d1").text
