@@ -273,3 +273,24 @@ def test_cli_and_dashboard_show_active_keys_and_a_dead_jobs_key(
         assert queue["fair"] == {"active_keys": 2, "top_keys": [["big", 5], ["small", 1]]}
         assert api.get("/api/dead").json()["items"][0]["fair_key"] == "small"
         assert "Fair key" in api.get("/dead/d1").text
+
+
+def test_kombu_size_purge_and_delete_cover_sub_queues(
+        broker_url: str, redis_client: redis.Redis) -> None:
+    app = Celery("fair-purge", broker=broker_url, set_as_current=False)
+    try:
+        app.send_task("t", queue="q", fair_key="a")
+        app.send_task("t", queue="q", fair_key="a")
+        app.send_task("t", queue="q", fair_key="b")
+        app.send_task("t", queue="q", priority=6)
+        with app.connection_for_write() as conn:
+            channel = conn.default_channel
+            assert channel._size("q") == 4
+            assert channel.queue_purge("q") == 4
+            assert fair_leftovers(redis_client) == [] and not channel._has_queue("q")
+            app.send_task("t", queue="q", fair_key="c")
+            assert channel._has_queue("q")
+            channel._delete("q", "", "q", "")
+            assert fair_leftovers(redis_client) == [] and not channel._has_queue("q")
+    finally:
+        app.close()
