@@ -107,23 +107,27 @@ end
 -- Per queue name, its per-key limit (false: none), read once per call.
 local fair_limits = {}
 -- Pop the next keyed job of the candidate whose level lists follow KEYS[first] (see
--- above). Returns its payload and fair key, or nil and whether keys with jobs are left
--- (all passed over at their limit).
+-- above). Returns its payload, its fair key and whether its queue may have no job
+-- left; or nil, nil and whether keys with jobs are left (all passed over at their
+-- limit).
 local function fair_pop(first, qname)
   local ring = KEYS[first + 1] .. FAIR_SEP
-  local tries = math.min(redis.call('LLEN', ring), FAIR_TRIES)
-  if tries == 0 then return nil, nil, false end
   if fair_limits[qname] == nil then
     fair_limits[qname] = tonumber(redis.call('HGET', KEYS[7], qname .. '\n')) or false
   end
   local limit = fair_limits[qname]
+  -- Without a limit the first key rotated is served (LMOVE finds an empty ring): the
+  -- ring's length is read only to try each key at most once when keys may be full.
+  local tries = limit and math.min(redis.call('LLEN', ring), FAIR_TRIES) or FAIR_TRIES
   for _ = 1, tries do
     local key = redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT')
+    if not key then return nil, nil, false end
     if not limit
         or (tonumber(redis.call('HGET', KEYS[6], qname .. '\n' .. key)) or 0) < limit then
       local payload = redis.call('RPOP', ring .. key)
-      if redis.call('LLEN', ring .. key) == 0 then redis.call('RPOP', ring) end
-      if payload then return payload, key end
+      local last = redis.call('LLEN', ring .. key) == 0
+      if last then redis.call('RPOP', ring) end
+      if payload then return payload, key, last end
     end
   end
   return nil, nil, redis.call('EXISTS', ring) == 1
@@ -175,7 +179,11 @@ for i = 1, ncand do
   if not skip[qname] then
     local payload, at = pop(first, qname)
     local fkey, fair_left
-    if not payload then payload, fkey, fair_left = fair_pop(first, qname) end
+    if not payload then
+      payload, fkey, fair_left = fair_pop(first, qname)
+      -- A keyed job whose key has more: its ring is not empty, the queue not drained.
+      if payload and not fair_left then at = nil end
+    end
     if not payload and fair_left then
       skip[qname] = 'reported'
       blocked[#blocked + 1] = qname
@@ -213,7 +221,7 @@ for i = 1, ncand do
         tat[qname] = math.max(tat[qname], now_us) + interval[qname]
         redis.call('HSET', KEYS[10], qname, string.format('%.0f', tat[qname]))
       end
-      if drained(at, first) then
+      if at and drained(at, first) then
         skip[qname] = 'empty'
         empties[#empties + 1] = qname
         redis.call('SREM', KEYS[3], qname)
