@@ -34,3 +34,11 @@ def held(self: Any, tenant: str, n: int) -> None:
     deadline = time.monotonic() + 60
     while not r.exists("fair:open") and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+@app.task(bind=True, max_retries=1)
+def again(self: Any, n: int) -> None:
+    """No fair_by: its key comes per call. The first attempt retries in 1 s."""
+    if not self.request.retries:
+        raise self.retry(countdown=1.0)
+    recorder().rpush("fair:order", f"again{n}")

@@ -106,11 +106,15 @@ def test_drained_queue_leaves_no_key_priority_is_fifo_inside_a_key(
         work.apply_async(("y", i))
     work.apply_async(("z", 0), fair_key=None)             # fair_by still gives "z"
     work.apply_async(("u", 0), fair_key="y")       # per call: wins over fair_by
+    installed.again.apply_async((0,), fair_key="r")  # per call; its retry keeps it
     assert redis_client.llen(K.fair_queue(queue, "y")) == 4
     worker_factory(APP, pool="solo", concurrency=1,
                    extra_args=["--prefetch-multiplier", "1"]).start(timeout=60)
-    wait_for(lambda: len(order(rec)) == 8, 30, "8 jobs run")
-    assert order(rec) == ["x0", "y0", "z0", "x1", "y1", "x2", "y2", "u0"]
+    wait_for(lambda: any(b'"fair_key": "r"}' in v
+                         for v in redis_client.hvals(K.scheduled_jobs)), 30, "the retry")
+    wait_for(lambda: len(order(rec)) == 9, 30, "9 jobs run")
+    assert [v for v in order(rec) if v != "again0"] == [
+        "x0", "y0", "z0", "x1", "y1", "x2", "y2", "u0"]
     wait_for(lambda: not redis_client.hkeys(K.running) or
              redis_client.hget(K.running, queue) == b"0", 10, "the last ack")
     assert fair_leftovers(redis_client) == []
@@ -294,3 +298,14 @@ def test_kombu_size_purge_and_delete_cover_sub_queues(
             assert fair_leftovers(redis_client) == [] and not channel._has_queue("q")
     finally:
         app.close()
+
+
+def test_unique_job_goes_to_its_keys_sub_queue(broker_url: str,
+                                               redis_client: redis.Redis) -> None:
+    proj.configure(broker_url)
+    from tests import proj_sets
+
+    proj_sets.unique_job.apply_async(("u",), fair_key="k")
+    proj_sets.unique_job.apply_async(("u",), fair_key="k")  # pending: nothing enqueued
+    assert redis_client.llen(K.fair_queue(proj_sets.unique_job.name, "k")) == 1
+    assert redis_client.lrange(K.fair_ring(proj_sets.unique_job.name), 0, -1) == [b"k"]
