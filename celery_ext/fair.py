@@ -47,6 +47,7 @@ from kombu.utils.json import loads
 
 from .dead import one_line
 from .keys import Keys
+from .limits import job_limits
 
 logger = logging.getLogger("celery_ext.fair")
 
@@ -143,7 +144,8 @@ def _on_before_publish(sender: Any = None, body: Any = None, headers: Any = None
     from celery import current_task
     from celery._state import get_current_app
 
-    task = get_current_app().tasks.get(sender) if sender else None
+    # The registry as it is (``.tasks`` would finalize an app that may not want it).
+    task = get_current_app()._tasks.get(sender) if sender else None
     if task is not None and getattr(task, "fair_by", None) is not None:
         key = key_for(task, *_args_of(body))
     else:
@@ -168,18 +170,7 @@ def connect() -> None:
 def job_fair_limits(app: Any) -> dict[str, int]:
     """Job queue -> fair_max_concurrency for every registered task that declares one
     (tasks sharing a queue: the smallest)."""
-    app.finalize(auto=True)
-    limits: dict[str, int] = {}
-    for name, task in sorted(app.tasks.items()):
-        limit = getattr(task, "fair_max_concurrency", None)
-        if limit is None:
-            continue
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise ValueError(f"celery_ext: task {name!r} has fair_max_concurrency={limit!r}; "
-                             "it must be a whole number >= 1 (or None for no limit)")
-        queue = getattr(task, "queue", None) or name
-        limits[queue] = min(limit, limits.get(queue, limit))
-    return limits
+    return job_limits(app, "fair_max_concurrency")
 
 
 def write_fair_limits(client: Any, keys: Keys, limits: Mapping[str, int],

@@ -20,7 +20,7 @@ from celery import Celery
 from celery_ext.client import Client
 from celery_ext.config import Settings
 from celery_ext.dead import dead_letter
-from celery_ext.fair import clean_key, payload_fair_key
+from celery_ext.fair import clean_key, job_fair_limits, payload_fair_key
 from celery_ext.heartbeater import Heartbeater
 from celery_ext.inflight import InflightRecord
 from celery_ext.keys import Keys
@@ -191,6 +191,11 @@ def test_keys_are_cleaned_and_a_failing_fair_by_enqueues_unkeyed(
         assert redis_client.llen(K.queue("celery")) == 1  # enqueued, unkeyed
         f.delay("k")
         assert redis_client.llen(K.fair_queue("celery", "1")) == 1
+        @app.task(name="g", shared=False, fair_max_concurrency=0)
+        def g() -> None: ...
+
+        with pytest.raises(ValueError, match="task 'g' has fair_max_concurrency=0"):
+            job_fair_limits(app)
         f.apply_async(("k",), fair_key='bad"key', priority=9)
         cleaned = clean_key('bad"key')
         assert cleaned is not None
