@@ -26,9 +26,10 @@ def limited(tenant: str, n: int) -> None:
     r.rpush("fair:order", f"{tenant}{n}")
 
 
-@app.task(bind=True, fair_by=lambda tenant, n: tenant)
+@app.task(bind=True, fair_by=lambda tenant, n: tenant, fair_max_concurrency=5)
 def held(self: Any, tenant: str, n: int) -> None:
-    """Record the start, then block until the test sets "fair:open" (at most 60 s)."""
+    """Record the start, then block until the test sets "fair:open" (at most 60 s). Its
+    per-key limit (never reached) makes fetch count each key's jobs in flight."""
     r = recorder()
     r.rpush("fair:started", f"{tenant}{n}")
     deadline = time.monotonic() + 60

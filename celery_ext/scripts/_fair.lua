@@ -5,8 +5,9 @@
 --   <queue key>\6\23<key>  list  the sub-queue of one key, first in first out
 -- Both are the queue key plus a suffix, so they carry its hash tag: a script given the
 -- queue key (or one of its level keys) in KEYS addresses them in the same slot.
--- A key's jobs in flight: field "<queue name>\n<key>" of {ns}:running (removed at 0);
--- its limit: field "<queue name>\n" of {ns}:limits (keys.py).
+-- A key's jobs in flight, counted while its queue has a per-key limit: field
+-- "<queue name>\n<key>" of {ns}:running (removed at 0); the limit: field
+-- "<queue name>\n" of {ns}:limits (keys.py).
 local FAIR_SEP = '\6\23'
 local FAIR_FIELD = '"fair_key": "'
 
@@ -48,14 +49,22 @@ local function push_front(queueKey, levelKey, payload)
 end
 
 -- A job left the in-flight record (`rec` = "<queue>\n<payload>"): its fair key's count
--- in the running hash goes down. Returns the count left, or nil for an unkeyed job.
+-- in the running hash goes down (removed at 0). Fetch counts a keyed job only when its
+-- queue has a per-key limit, so a key without a count is left alone: a limit set while
+-- jobs are in flight counts the jobs fetched from then on, and no count ever drifts.
+-- Returns the count left, or nil (an unkeyed or uncounted job).
 local function fair_release(running, qname, rec)
   local key = fair_of(rec)
   if not key then return nil end
   local field = qname .. '\n' .. key
-  local n = redis.call('HINCRBY', running, field, -1)
-  if n <= 0 then redis.call('HDEL', running, field) end
-  return n
+  local n = tonumber(redis.call('HGET', running, field))
+  if not n then return nil end
+  if n <= 1 then
+    redis.call('HDEL', running, field)
+  else
+    redis.call('HINCRBY', running, field, -1)
+  end
+  return n - 1
 end
 
 -- Push a new job to the back of its job queue `queueKey`'s list (the caller gives the

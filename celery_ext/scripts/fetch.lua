@@ -207,7 +207,9 @@ for i = 1, ncand do
           tag = base .. '~' .. n
         end
         redis.call('HINCRBY', KEYS[6], qname, 1)
-        if fkey then redis.call('HINCRBY', KEYS[6], qname .. '\n' .. fkey, 1) end
+        if fkey and fair_limits[qname] then
+          redis.call('HINCRBY', KEYS[6], qname .. '\n' .. fkey, 1)
+        end
         tracked = true
         if room[qname] then room[qname] = room[qname] - 1 end
       end
