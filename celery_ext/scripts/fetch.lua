@@ -104,16 +104,18 @@ local function drained(from, first)
   return redis.call('EXISTS', KEYS[first + 1] .. '\6\23') == 0
 end
 -- #include _fair
--- Per queue name, its per-key limit (false: none), read once per call.
+-- Per queue name, its per-key limit (false: none), read once per call (`limited`: the
+-- limits hash has any field at all).
 local fair_limits = {}
 -- Pop the next keyed job of the candidate whose level lists follow KEYS[first] (see
 -- above). Returns its payload, its fair key and whether its queue may have no job
 -- left; or nil, nil and whether keys with jobs are left (all passed over at their
 -- limit).
-local function fair_pop(first, qname)
+local function fair_pop(first, qname, limited)
   local ring = KEYS[first + 1] .. FAIR_SEP
   if fair_limits[qname] == nil then
-    fair_limits[qname] = tonumber(redis.call('HGET', KEYS[7], qname .. '\n')) or false
+    fair_limits[qname] = limited and tonumber(redis.call('HGET', KEYS[7], qname .. '\n'))
+      or false
   end
   local limit = fair_limits[qname]
   -- Without a limit the first key rotated is served (LMOVE finds an empty ring): the
@@ -180,7 +182,7 @@ for i = 1, ncand do
     local payload, at = pop(first, qname)
     local fkey, fair_left
     if not payload then
-      payload, fkey, fair_left = fair_pop(first, qname)
+      payload, fkey, fair_left = fair_pop(first, qname, limited)
       -- A keyed job whose key has more: its ring is not empty, the queue not drained.
       if payload and not fair_left then at = nil end
     end
