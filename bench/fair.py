@@ -1,0 +1,204 @@
+"""Drain cost of fair shares by key (ours only).
+
+The same number of no-op jobs is queued twice with the real producer: once without a
+fair key (the queue's default list), once with a per-call ``fair_key`` cycling over
+``--keys`` keys (one sub-queue each; fetch rotates the ring of keys for every job and
+the ack reads the key back from the record). Both are drained by one worker,
+alternating A/B per round as the other workloads do; the figure is fair/plain.
+
+    python -m bench.fair                          # 20,000 jobs, 100 keys, 3 rounds, prefork -c 2
+    python -m bench.fair --jobs 5000 --rounds 1 --pool solo --acks early
+    python -m bench.fair enqueue --n N [--keys K]  # (the producer step)
+    python -m bench.fair fetch-cost [--jobs 20000] [--keys 100] [--rounds 5] [--batch 8]
+
+``fetch-cost`` measures the fetch and ack scripts alone (no Celery, no worker): the
+same jobs pushed unkeyed or over ``--keys`` keys with the ``enqueue`` script, fetched
+``--batch`` per call by one registered pool and acked per batch, A/B per round; it
+reports the server's own time per job (``INFO commandstats``, fetch + ack) and the
+client's wall time per job.
+
+Prints each round, the medians and the ratios, and writes ``<out>/fair.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+LABELS = ("plain", "fair")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def enqueue(n: int, keys: int) -> dict[str, float]:
+    """Send ``n`` jobs of the first job name, with ``fair_key`` cycling over ``keys``
+    keys (0: none), in a subprocess configured like ``bench.app``."""
+    from bench import app as bench_app
+
+    task = bench_app.TASKS[0]
+    wall = time.perf_counter()
+    if keys:
+        for i in range(n):
+            task.apply_async(fair_key=f"t{i % keys}")
+    else:
+        for _ in range(n):
+            task.apply_async()
+    return {"n": n, "seconds": time.perf_counter() - wall}
+
+
+def fetch_cost(jobs: int, keys: int, rounds: int, batch: int) -> dict[str, Any]:
+    """Server-side and wall time per job of ``fetch.lua`` + ``ack.lua``."""
+    from bench.harness import median
+    from celery_ext.config import DEFAULT_PRIORITY_STEPS as STEPS
+    from celery_ext.keys import Keys
+    from celery_ext.scripts import Scripts, sha, source
+    from celery_ext.server import RedisServer
+
+    k = Keys("bench")
+    pool, queue = "bench:1:pool", "bench.job"
+    fixed = [k.inflight(pool), k.pools, k.ready, k.redelivery, k.inflight_pools, k.running,
+             k.limits, k.paused, k.rate_limits, k.rate_tat, k.stats]
+    ack_keys = [k.inflight(pool), k.redelivery, k.running, k.limits, k.ready]
+    out: dict[str, list[dict[str, float]]] = {label: [] for label in LABELS}
+    with RedisServer() as server:
+        client = server.client()
+        scripts = Scripts(client)
+        for rnd in range(rounds):
+            for label in (LABELS if rnd % 2 == 0 else LABELS[::-1]):
+                client.flushall()
+                client.zadd(k.pools, {pool: 1})
+                client.script_load(source("enqueue"))  # EVALSHA in a pipeline needs it
+                with client.pipeline(transaction=False) as pipe:
+                    for i in range(jobs):
+                        props: dict[str, Any] = {"delivery_tag": f"t{i}"}
+                        if label == "fair":
+                            props["fair_key"] = f"k{i % keys}"
+                        pipe.evalsha(sha("enqueue"), 3, k.queue(queue),
+                                     k.ready, k.queues, json.dumps(
+                                         {"body": "", "headers": {"id": str(i)},
+                                          "properties": props}),
+                                     queue, k.wake_channel, 0)
+                    pipe.execute()
+                client.config_resetstat()
+                fetch_keys = fixed + k.queue_levels(queue, STEPS) * batch
+                args = [pool, "1" * batch, *[queue] * batch, 0]
+                done, wall = 0, time.perf_counter()
+                while done < jobs:
+                    _, got, *_ = scripts("fetch", fetch_keys, args)
+                    if not got:
+                        raise RuntimeError(f"fetch found nothing after {done} jobs")
+                    scripts("ack", ack_keys, [k.wake_channel, *(j[1] for j in got)])
+                    done += len(got)
+                wall = time.perf_counter() - wall
+                stats = client.info("commandstats")["cmdstat_evalsha"]
+                out[label].append({"server_us_per_job": stats["usec"] / jobs,
+                                   "wall_us_per_job": wall / jobs * 1e6})
+    med = {label: {m: median([r[m] for r in runs]) for m in runs[0]}
+           for label, runs in out.items()}
+    # The least of the rounds: a round on a shared machine is only ever slowed down.
+    least = {label: {m: min(r[m] for r in runs) for m in runs[0]}
+             for label, runs in out.items()}
+    return {"jobs": jobs, "keys": keys, "rounds": rounds, "batch": batch, "runs": out,
+            "medians": med, "least": least,
+            "ratio_server": med["fair"]["server_us_per_job"] / med["plain"]["server_us_per_job"],
+            "ratio_server_least": least["fair"]["server_us_per_job"]
+            / least["plain"]["server_us_per_job"],
+            "ratio_wall": med["fair"]["wall_us_per_job"] / med["plain"]["wall_us_per_job"],
+            "loadavg": os.getloadavg()}
+
+
+def measure(jobs: int, keys: int, rounds: int, pool: str, concurrency: int, acks_late: bool,
+            out: Path) -> dict[str, Any]:
+    from bench.harness import REPO_ROOT, Bench, median
+    from bench.workloads import drain_once, log, order
+
+    with Bench.open(out / "logs") as bench:
+        for label in LABELS:
+            bench.flush()
+            done = subprocess.run(
+                [sys.executable, "-m", "bench.fair", "enqueue", "--n", str(jobs),
+                 "--keys", str(keys if label == "fair" else 0)], cwd=REPO_ROOT,
+                env=bench.env("ours"), stdin=subprocess.DEVNULL, capture_output=True,
+                text=True, timeout=60 + jobs * 0.02, check=True)
+            sent = json.loads(done.stdout)
+            snap = bench.snapshot(f"ours/{label}")
+            log(f"  filled {jobs} jobs ({label}) in {sent['seconds']:.1f}s ({snap} keys)")
+        runs: dict[str, list[float]] = {label: [] for label in LABELS}
+        paired: list[float] = []
+        for rnd in range(rounds):
+            rates: dict[str, float] = {}
+            for label in order(rnd, LABELS):
+                res = drain_once(bench, "ours", pool, concurrency, jobs, acks_late,
+                                 tag=f"/{label}")
+                rates[label] = res["jobs_per_s"]
+                runs[label].append(res["jobs_per_s"])
+                log(f"  round {rnd + 1} {label}: {res['jobs_per_s']:.0f} jobs/s (steady "
+                    f"{res['steady_jobs_per_s']:.0f}, main process "
+                    f"{res['worker_main_cpu_us']:.0f} us/job, redis "
+                    f"{res['redis_cpu_us']:.0f} us/job, calls/job {res['redis_calls_per_job']})")
+            paired.append(rates["fair"] / rates["plain"])
+    medians = {label: median(v) for label, v in runs.items()}
+    return {
+        "config": f"{pool} -c {concurrency}, acks {'late' if acks_late else 'early'}",
+        "jobs": jobs, "keys": keys, "rounds": rounds, "jobs_per_s": runs, "medians": medians,
+        "ratio_fair_vs_plain": medians["fair"] / medians["plain"],
+        "paired_ratios": paired, "paired_ratio_median": median(paired),
+        "loadavg": os.getloadavg(),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["enqueue"]:
+        p = argparse.ArgumentParser(prog="python -m bench.fair enqueue")
+        p.add_argument("--n", type=int, required=True)
+        p.add_argument("--keys", type=int, default=0)
+        ns = p.parse_args(args[1:])
+        json.dump(enqueue(ns.n, ns.keys), sys.stdout)
+        return 0
+    if args[:1] == ["fetch-cost"]:
+        p = argparse.ArgumentParser(prog="python -m bench.fair fetch-cost")
+        p.add_argument("--jobs", type=int, default=20_000)
+        p.add_argument("--keys", type=int, default=100)
+        p.add_argument("--rounds", type=int, default=5)
+        p.add_argument("--batch", type=int, default=8)
+        ns = p.parse_args(args[1:])
+        cost = fetch_cost(ns.jobs, ns.keys, ns.rounds, ns.batch)
+        print(json.dumps({"medians": cost["medians"], "least": cost["least"]}))
+        print(f"fetch.lua + ack.lua, {ns.jobs} jobs, {ns.keys} keys, {ns.batch} per call, "
+              f"{ns.rounds} rounds: fair/plain server time {cost['ratio_server']:.3f} "
+              f"(medians), {cost['ratio_server_least']:.3f} (least), wall "
+              f"{cost['ratio_wall']:.3f} (medians); load {cost['loadavg'][0]:.2f}")
+        return 0
+    p = argparse.ArgumentParser(prog="python -m bench.fair", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jobs", type=int, default=20_000)
+    p.add_argument("--keys", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pool", choices=("prefork", "threads", "solo"), default="prefork")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="default: 2 for prefork, 8 for threads, 1 for solo")
+    p.add_argument("--acks", choices=("early", "late"), default="late")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ns = p.parse_args(args)
+    conc = ns.concurrency or {"prefork": 2, "threads": 8, "solo": 1}[ns.pool]
+    result = measure(ns.jobs, ns.keys, ns.rounds, ns.pool, conc, ns.acks == "late", ns.out)
+    ns.out.mkdir(parents=True, exist_ok=True)
+    (ns.out / "fair.json").write_text(json.dumps(result, indent=2) + "\n")
+    med = result["medians"]
+    print(f"{result['config']}, {ns.jobs} jobs, {ns.keys} keys, {ns.rounds} rounds: plain "
+          f"{med['plain']:.0f} jobs/s, fair {med['fair']:.0f} jobs/s; fair/plain "
+          f"{result['ratio_fair_vs_plain']:.3f} (medians), {result['paired_ratio_median']:.3f} "
+          f"(median of paired rounds {[round(r, 3) for r in result['paired_ratios']]}); load "
+          f"{result['loadavg'][0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
