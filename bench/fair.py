@@ -62,9 +62,8 @@ def fetch_cost(jobs: int, keys: int, rounds: int, batch: int) -> dict[str, Any]:
 
     k = Keys("bench")
     pool, queue = "bench:1:pool", "bench.job"
-    fixed = [k.inflight(pool), k.pools, k.ready, k.redelivery, k.inflight_pools, k.running,
-             k.limits, k.paused, k.rate_limits, k.rate_tat, k.stats]
-    ack_keys = [k.inflight(pool), k.redelivery, k.running, k.limits, k.ready]
+    ack_keys = [k.inflight(pool), k.redelivery, k.running, k.limits, k.ready, k.job_index,
+                k.job_index_done]
     out: dict[str, list[dict[str, float]]] = {label: [] for label in LABELS}
     with RedisServer() as server:
         client = server.client()
@@ -86,14 +85,14 @@ def fetch_cost(jobs: int, keys: int, rounds: int, batch: int) -> dict[str, Any]:
                                      queue, k.wake_channel, 0)
                     pipe.execute()
                 client.config_resetstat()
-                fetch_keys = fixed + k.queue_levels(queue, STEPS) * batch
+                fetch_keys = k.fetch(pool, [queue] * batch, STEPS)
                 args = [pool, "1" * batch, *[queue] * batch, 0]
                 done, wall = 0, time.perf_counter()
                 while done < jobs:
                     _, got, *_ = scripts("fetch", fetch_keys, args)
                     if not got:
                         raise RuntimeError(f"fetch found nothing after {done} jobs")
-                    scripts("ack", ack_keys, [k.wake_channel, *(j[1] for j in got)])
+                    scripts("ack", ack_keys, [k.wake_channel, 0, *(j[1] for j in got)])
                     done += len(got)
                 wall = time.perf_counter() - wall
                 stats = client.info("commandstats")["cmdstat_evalsha"]

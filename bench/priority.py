@@ -64,8 +64,6 @@ def fetch_cost(jobs: int, rounds: int, batch: int) -> dict[str, Any]:
 
     k = Keys("bench")
     pool, queue = "bench:1:pool", "bench.job"
-    fixed = [k.inflight(pool), k.pools, k.ready, k.redelivery, k.inflight_pools, k.running,
-             k.limits, k.paused]
     levels = k.queue_levels(queue, STEPS)
     out: dict[str, list[dict[str, float]]] = {label: [] for label in CONFIGS}
     with RedisServer() as server:
@@ -84,11 +82,11 @@ def fetch_cost(jobs: int, rounds: int, batch: int) -> dict[str, Any]:
                                 "priority": prio, "delivery_tag": f"t{i}"}}))
                     pipe.execute()
                 client.config_resetstat()
-                keys = fixed + levels * batch
+                keys = k.fetch(pool, [queue] * batch, STEPS)
                 args = [pool, "1" * batch, *[queue] * batch, 0]
                 fetched, wall = 0, time.perf_counter()
                 while fetched < jobs:
-                    _, got, _, _ = scripts("fetch", keys, args)
+                    _, got, *_ = scripts("fetch", keys, args)
                     fetched += len(got)
                     if not got:
                         raise RuntimeError(f"fetch found nothing after {fetched} jobs")

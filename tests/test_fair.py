@@ -215,9 +215,7 @@ def keyed(tag: str, key: str | None, priority: int = 0) -> bytes:
 
 def fetch(client: redis.Redis, pool_id: str, queue: str, n: int = 1) -> list[str]:
     """Fetch up to ``n`` jobs of ``queue`` into ``pool_id``'s record; their tags."""
-    keys = [K.inflight(pool_id), K.pools, K.ready, K.redelivery, K.inflight_pools, K.running,
-            K.limits, K.paused, K.rate_limits, K.rate_tat, K.stats,
-            *(key for _ in range(n) for key in K.queue_levels(queue, STEPS))]
+    keys = K.fetch(pool_id, [queue] * n, STEPS)
     status, jobs, *_ = Scripts(client)("fetch", keys, [pool_id, "1" * n, *[queue] * n, 0])
     assert status == 1
     return [str(job[1].decode()) for job in jobs]
