@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import ssl
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from queue import Empty
 from time import monotonic
@@ -345,29 +345,17 @@ class Channel(kredis.Channel):
                 pipe.llen(key)
             return sum(int(n) for n in pipe.execute())
 
-    def _drop_lists(self, client: Any, queue: str, *more: Callable[[Any], Any]) -> list[Any]:
-        """Delete every list of a job queue (levels, fair ring and sub-queues) in one
-        MULTI, watching the ring so that a key added meanwhile is not left behind
-        without its ring entry; ``more`` adds commands to the MULTI. Returns the
-        lengths of the deleted lists (the ring's not counted)."""
-        ring, lists = self.keys.fair_ring(queue), self._levels(queue)
-
-        def drop(pipe: Any) -> None:
-            keys = [*lists, *self._sub_queues(pipe, queue)]
-            pipe.multi()
-            for key in keys:
-                pipe.llen(key)
-            pipe.delete(*keys, ring)
-            pipe.srem(self.keys.ready, queue)
-            for add in more:
-                add(pipe)
-
-        replies = client.transaction(drop, ring)
-        return replies[:len(replies) - 2 - len(more)]
+    def _drop_lists(self, client: Any, queue: str) -> int:
+        """Delete every list of a job queue (levels, fair ring and sub-queues) and the
+        index entries of the jobs in them, in one script (``purge.lua``). Returns how
+        many jobs were removed."""
+        k = self.keys
+        return int(self.scripts("purge", [k.ready, k.job_index, *self._levels(queue)], [queue],
+                                client=client))
 
     def _purge(self, queue: str) -> int:
         with self.conn_or_acquire() as client:
-            return sum(int(n) for n in self._drop_lists(client, queue))
+            return self._drop_lists(client, queue)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         with self.conn_or_acquire() as client:
@@ -378,10 +366,11 @@ class Channel(kredis.Channel):
         self.auto_delete_queues.discard(queue)
         member = self.sep.join([routing_key or "", pattern or "", queue or ""])
         with self.conn_or_acquire(client=kwargs.get("client")) as client:
-            self._drop_lists(client, queue,
-                             lambda pipe: pipe.srem(self.keyprefix_queue % (exchange,), member),
-                             lambda pipe: pipe.srem(self.keyprefix_binding_permanent
-                                                    % (exchange,), member))
+            self._drop_lists(client, queue)
+            with client.pipeline() as pipe:
+                pipe.srem(self.keyprefix_queue % (exchange,), member)
+                pipe.srem(self.keyprefix_binding_permanent % (exchange,), member)
+                pipe.execute()
 
     def _maybe_update_queues_expire(self, client: Any, queue: str) -> None:
         if self._expires and queue in self._expires:
