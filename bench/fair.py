@@ -11,11 +11,9 @@ alternating A/B per round as the other workloads do; the figure is fair/plain.
     python -m bench.fair enqueue --n N [--keys K]  # (the producer step)
     python -m bench.fair fetch-cost [--jobs 20000] [--keys 100] [--rounds 5] [--batch 8]
 
-``fetch-cost`` measures the fetch and ack scripts alone (no Celery, no worker): the
-same jobs pushed unkeyed or over ``--keys`` keys with the ``enqueue`` script, fetched
-``--batch`` per call by one registered pool and acked per batch, A/B per round; it
-reports the server's own time per job (``INFO commandstats``, fetch + ack) and the
-client's wall time per job.
+``fetch-cost`` is ``python -m bench.script_cost --variants plain,fair``: the enqueue,
+fetch and ack scripts alone (no Celery, no worker), the server's own time per job with
+and without fair keys.
 
 Prints each round, the medians and the ratios, and writes ``<out>/fair.json``.
 """
@@ -50,66 +48,6 @@ def enqueue(n: int, keys: int) -> dict[str, float]:
         for _ in range(n):
             task.apply_async()
     return {"n": n, "seconds": time.perf_counter() - wall}
-
-
-def fetch_cost(jobs: int, keys: int, rounds: int, batch: int) -> dict[str, Any]:
-    """Server-side and wall time per job of ``fetch.lua`` + ``ack.lua``."""
-    from bench.harness import median
-    from celery_ext.config import DEFAULT_PRIORITY_STEPS as STEPS
-    from celery_ext.keys import Keys
-    from celery_ext.scripts import Scripts, sha, source
-    from celery_ext.server import RedisServer
-
-    k = Keys("bench")
-    pool, queue = "bench:1:pool", "bench.job"
-    ack_keys = [k.inflight(pool), k.redelivery, k.running, k.limits, k.ready, k.job_index,
-                k.job_index_done]
-    out: dict[str, list[dict[str, float]]] = {label: [] for label in LABELS}
-    with RedisServer() as server:
-        client = server.client()
-        scripts = Scripts(client)
-        for rnd in range(rounds):
-            for label in (LABELS if rnd % 2 == 0 else LABELS[::-1]):
-                client.flushall()
-                client.zadd(k.pools, {pool: 1})
-                client.script_load(source("enqueue"))  # EVALSHA in a pipeline needs it
-                with client.pipeline(transaction=False) as pipe:
-                    for i in range(jobs):
-                        props: dict[str, Any] = {"delivery_tag": f"t{i}"}
-                        if label == "fair":
-                            props["fair_key"] = f"k{i % keys}"
-                        pipe.evalsha(sha("enqueue"), 3, k.queue(queue),
-                                     k.ready, k.queues, json.dumps(
-                                         {"body": "", "headers": {"id": str(i)},
-                                          "properties": props}),
-                                     queue, k.wake_channel, 0)
-                    pipe.execute()
-                client.config_resetstat()
-                fetch_keys = k.fetch(pool, [queue] * batch, STEPS)
-                args = [pool, "1" * batch, *[queue] * batch, 0]
-                done, wall = 0, time.perf_counter()
-                while done < jobs:
-                    _, got, *_ = scripts("fetch", fetch_keys, args)
-                    if not got:
-                        raise RuntimeError(f"fetch found nothing after {done} jobs")
-                    scripts("ack", ack_keys, [k.wake_channel, 0, *(j[1] for j in got)])
-                    done += len(got)
-                wall = time.perf_counter() - wall
-                stats = client.info("commandstats")["cmdstat_evalsha"]
-                out[label].append({"server_us_per_job": stats["usec"] / jobs,
-                                   "wall_us_per_job": wall / jobs * 1e6})
-    med = {label: {m: median([r[m] for r in runs]) for m in runs[0]}
-           for label, runs in out.items()}
-    # The least of the rounds: a round on a shared machine is only ever slowed down.
-    least = {label: {m: min(r[m] for r in runs) for m in runs[0]}
-             for label, runs in out.items()}
-    return {"jobs": jobs, "keys": keys, "rounds": rounds, "batch": batch, "runs": out,
-            "medians": med, "least": least,
-            "ratio_server": med["fair"]["server_us_per_job"] / med["plain"]["server_us_per_job"],
-            "ratio_server_least": least["fair"]["server_us_per_job"]
-            / least["plain"]["server_us_per_job"],
-            "ratio_wall": med["fair"]["wall_us_per_job"] / med["plain"]["wall_us_per_job"],
-            "loadavg": os.getloadavg()}
 
 
 def measure(jobs: int, keys: int, rounds: int, pool: str, concurrency: int, acks_late: bool,
@@ -161,20 +99,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = p.parse_args(args[1:])
         json.dump(enqueue(ns.n, ns.keys), sys.stdout)
         return 0
-    if args[:1] == ["fetch-cost"]:
+    if args[:1] == ["fetch-cost"]:  # the scripts alone: bench.script_cost, two variants
+        from bench import script_cost
+
         p = argparse.ArgumentParser(prog="python -m bench.fair fetch-cost")
         p.add_argument("--jobs", type=int, default=20_000)
-        p.add_argument("--keys", type=int, default=100)
         p.add_argument("--rounds", type=int, default=5)
         p.add_argument("--batch", type=int, default=8)
+        p.add_argument("--keys", type=int, default=100)
         ns = p.parse_args(args[1:])
-        cost = fetch_cost(ns.jobs, ns.keys, ns.rounds, ns.batch)
-        print(json.dumps({"medians": cost["medians"], "least": cost["least"]}))
-        print(f"fetch.lua + ack.lua, {ns.jobs} jobs, {ns.keys} keys, {ns.batch} per call, "
-              f"{ns.rounds} rounds: fair/plain server time {cost['ratio_server']:.3f} "
-              f"(medians), {cost['ratio_server_least']:.3f} (least), wall "
-              f"{cost['ratio_wall']:.3f} (medians); load {cost['loadavg'][0]:.2f}")
-        return 0
+        return script_cost.main(["--variants", "plain,fair", "--jobs", str(ns.jobs),
+                                 "--rounds", str(ns.rounds), "--batch", str(ns.batch),
+                                 "--keys", str(ns.keys)])
     p = argparse.ArgumentParser(prog="python -m bench.fair", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", type=int, default=20_000)
