@@ -78,9 +78,7 @@ def run_round(client: Any, scripts: Any, argv_enqueue: Any, template: tuple[str,
     enqueue_wall = time.perf_counter() - wall
     queued_mem = client.info("memory")["used_memory"] - base
     enqueue_us = client.info("commandstats")["cmdstat_evalsha"]["usec"]
-    fetch_keys = [k.inflight(pool), k.pools, k.ready, k.redelivery, k.inflight_pools,
-                  k.running, k.limits, k.paused, k.rate_limits, k.rate_tat, k.stats,
-                  k.job_index, *[k.queue(queue)] * batch]
+    fetch_keys = k.fetch(pool, [queue] * batch, (0,))
     fetch_args = [pool, "1" * batch, *[queue] * batch, 0, int(indexed)]
     ack_keys = [k.inflight(pool), k.redelivery, k.running, k.limits, k.ready,
                 k.job_index, k.job_index_done]

@@ -11,12 +11,9 @@ alternating A/B per round as the other workloads do; the figure is spread/defaul
     python -m bench.priority enqueue --n N [--priorities 0,3,6,9]   # (the producer step)
     python -m bench.priority fetch-cost [--jobs 20000] [--rounds 5] [--batch 8]
 
-``fetch-cost`` measures the fetch script alone (no Celery, no worker): the same jobs
-pushed at the default level or spread over the four levels, fetched ``--batch`` per
-call by one registered pool, A/B per round; it reports the server's own time per
-fetched job (``INFO commandstats``, microseconds inside the script) and the client's
-wall time per job. It is the part of the cost that priorities add, without the
-noise of a worker on a shared machine.
+``fetch-cost`` is ``python -m bench.script_cost --variants plain,priority``: the
+enqueue, fetch and ack scripts alone (no Celery, no worker), the server's own time per
+job with and without priorities.
 
 Prints each round, the medians and the ratios, and writes ``<out>/priority.json``.
 """
@@ -52,63 +49,6 @@ def enqueue(n: int, priorities: list[int]) -> dict[str, float]:
         for _ in range(n):
             task.apply_async()
     return {"n": n, "seconds": time.perf_counter() - wall}
-
-
-def fetch_cost(jobs: int, rounds: int, batch: int) -> dict[str, Any]:
-    """Server-side and wall time per job of ``fetch.lua`` over ``jobs`` pre-pushed jobs."""
-    from bench.harness import median
-    from celery_ext.config import DEFAULT_PRIORITY_STEPS as STEPS
-    from celery_ext.keys import Keys
-    from celery_ext.scripts import Scripts
-    from celery_ext.server import RedisServer
-
-    k = Keys("bench")
-    pool, queue = "bench:1:pool", "bench.job"
-    fixed = [k.inflight(pool), k.pools, k.ready, k.redelivery, k.inflight_pools, k.running,
-             k.limits, k.paused]
-    levels = k.queue_levels(queue, STEPS)
-    out: dict[str, list[dict[str, float]]] = {label: [] for label in CONFIGS}
-    with RedisServer() as server:
-        client = server.client()
-        scripts = Scripts(client)
-        for rnd in range(rounds):
-            for label in (tuple(CONFIGS) if rnd % 2 == 0 else tuple(CONFIGS)[::-1]):
-                client.flushall()
-                client.zadd(k.pools, {pool: 1})
-                prios = [int(x) for x in CONFIGS[label].split(",") if x] or [0]
-                with client.pipeline(transaction=False) as pipe:
-                    for i in range(jobs):
-                        prio = prios[i % len(prios)]
-                        pipe.lpush(levels[STEPS.index(prio)], json.dumps({
-                            "body": "", "headers": {"id": str(i)}, "properties": {
-                                "priority": prio, "delivery_tag": f"t{i}"}}))
-                    pipe.execute()
-                client.config_resetstat()
-                keys = fixed + levels * batch
-                args = [pool, "1" * batch, *[queue] * batch, 0]
-                fetched, wall = 0, time.perf_counter()
-                while fetched < jobs:
-                    _, got, _, _ = scripts("fetch", keys, args)
-                    fetched += len(got)
-                    if not got:
-                        raise RuntimeError(f"fetch found nothing after {fetched} jobs")
-                wall = time.perf_counter() - wall
-                stats = client.info("commandstats")["cmdstat_evalsha"]
-                out[label].append({"server_us_per_job": stats["usec"] / jobs,
-                                   "wall_us_per_job": wall / jobs * 1e6})
-    med = {label: {m: median([r[m] for r in runs]) for m in runs[0]}
-           for label, runs in out.items()}
-    # The least time of the rounds: the cost with the least interference from other
-    # processes (on a shared machine a round is only ever slowed down, never sped up).
-    least = {label: {m: min(r[m] for r in runs) for m in runs[0]}
-             for label, runs in out.items()}
-    return {"jobs": jobs, "rounds": rounds, "batch": batch, "runs": out, "medians": med,
-            "least": least, "ratio_server_least": least["spread"]["server_us_per_job"]
-            / least["default"]["server_us_per_job"],
-            "ratio_server": med["spread"]["server_us_per_job"]
-            / med["default"]["server_us_per_job"],
-            "ratio_wall": med["spread"]["wall_us_per_job"] / med["default"]["wall_us_per_job"],
-            "loadavg": os.getloadavg()}
 
 
 def measure(jobs: int, rounds: int, pool: str, concurrency: int, acks_late: bool,
@@ -162,19 +102,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         prios = [int(x) for x in ns.priorities.split(",") if x]
         json.dump(enqueue(ns.n, prios), sys.stdout)
         return 0
-    if args[:1] == ["fetch-cost"]:
+    if args[:1] == ["fetch-cost"]:  # the scripts alone: bench.script_cost, two variants
+        from bench import script_cost
+
         p = argparse.ArgumentParser(prog="python -m bench.priority fetch-cost")
         p.add_argument("--jobs", type=int, default=20_000)
         p.add_argument("--rounds", type=int, default=5)
         p.add_argument("--batch", type=int, default=8)
         ns = p.parse_args(args[1:])
-        cost = fetch_cost(ns.jobs, ns.rounds, ns.batch)
-        print(json.dumps({"medians": cost["medians"], "least": cost["least"]}))
-        print(f"fetch.lua, {ns.jobs} jobs, {ns.batch} per call, {ns.rounds} rounds: "
-              f"spread/default server time {cost['ratio_server']:.3f} (medians), "
-              f"{cost['ratio_server_least']:.3f} (least), wall {cost['ratio_wall']:.3f} "
-              f"(medians); load {cost['loadavg'][0]:.2f}")
-        return 0
+        return script_cost.main(["--variants", "plain,priority", "--jobs", str(ns.jobs),
+                                 "--rounds", str(ns.rounds), "--batch", str(ns.batch)])
     p = argparse.ArgumentParser(prog="python -m bench.priority", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", type=int, default=20_000)

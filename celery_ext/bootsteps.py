@@ -35,6 +35,7 @@ from . import pool as _pool
 from .config import ConfigError, Settings, check_broker_url, uses_our_transport
 from .connections import sentinel_config
 from .dead import wrap_consumer_handlers
+from .fair import job_fair_limits, write_fair_limits
 from .keys import Keys
 from .limits import job_limits, write_limits
 from .rate_limits import ClusterBuckets, job_rate_limits, write_rate_limits
@@ -239,6 +240,7 @@ class Sets(bootsteps.StartStopStep):
         try:
             settings = Settings.load(app.conf.broker_transport_options)
             self.limits = job_limits(app)
+            self.fair_limits = job_fair_limits(app)
             rate_limits = job_rate_limits(app)
             for task in app.tasks.values():
                 validate_unique_options(task)
@@ -260,6 +262,7 @@ class Sets(bootsteps.StartStopStep):
         pool = channel.worker_pool
         keys, consumed = Keys(pool.settings.namespace), c.app.amqp.queues.consume_from
         write_limits(pool.client, keys, self.limits, consumed)
+        write_fair_limits(pool.client, keys, self.fair_limits, consumed)
         if self.buckets is not None:
             self.buckets.connected(lambda limits: write_rate_limits(
                 pool.client, keys, limits.queues, consumed))

@@ -178,11 +178,20 @@ def ext(ctx: click.Context) -> None:
 def _queue_rows(items: list[Any]) -> list[list[Any]]:
     return [[q["name"], q["size"], _age(q["latency"]), q["weight"], q["in_flight"],
              q["max_concurrency"], q.get("rate_limit"), q["processed"], q["failed"],
-             "paused" if q["paused"] else "active"] for q in items]
+             "paused" if q["paused"] else "active", _fair_cell(q.get("fair"))] for q in items]
+
+
+def _fair_cell(fair: Any) -> str:
+    """A fair queue's active keys and its biggest ones: "2 keys: big=5 small=1"."""
+    if not fair:
+        return "-"
+    n = fair["active_keys"]
+    top = " ".join(f"{one_line(str(key), 40)}={size}" for key, size in fair["top_keys"])
+    return f"{n} key{'s' if n != 1 else ''}: {top}"
 
 
 QUEUE_HEADERS = ["QUEUE", "QUEUED", "LATENCY", "WEIGHT", "IN FLIGHT", "MAX", "RATE",
-                 "PROCESSED", "FAILED", "STATE"]
+                 "PROCESSED", "FAILED", "STATE", "FAIR KEYS"]
 
 
 @ext.command(cls=CeleryCommand)
@@ -418,7 +427,7 @@ def dead_show(ctx: click.Context, dead_id: str, as_json: bool) -> None:
     if as_json:
         _emit_json(job)
         return
-    for key in ("id", "task_id", "name", "queue", "reason", "error", "attempts",
+    for key in ("id", "task_id", "name", "queue", "fair_key", "reason", "error", "attempts",
                 "manual_retries", "hostname", "pool"):
         if job.get(key) not in (None, ""):  # from a message: no raw control characters
             click.echo(f"{key:15} {one_line(str(job.get(key)), 2000)}")

@@ -27,6 +27,7 @@ from kombu.utils.json import dumps
 from .config import Settings
 from .connections import client_from_url
 from .dead import split_record
+from .fair import message_fair_key
 from .job_index import index_keys, index_ttl_ms
 from .keys import Keys
 from .priority import level, payload_priority
@@ -88,6 +89,7 @@ class DeadJob(TypedDict):
     failed_at: float
     manual_retries: int
     payload: str | None  # the raw message (show one only)
+    fair_key: str | None  # the job's fair key (fair.py), if it has one
 
 
 class SetCounts(TypedDict):
@@ -246,7 +248,9 @@ class Client:
             pipe.execute()
 
     def limits(self) -> dict[str, int]:
-        return {bytes_to_str(q): int(n) for q, n in self.client.hgetall(self.keys.limits).items()}
+        # (Fields "<queue>\n" are per-fair-key limits, fair.py: not a queue's.)
+        return {bytes_to_str(q): int(n) for q, n in self.client.hgetall(self.keys.limits).items()
+                if not q.endswith(b"\n")}
 
     def set_rate_limit(self, queue: str, limit: str | None) -> str | None:
         """Limit (or, with None, unlimit) how often jobs of a queue start, in all pools:
@@ -495,6 +499,7 @@ class Client:
             failed_at=score / 1000,
             manual_retries=_int(headers.get(MANUAL_RETRIES_HEADER)),
             payload=payload if with_payload else None,
+            fair_key=message_fair_key(message),
         )
 
     # --- dashboard/CLI facade ---

@@ -13,6 +13,13 @@ Layout (``ns`` = namespace)::
                                      (one of priority_steps but 0; see priority.py): the
                                      queue key plus Kombu's Redis priority separator, so
                                      it carries whatever hash tag the queue key carries
+    {ns}:queue:<name>\x06\x17  list  the job queue's ring of active fair keys (fair.py):
+                                     each key whose sub-queue holds jobs, once; fetch
+                                     rotates it (LMOVE); gone when no key has jobs
+    {ns}:queue:<name>\x06\x17<key>
+                             list    the sub-queue of one fair key (FIFO, every priority);
+                                     gone when drained. Ring and sub-queues are the queue
+                                     key plus a suffix: the queue key's hash tag
     {ns}:ready               set     names of job queues that hold at least one job
     {ns}:queues              set     job queue names: added at enqueue (not Kombu's "*.pidbox"
                                      reply queues), forgotten by readers (queue_info.lua)
@@ -26,7 +33,10 @@ Layout (``ns`` = namespace)::
     {ns}:inflight:<id>       hash    delivery tag -> "<queue>\\n<payload>" jobs a pool owns
     {ns}:inflight_pools      set     pool ids that may own in-flight jobs (finds orphans)
     {ns}:redelivery          hash    delivery tag -> times recovered from a dead pool
-    {ns}:running             hash    queue name -> jobs of it in flight in all pools
+    {ns}:running             hash    queue name -> jobs of it in flight in all pools;
+                                     "<queue>\n<fair key>" -> that key's jobs in flight,
+                                     counted while its queue has a per-key limit
+                                     (removed at 0; fair.py)
     {ns}:busy:<id>           hash    slot -> "<started ms>\n<job json>" jobs a pool runs now
     {ns}:checkins            hash    job id -> "<ms>\n<json>" last checkin of a running job
     {ns}:stop                set     job ids someone asked to stop (checkin returns True)
@@ -48,7 +58,8 @@ Layout (``ns`` = namespace)::
                                      than every other (wakes sleeping requeuers)
     {ns}:requeuer            string  id of the leading requeuer (a lease; see requeuer.py)
     {ns}:paused              set     job queue names that fetch skips (jobs kept)
-    {ns}:limits              hash    queue name -> max jobs of it in flight at once
+    {ns}:limits              hash    queue name -> max jobs of it in flight at once;
+                                     "<queue>\n" -> max jobs of one fair key in flight
     {ns}:rate_limits         hash    queue name -> rate limit as µs between two fetched jobs
                                      (cluster-wide, see rate_limits.py)
     {ns}:rate_tat            hash    queue name -> Redis time (µs) from which its next job
@@ -85,6 +96,10 @@ STAT_UNIQUE_HITS = "unique_hits"
 #: Between a job queue's key and a priority level in the key of that level's list:
 #: Kombu's Redis separator (``redis.Channel.sep``). Lua scripts check level keys by it.
 LEVEL_SEP = "\x06\x16"
+#: Between a job queue's key and a fair key in the key of that key's sub-queue (and,
+#: with nothing after it, the queue's ring of active keys). Lua scripts derive both
+#: from the queue key by it (``scripts/_fair.lua``).
+FAIR_SEP = "\x06\x17"
 
 
 @dataclass(frozen=True)
@@ -117,6 +132,13 @@ class Keys:
                 self.inflight_pools, self.running, self.limits, self.paused, self.rate_limits,
                 self.rate_tat, self.stats, self.job_index,
                 *(key for q in queues for key in self.queue_levels(q, steps))]
+    def fair_ring(self, name: str) -> str:
+        """The ring of a job queue's active fair keys (:mod:`.fair`)."""
+        return f"{self.queue(name)}{FAIR_SEP}"
+
+    def fair_queue(self, name: str, key: str) -> str:
+        """The sub-queue of one fair key of a job queue (:mod:`.fair`)."""
+        return f"{self.queue(name)}{FAIR_SEP}{key}"
 
     def queue_name(self, key: str) -> str:
         """Inverse of :meth:`queue`."""

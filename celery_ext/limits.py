@@ -22,17 +22,18 @@ from kombu.utils.encoding import bytes_to_str
 from .keys import Keys
 
 
-def job_limits(app: Any) -> dict[str, int]:
-    """Job queue -> max_concurrency for every registered task that declares one
-    (tasks sharing a queue: the smallest limit)."""
+def job_limits(app: Any, option: str = "max_concurrency") -> dict[str, int]:
+    """Job queue -> max_concurrency (or another whole-number task ``option``, e.g.
+    ``fair_max_concurrency``) for every registered task that declares one (tasks
+    sharing a queue: the smallest limit)."""
     app.finalize(auto=True)
     limits: dict[str, int] = {}
     for name, task in sorted(app.tasks.items()):
-        limit = getattr(task, "max_concurrency", None)
+        limit = getattr(task, option, None)
         if limit is None:
             continue
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise ValueError(f"celery_ext: task {name!r} has max_concurrency={limit!r}; "
+            raise ValueError(f"celery_ext: task {name!r} has {option}={limit!r}; "
                              "it must be a whole number >= 1 (or None for no limit)")
         queue = getattr(task, "queue", None) or name
         limits[queue] = min(limit, limits.get(queue, limit))

@@ -89,6 +89,7 @@ from redis.exceptions import NoScriptError
 from . import scripts as _scripts
 from .config import Settings
 from .errors import NotReplicated, check_payload_size, job_name
+from .fair import message_fair_key, place_last
 from .job_index import index_keys, index_ttl_ms
 from .keys import STAT_UNIQUE_HITS, Keys
 from .periodic import PeriodicRun, current_run
@@ -225,6 +226,7 @@ class Enqueuer:
         # Enqueued when due: queue latency counts from then.
         enqueued_at = time.time() + self._clock_offset + (delay or 0) / 1000
         props.setdefault("enqueued_at", round(enqueued_at, 3))
+        place_last(props)  # after enqueued_at: the scripts look for it at the end
         publish_id = str(props.pop(PUBLISH_ID, None) or secrets.token_hex(16))
         try:
             if run is not None:  # a periodic job's run: exactly once per due time
@@ -306,7 +308,10 @@ class Enqueuer:
 
     def _queue_keys(self, queue: str, message: dict[str, Any]) -> list[str]:
         """KEYS the ``enqueue`` and ``enqueue_unique`` scripts share: first the list of
-        the job's priority level in its queue (:mod:`.priority`)."""
+        the job's priority level in its queue (:mod:`.priority`), or for a job with a
+        fair key the queue key, whose key's sub-queue the script derives (:mod:`.fair`)."""
+        if message_fair_key(message) is not None:
+            return [self.keys.queue(queue), self.keys.ready, self.keys.queues]
         level = priority_level(message_priority(message), self.settings.priority_steps)
         return [self.keys.queue_level(queue, level), self.keys.ready, self.keys.queues]
 

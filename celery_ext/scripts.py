@@ -30,10 +30,12 @@ SCRIPT_NAMES = (
     "enqueue", "fetch", "ack", "requeue", "heartbeat", "deregister", "dead", "recover",
     "checkin", "busy", "schedule", "promote", "enqueue_unique", "unique_release", "dead_retry",
     "bind", "stats", "forget", "queue_info", "history", "search", "periodic_run",
-    "periodic_sync",
+    "periodic_sync", "purge",
 )
 
 
+#: A line ``-- @include <name>`` in a script is replaced by ``scripts/_<name>.lua``: the
+#: helpers several scripts share (``_job_index.lua``, ``_fair.lua``) have one text.
 INCLUDE = "-- @include "
 
 

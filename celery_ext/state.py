@@ -24,6 +24,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from .clock import now_ms
 from .config import Settings
+from .fair import FairInfo, fair_info
 from .keys import Keys
 from .liveness import Liveness
 from .rate_limits import format_rate
@@ -44,6 +45,8 @@ class QueueInfo(TypedDict):
     in_flight: int
     processed: int
     failed: int
+    #: A queue with keyed jobs waiting: its active fair keys (count, biggest); else None.
+    fair: FairInfo | None
 
 
 class PoolInfo(TypedDict):
@@ -159,6 +162,7 @@ class State:
             pipe.hmget(k.rate_limits, names)
             weights, paused, limits, running, processed, failed, rates = pipe.execute()
         paused_names = {bytes_to_str(p) for p in paused}
+        fair = fair_info(self.client, k, names)
         result: list[QueueInfo] = []
         for i, (name, size, stamp) in enumerate(rows):
             result.append(QueueInfo(
@@ -172,6 +176,7 @@ class State:
                 in_flight=max(0, _int(running[i])),
                 processed=_int(processed[i]),
                 failed=_int(failed[i]),
+                fair=fair.get(name),
             ))
         return result
 

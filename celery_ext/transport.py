@@ -54,6 +54,7 @@ from .config import TLS_SCHEME, TLS_SENTINEL_SCHEME, Settings
 from .dead import dead_letter, one_line
 from .envelope import envelope_problem
 from .errors import CONNECTION_ERRORS, BrokerOutOfMemory, job_name
+from .fair import connect as connect_fair_keys
 from .heartbeater import current_pool_id
 from .keys import LEVEL_SEP, Keys
 from .pool import WorkerPool, pool_for
@@ -62,6 +63,9 @@ from .readiness import ReadyQueues
 from .weights import weight_of
 
 logger = logging.getLogger("celery_ext.transport")
+# A process that publishes through this transport computes the fair keys of its jobs
+# (fair.py); this module is imported before its first publish, in drop-in mode too.
+connect_fair_keys()
 
 
 class QoS(virtual.QoS):
@@ -327,39 +331,46 @@ class Channel(kredis.Channel):
         """The lists of a job queue, one per priority level (see :mod:`.priority`)."""
         return self.keys.queue_levels(queue, self.settings.priority_steps)
 
+    def _sub_queues(self, client: Any, queue: str) -> list[str]:
+        """The sub-queues of a job queue's fair keys with jobs (:mod:`.fair`)."""
+        return [self.keys.fair_queue(queue, bytes_to_str(key))
+                for key in client.lrange(self.keys.fair_ring(queue), 0, -1)]
+
     def _size(self, queue: str) -> int:
         size = self._predeclared_sizes.pop(queue, None)
         if size is not None:  # read by predeclared() a moment ago, in the same start-up
             return size
         with self.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
-            for key in self._levels(queue):
+            for key in [*self._levels(queue), *self._sub_queues(client, queue)]:
                 pipe.llen(key)
             return sum(int(n) for n in pipe.execute())
 
+    def _drop_lists(self, client: Any, queue: str) -> int:
+        """Delete every list of a job queue (levels, fair ring and sub-queues) and the
+        index entries of the jobs in them, in one script (``purge.lua``). Returns how
+        many jobs were removed."""
+        k = self.keys
+        return int(self.scripts("purge", [k.ready, k.job_index, *self._levels(queue)], [queue],
+                                client=client))
+
     def _purge(self, queue: str) -> int:
-        levels = self._levels(queue)
-        with self.conn_or_acquire() as client, client.pipeline() as pipe:
-            for key in levels:
-                pipe.llen(key)
-            pipe.delete(*levels)
-            pipe.srem(self.keys.ready, queue)
-            return sum(int(n) for n in pipe.execute()[:len(levels)])
+        with self.conn_or_acquire() as client:
+            return self._drop_lists(client, queue)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         with self.conn_or_acquire() as client:
-            return bool(client.exists(*self._levels(queue)))
+            return bool(client.exists(*self._levels(queue), self.keys.fair_ring(queue)))
 
     def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str,
                 *args: Any, **kwargs: Any) -> None:
         self.auto_delete_queues.discard(queue)
         member = self.sep.join([routing_key or "", pattern or "", queue or ""])
-        with self.conn_or_acquire(client=kwargs.get("client")) as client, \
-                client.pipeline() as pipe:
-            pipe.srem(self.keyprefix_queue % (exchange,), member)
-            pipe.srem(self.keyprefix_binding_permanent % (exchange,), member)
-            pipe.delete(*self._levels(queue))
-            pipe.srem(self.keys.ready, queue)
-            pipe.execute()
+        with self.conn_or_acquire(client=kwargs.get("client")) as client:
+            self._drop_lists(client, queue)
+            with client.pipeline() as pipe:
+                pipe.srem(self.keyprefix_queue % (exchange,), member)
+                pipe.srem(self.keyprefix_binding_permanent % (exchange,), member)
+                pipe.execute()
 
     def _maybe_update_queues_expire(self, client: Any, queue: str) -> None:
         if self._expires and queue in self._expires:

@@ -201,6 +201,39 @@ def test_entries_are_removed_with_their_jobs_and_finished_ones_expire(
     assert redis_client.zcard(K.job_index_done) <= len(late)
 
 
+def test_purged_and_deleted_queues_take_their_jobs_entries_with_them(
+        broker_url: str, redis_client: redis.Redis) -> None:
+    """`celery purge` (Kombu's purge) and a queue delete remove the index entries of the
+    jobs they drop, at every priority level and fair key; a job of another queue, or one
+    whose entry says it is elsewhere, keeps its entry."""
+    proj.configure(broker_url)
+    queue = "tests.proj.noop"
+    plain = [proj.noop.apply_async().id for _ in range(3)]
+    urgent = proj.noop.apply_async(priority=0).id
+    low = proj.noop.apply_async(priority=9).id
+    keyed = proj.noop.apply_async(fair_key="tenant-a").id
+    other = proj.record.apply_async(("kept",)).id
+    moved = proj.noop.apply_async().id
+    redis_client.hset(K.job_index, moved, "dead\n1\ntests.proj.noop\nd1\nfailed")
+    gone = [*plain, urgent, low, keyed]
+    assert all(entry(redis_client, i) for i in gone)
+    with proj.app.connection_for_write() as conn:
+        assert conn.default_channel.queue_purge(queue) == len(gone) + 1
+    assert [entry(redis_client, i) for i in gone] == [None] * len(gone)
+    assert entry(redis_client, other) is not None
+    assert (entry(redis_client, moved) or {}).get("state") == "dead"
+    assert not redis_client.exists(K.queue(queue), K.fair_ring(queue))
+
+    again = proj.noop.apply_async(fair_key="tenant-b").id
+    with proj.app.connection_for_write() as conn:  # Kombu deletes the queues it bound
+        channel = conn.default_channel
+        channel.exchange_declare(queue, type="direct")
+        channel.queue_declare(queue)
+        channel.queue_bind(queue, exchange=queue, routing_key=queue)
+        channel.queue_delete(queue)
+    assert entry(redis_client, again) is None
+
+
 def worker_pool(client: redis.Redis) -> str:
     (pool,) = client.zrange(K.pools, 0, -1)
     return str(pool.decode())

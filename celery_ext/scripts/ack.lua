@@ -15,8 +15,10 @@
 -- A tag no longer in the record (its pool was reaped and the job requeued) is
 -- ignored, so a late ack from a pool that came back never touches the new copy.
 -- A job queue at its max_concurrency is skipped by fetch (and left in the ready
--- set); when an ack brings it just below its limit, idle pools are woken.
+-- set); when an ack brings it (or one of its fair keys, _fair.lua) just below its
+-- limit, idle pools are woken.
 -- Returns how many tags were removed.
+-- @include fair
 local removed = 0
 local limited = redis.call('HLEN', KEYS[4]) > 0
 local indexTtl = tonumber(ARGV[2])
@@ -33,9 +35,12 @@ for i = 3, #ARGV do
     redis.call('HDEL', KEYS[1], ARGV[i])
     redis.call('HDEL', KEYS[2], ARGV[i])
     local n = redis.call('HINCRBY', KEYS[3], qname, -1)
+    local fn = fair_release(KEYS[3], qname, rec)
     if limited then
       local limit = tonumber(redis.call('HGET', KEYS[4], qname))
-      if limit and n == limit - 1 and redis.call('SISMEMBER', KEYS[5], qname) == 1 then
+      local flimit = fn and tonumber(redis.call('HGET', KEYS[4], qname .. '\n'))
+      if ((limit and n == limit - 1) or (flimit and fn == flimit - 1))
+          and redis.call('SISMEMBER', KEYS[5], qname) == 1 then
         redis.call('PUBLISH', ARGV[1], qname)
       end
     end

@@ -25,6 +25,7 @@
 -- if that id is already dead.
 local indexTtl = tonumber(ARGV[7] or 0) or 0
 -- @include job_index
+-- @include fair
 local rec = redis.call('HGET', KEYS[1], ARGV[1])
 local inflight = rec ~= false
 if rec then
@@ -32,6 +33,7 @@ if rec then
   redis.call('HDEL', KEYS[4], ARGV[1])
   local qname = string.sub(rec, 1, string.find(rec, '\n', 1, true) - 1)
   local n = redis.call('HINCRBY', KEYS[5], qname, -1)
+  fair_release(KEYS[5], qname, rec)
   local limit = tonumber(redis.call('HGET', KEYS[6], qname))
   if limit and n == limit - 1 and redis.call('SISMEMBER', KEYS[7], qname) == 1 then
     redis.call('PUBLISH', ARGV[6], qname)

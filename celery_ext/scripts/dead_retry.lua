@@ -6,7 +6,8 @@
 -- KEYS[5]  job index hash               {ns}:jobs
 -- KEYS[6]  finished index entries       {ns}:jobs_done
 -- KEYS[7..] job queue lists, one per job: the list of the job's priority level,
---          read by the caller from its payload (priority.py)
+--          read by the caller from its payload (priority.py); a job with a fair key
+--          goes to its key's sub-queue of that queue instead (_fair.lua)
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job queue key prefix         {ns}:queue:
 -- ARGV[3]  job index TTL of finished entries in ms, "0" = no index (_job_index.lua)
@@ -25,6 +26,7 @@ local function is_level_of(key, queueKey)
 end
 local indexTtl = tonumber(ARGV[3])
 -- @include job_index
+-- @include fair
 local done = {}
 for i = 7, #KEYS do
   local j = 4 + (i - 7) * 3
@@ -37,7 +39,7 @@ for i = 7, #KEYS do
     if is_level_of(KEYS[i], ARGV[2] .. qname) then
       redis.call('ZREM', KEYS[1], id)
       redis.call('HDEL', KEYS[2], id)
-      redis.call('RPUSH', KEYS[i], ARGV[j + 2])
+      push_front(ARGV[2] .. qname, KEYS[i], ARGV[j + 2])
       if indexTtl > 0 then
         local tid = jix_task_id(ARGV[j + 2])
         if jix_is(KEYS[5], tid, 'dead', id) then jix_set(KEYS[5], tid, 'queued', qname, jix_level(KEYS[i])) end

@@ -1,5 +1,5 @@
 -- enqueue: append one job to the back of its job queue and wake idle pools.
--- KEYS[1]  job queue list            {ns}:queue:<name>
+-- KEYS[1]  job queue list            {ns}:queue:<name> (a keyed job: of its fair key, _fair.lua)
 -- KEYS[2]  ready set                 {ns}:ready
 -- KEYS[3]  known queues set          {ns}:queues (job queues only)
 -- KEYS[4]  job index hash            {ns}:jobs
@@ -16,6 +16,7 @@
 -- not recorded in the known queues set (queue_info.lua drops such names too).
 -- Returns the queue length after the push, or -1 when the publish marker was there
 -- already: a retry of a publish whose write landed (nothing pushed again).
+-- @include fair
 local queueKey, readyKey, queuesKey, markerKey = KEYS[1], KEYS[2], KEYS[3], KEYS[6]
 local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]
 local expiresMs, indexTtl, markerTtlMs = tonumber(ARGV[4]), tonumber(ARGV[5] or 0) or 0, ARGV[6]
@@ -23,7 +24,7 @@ local expiresMs, indexTtl, markerTtlMs = tonumber(ARGV[4]), tonumber(ARGV[5] or 
 if markerKey and not redis.call('SET', markerKey, '1', 'NX', 'PX', markerTtlMs) then
   return -1
 end
-local n = redis.call('LPUSH', queueKey, payload)
+local n = push_back(queueKey, payload)
 -- SADD on every push keeps the ready set self-healing; only a queue that just
 -- became non-empty is announced, so busy systems publish almost nothing.
 if redis.call('SADD', readyKey, queueName) == 1 then

@@ -1,7 +1,7 @@
 -- enqueue_unique: append a unique job to the back of its job queue unless a job
 -- with the same unique key is already pending (queued or scheduled).
 -- KEYS[1]  lock                         {ns}:unique:<digest>
--- KEYS[2]  job queue list               {ns}:queue:<name>
+-- KEYS[2]  job queue list               {ns}:queue:<name> (a keyed job: of its fair key, _fair.lua)
 -- KEYS[3]  ready set                    {ns}:ready
 -- KEYS[4]  known queues set             {ns}:queues
 -- KEYS[5]  job index hash               {ns}:jobs
@@ -21,6 +21,7 @@
 -- pending (nothing pushed; the same task id published twice counts as pending),
 -- {0, task id} when the publish marker was there already: a retry of a publish
 -- that pushed its job (nothing pushed again).
+-- @include fair
 local lockKey, queueKey, readyKey, queuesKey, markerKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[7]
 local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]
 local expiresMs, indexTtl, taskId, lockTtlMs, force = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], ARGV[7], ARGV[8]
@@ -39,7 +40,7 @@ end
 if not holder or holder == taskId then
   redis.call('SET', lockKey, taskId, 'PX', lockTtlMs)
 end
-redis.call('LPUSH', queueKey, payload)
+push_back(queueKey, payload)
 if redis.call('SADD', readyKey, queueName) == 1 then
   redis.call('SADD', queuesKey, queueName)
   redis.call('PUBLISH', wakeChannel, queueName)

@@ -43,6 +43,14 @@
 -- itself and now, so no two jobs are fetched less than an interval apart in all pools.
 -- A queue not due yet is skipped, reported as blocked, counted in the stats, and its
 -- wait returned, so the pool sleeps until then instead of polling.
+-- Fair shares (_fair.lua, fair.py): when a candidate's level lists are empty, its keyed
+-- jobs are served one key per pop, in the order of its ring of active keys, which each
+-- pop rotates (LMOVE head to tail): a key with 10,000 jobs and a key with one get one
+-- turn each per round. A key with as many jobs in flight as the queue's per-key limit
+-- is passed over (at most FAIR_TRIES keys per pop); when every key tried is at its
+-- limit the queue is reported blocked (ack wakes pools when a key drops below it).
+-- A key leaves the ring with its sub-queue's last job. Keyed jobs of a queue come
+-- after its unkeyed ones.
 -- Returns {status, jobs, empties, blocked, waits}: status 0 = pool not registered (nothing
 -- moved), 1 = ok; jobs = {{queue, delivery tag, payload (or its size in bytes when
 -- over the limit), recoveries or -1}, ...};
@@ -50,6 +58,7 @@
 -- candidate queues skipped (paused, at their limit or not due) or left at their limit
 -- or not due; waits = {{queue name, µs until its next job is due}, ...}.
 local TAG_WINDOW = 1024
+local FAIR_TRIES = 8
 local NFIXED = 12
 local flags = ARGV[2]
 local ncand = #flags
@@ -89,15 +98,47 @@ local function pop(first, qname)
       return payload, j
     end
   end
-  return nil, first + nlev
+  level_from[qname] = nlev + 1
+  return nil, first + nlev + 1
 end
 -- Whether every level list from KEYS[from] to the candidate's last is empty (the
--- levels before the one just popped were empty already).
+-- levels before the one just popped were empty already), and no fair key has jobs.
 local function drained(from, first)
   for j = from, first + nlev do
     if redis.call('LLEN', KEYS[j]) > 0 then return false end
   end
-  return true
+  return redis.call('EXISTS', KEYS[first + 1] .. '\6\23') == 0
+end
+-- @include fair
+-- Per queue name, its per-key limit (false: none), read once per call (`limited`: the
+-- limits hash has any field at all).
+local fair_limits = {}
+-- Pop the next keyed job of the candidate whose level lists follow KEYS[first] (see
+-- above). Returns its payload, its fair key and whether its queue may have no job
+-- left; or nil, nil and whether keys with jobs are left (all passed over at their
+-- limit).
+local function fair_pop(first, qname, limited)
+  local ring = KEYS[first + 1] .. FAIR_SEP
+  if fair_limits[qname] == nil then
+    fair_limits[qname] = limited and tonumber(redis.call('HGET', KEYS[7], qname .. '\n'))
+      or false
+  end
+  local limit = fair_limits[qname]
+  -- Without a limit the first key rotated is served (LMOVE finds an empty ring): the
+  -- ring's length is read only to try each key at most once when keys may be full.
+  local tries = limit and math.min(redis.call('LLEN', ring), FAIR_TRIES) or FAIR_TRIES
+  for _ = 1, tries do
+    local key = redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT')
+    if not key then return nil, nil, false end
+    if not limit
+        or (tonumber(redis.call('HGET', KEYS[6], qname .. '\n' .. key)) or 0) < limit then
+      local payload = redis.call('RPOP', ring .. key)
+      local last = redis.call('LLEN', ring .. key) == 0
+      if last then redis.call('RPOP', ring) end
+      if payload then return payload, key, last end
+    end
+  end
+  return nil, nil, redis.call('EXISTS', ring) == 1
 end
 if string.find(flags, '1', 1, true) and not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
   return {0, {}, {}, {}, {}}
@@ -145,7 +186,16 @@ for i = 1, ncand do
   end
   if not skip[qname] then
     local payload, at = pop(first, qname)
+    local fkey, fair_left
     if not payload then
+      payload, fkey, fair_left = fair_pop(first, qname, limited)
+      -- A keyed job whose key has more: its ring is not empty, the queue not drained.
+      if payload and not fair_left then at = nil end
+    end
+    if not payload and fair_left then
+      skip[qname] = 'reported'
+      blocked[#blocked + 1] = qname
+    elseif not payload then
       skip[qname] = 'empty'
       empties[#empties + 1] = qname
       redis.call('SREM', KEYS[3], qname)
@@ -165,6 +215,9 @@ for i = 1, ncand do
           tag = base .. '~' .. n
         end
         redis.call('HINCRBY', KEYS[6], qname, 1)
+        if fkey and fair_limits[qname] then
+          redis.call('HINCRBY', KEYS[6], qname .. '\n' .. fkey, 1)
+        end
         tracked = true
         if indexed then
           jix_set(KEYS[12], jix_task_id(payload), 'inflight', qname, tag, ARGV[1])
@@ -183,7 +236,7 @@ for i = 1, ncand do
         tat[qname] = math.max(tat[qname], now_us) + interval[qname]
         redis.call('HSET', KEYS[10], qname, string.format('%.0f', tat[qname]))
       end
-      if drained(at, first) then
+      if at and drained(at, first) then
         skip[qname] = 'empty'
         empties[#empties + 1] = qname
         redis.call('SREM', KEYS[3], qname)

@@ -23,6 +23,7 @@
 -- (Kombu retried a publish whose write landed: nothing pushed again); 0 when the entry
 -- moved on meanwhile (another leader took this due time); -1 when the entry is paused
 -- (next_due moved on, nothing pushed); -2 when next_due moved on without a run as asked.
+-- @include fair
 local stateKey, queueKey, readyKey, queuesKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local expected, dueMs, nextMs, passed, jobId = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local payload, queueName, wakeChannel, expiresMs = ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
@@ -46,7 +47,7 @@ if payload == '' or (paused and scheduled) then
   return -1
 end
 
-local n = redis.call('LPUSH', queueKey, payload)
+local n = push_back(queueKey, payload)
 if redis.call('SADD', readyKey, queueName) == 1 then
   if string.sub(queueName, -7) ~= '.pidbox' then
     redis.call('SADD', queuesKey, queueName)

@@ -15,6 +15,7 @@
 -- KEYS[7]  job index hash               {ns}:jobs
 -- KEYS[8]  finished index entries       {ns}:jobs_done
 -- KEYS[9..] job queue lists, one per candidate: the list of its priority level
+--          (a job with a fair key goes to its key's sub-queue of that queue instead, _fair.lua)
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job queue key prefix         {ns}:queue:
 -- ARGV[3]  most candidates to report per set
@@ -59,6 +60,7 @@ end
 
 local indexTtl = tonumber(ARGV[6])
 -- @include job_index
+-- @include fair
 local moved = 0
 for i = 9, #KEYS do
   local which, id = ARGV[7 + (i - 9) * 2], ARGV[8 + (i - 9) * 2]
@@ -78,7 +80,10 @@ for i = 9, #KEYS do
           local tid = jix_task_id(payload)
           if jix_is(KEYS[7], tid, nil, id) then jix_set(KEYS[7], tid, 'queued', qname, jix_level(KEYS[i])) end
         end
-        if which == 'r' then
+        local key = fair_of(payload)
+        if key then
+          fair_push(ARGV[2] .. qname, key, payload, which == 'r')
+        elseif which == 'r' then
           redis.call('RPUSH', KEYS[i], payload)
         else
           redis.call('LPUSH', KEYS[i], payload)

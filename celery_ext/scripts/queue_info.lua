@@ -20,8 +20,9 @@
 -- tag at the very end of the payload (see fetch.lua): only the last STAMP_WINDOW bytes
 -- of the oldest job are searched and only the number is returned, never the payload.
 -- Returns {now ms (Redis TIME), size, stamp, size, stamp, ...}, two values per name:
--- size = -1 for a name forgotten now, else the jobs of all its levels; stamp = the
--- oldest job's enqueued_at (the earliest of its levels' oldest) as a string, '' when
+-- size = -1 for a name forgotten now, else the jobs of all its levels and of all its
+-- fair keys' sub-queues (_fair.lua: one LLEN per active key); stamp = the oldest job's
+-- enqueued_at (the earliest of its levels' and sub-queues' oldest) as a string, '' when
 -- the queue is empty, the stamp is missing, or it was not asked for.
 local STAMP_WINDOW = 1024
 local known, ready, paused, limits, weights, running = KEYS[1], KEYS[2], KEYS[3], KEYS[4],
@@ -61,6 +62,12 @@ for n = 1, nnames do
     sizes[j] = redis.call('LLEN', KEYS[j])
     size = size + sizes[j]
   end
+  local ring = KEYS[first + 1] .. '\6\23'
+  local subs = redis.call('LRANGE', ring, 0, -1)
+  for j, key in ipairs(subs) do
+    subs[j] = ring .. key
+    size = size + redis.call('LLEN', subs[j])
+  end
   local stamp = ''
   if string.sub(name, -7) == '.pidbox' or (size == 0 and not in_use(name)) then
     redis.call('SREM', known, name)
@@ -72,6 +79,11 @@ for n = 1, nnames do
         local s = stamp_of(redis.call('LINDEX', KEYS[j], -1))
         if s ~= '' and (stamp == '' or tonumber(s) < tonumber(stamp)) then stamp = s end
       end
+    end
+    for _, sub in ipairs(subs) do
+      local oldest = redis.call('LINDEX', sub, -1)
+      local s = oldest and stamp_of(oldest) or ''
+      if s ~= '' and (stamp == '' or tonumber(s) < tonumber(stamp)) then stamp = s end
     end
   end
   out[#out + 1] = size

@@ -17,6 +17,7 @@
 -- KEYS[11] finished index entries       {ns}:jobs_done
 -- KEYS[12..] job queue lists, one per tag: the list of the job's priority level,
 --          read by the caller from its payload (priority.py)
+--          (a job with a fair key goes to its key's sub-queue of that queue instead, _fair.lua)
 -- ARGV[1]  pool id
 -- ARGV[2]  "pool": only if the pool's heartbeat is older than its own dead_after
 --          (field dead_after_ms of its hash, see liveness.py) or, for a pool
@@ -55,6 +56,7 @@ local function is_level_of(key, queueKey)
 end
 local indexTtl = tonumber(ARGV[9])
 -- @include job_index
+-- @include fair
 local requeued, dead = {}, {}
 for i = 12, #KEYS do
   local tag = ARGV[i - 2]
@@ -67,6 +69,7 @@ for i = 12, #KEYS do
       local same = id and jix_is(KEYS[10], id, 'inflight', tag)
       redis.call('HDEL', KEYS[1], tag)
       redis.call('HINCRBY', KEYS[7], qname, -1)
+      fair_release(KEYS[7], qname, rec)
       local n = redis.call('HINCRBY', KEYS[6], tag, 1)
       if n > tonumber(ARGV[6]) then
         redis.call('HDEL', KEYS[6], tag)
@@ -93,7 +96,7 @@ for i = 12, #KEYS do
         if same then jix_set(KEYS[10], id, 'dead', qname, tag, 'worker_lost') end
         dead[#dead + 1] = tag
       else
-        redis.call('RPUSH', KEYS[i], string.sub(rec, nl + 1))
+        push_front(ARGV[5] .. qname, KEYS[i], string.sub(rec, nl + 1))
         if redis.call('SADD', KEYS[5], qname) == 1 then
           redis.call('PUBLISH', ARGV[4], qname)
         end

@@ -9,6 +9,7 @@
 -- KEYS[5]  job index hash               {ns}:jobs
 -- KEYS[6]  finished index entries       {ns}:jobs_done
 -- KEYS[7..] job queue lists, one per tag: the list of the job's priority level
+--          (a job with a fair key goes to its key's sub-queue of that queue instead, _fair.lua)
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job queue key prefix         {ns}:queue:
 -- ARGV[3]  job index TTL of finished entries in ms, "0" = no index (_job_index.lua)
@@ -29,6 +30,7 @@ local function is_level_of(key, queueKey)
 end
 local indexTtl = tonumber(ARGV[3])
 -- @include job_index
+-- @include fair
 local done = {}
 for i = 7, #KEYS do
   local tag = ARGV[i - 3]
@@ -37,9 +39,10 @@ for i = 7, #KEYS do
     local nl = string.find(rec, '\n', 1, true)
     local qname = string.sub(rec, 1, nl - 1)
     if is_level_of(KEYS[i], ARGV[2] .. qname) then
-      redis.call('RPUSH', KEYS[i], string.sub(rec, nl + 1))
+      push_front(ARGV[2] .. qname, KEYS[i], string.sub(rec, nl + 1))
       redis.call('HDEL', KEYS[1], tag)
       redis.call('HINCRBY', KEYS[4], qname, -1)
+      fair_release(KEYS[4], qname, rec)
       redis.call('HSETNX', KEYS[3], tag, 0)
       if indexTtl > 0 then
         local id = jix_task_id(string.sub(rec, nl + 1))

@@ -336,6 +336,7 @@
         var t = table([
           { label: "Failed", render: function (j) { return fmtTime(j.failed_at); }, cls: "nowrap" },
           { label: "Job", render: function (j) { return h("a", { href: ROOT + "/dead/" + encodeURIComponent(j.id), text: j.name || j.queue }); } },
+          { label: "Fair key", cls: "mono", render: function (j) { return j.fair_key || "—"; } },
           { label: "Reason", render: function (j) { return badge(j.reason || "", "bad"); } },
           { label: "Error", key: "error", cls: "err", title: function (j) { return j.error; } },
           { label: "Attempts", key: "attempts", num: true },
@@ -364,7 +365,12 @@
       { label: "Rate limit", render: function (q) { return q.rate_limit || "—"; }, num: true },
       { label: "Processed", render: function (q) { return fmtNum(q.processed); }, num: true },
       { label: "Failed", render: function (q) { return fmtNum(q.failed); }, num: true },
-      { label: "State", render: function (q) { return q.paused ? badge("paused", "warn") : badge("active", "good"); } }
+      { label: "State", render: function (q) { return q.paused ? badge("paused", "warn") : badge("active", "good"); } },
+      // A fair queue (docs/fair.md): its keys with jobs waiting, and the biggest ones.
+      { label: "Fair keys", cls: "mono", render: function (q) {
+        if (!q.fair) return "—";
+        return q.fair.active_keys + ": " + q.fair.top_keys.map(function (kv) { return kv[0] + "=" + kv[1]; }).join(" ");
+      } }
     ];
     if (withActions) cols.push({ label: "", render: function (q) {
       return h("span", { cls: "row-actions" },

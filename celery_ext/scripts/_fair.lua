@@ -1,0 +1,77 @@
+-- _fair: fair shares inside a job queue (fair.py, docs/fair.md), included by the
+-- scripts that move jobs (a line "-- @include fair", see scripts.py).
+-- A job queue with keyed jobs has, beside its priority level lists:
+--   <queue key>\6\23       list  ring of its active fair keys (a non-empty sub-queue each)
+--   <queue key>\6\23<key>  list  the sub-queue of one key, first in first out
+-- Both are the queue key plus a suffix, so they carry its hash tag: a script given the
+-- queue key (or one of its level keys) in KEYS addresses them in the same slot.
+-- A key's jobs in flight, counted while its queue has a per-key limit: field
+-- "<queue name>\n<key>" of {ns}:running (removed at 0); the limit: field
+-- "<queue name>\n" of {ns}:limits (keys.py).
+local FAIR_SEP = '\6\23'
+local FAIR_FIELD = '"fair_key": "'
+
+-- The fair key a stored payload (or "<queue>\n<payload>" record) carries, or nil: the
+-- producer writes it as the last message property (fair.py), so only the last 1024
+-- bytes are searched, the last occurrence winning.
+local function fair_of(payload)
+  local key, from = nil, math.max(1, #payload - 1023)
+  while true do
+    local _, e = string.find(payload, FAIR_FIELD, from, true)
+    if not e then return key end
+    key = string.match(payload, '^[^"\\]+', e + 1)
+    from = e + 1
+  end
+end
+
+-- Push a keyed job to its key's sub-queue of the job queue `queueKey` (the default
+-- level's key): to the back (LPUSH, an enqueue) or the front (RPUSH, a job coming
+-- back); a key whose sub-queue was empty joins the ring, at its tail (served after
+-- the keys waiting now) or, coming back, at its head. Returns the sub-queue's length.
+local function fair_push(queueKey, key, payload, front)
+  local ring = queueKey .. FAIR_SEP
+  local n = redis.call(front and 'RPUSH' or 'LPUSH', ring .. key, payload)
+  if n == 1 then
+    redis.call(front and 'LPUSH' or 'RPUSH', ring, key)
+  end
+  return n
+end
+
+-- Push a job to the front of its job queue: to `levelKey` (its priority level's list),
+-- or, when it carries a fair key, to that key's sub-queue of `queueKey`.
+local function push_front(queueKey, levelKey, payload)
+  local key = fair_of(payload)
+  if key then
+    fair_push(queueKey, key, payload, true)
+  else
+    redis.call('RPUSH', levelKey, payload)
+  end
+end
+
+-- A job left the in-flight record (`rec` = "<queue>\n<payload>"): its fair key's count
+-- in the running hash goes down (removed at 0). Fetch counts a keyed job only when its
+-- queue has a per-key limit, so a key without a count is left alone: a limit set while
+-- jobs are in flight counts the jobs fetched from then on, and no count ever drifts.
+-- Returns the count left, or nil (an unkeyed or uncounted job).
+local function fair_release(running, qname, rec)
+  local key = fair_of(rec)
+  if not key then return nil end
+  local field = qname .. '\n' .. key
+  local n = tonumber(redis.call('HGET', running, field))
+  if not n then return nil end
+  if n <= 1 then
+    redis.call('HDEL', running, field)
+  else
+    redis.call('HINCRBY', running, field, -1)
+  end
+  return n - 1
+end
+
+-- Push a new job to the back of its job queue `queueKey`'s list (the caller gives the
+-- list of the job's priority level, or the queue key for a keyed job), or, when it
+-- carries a fair key, of that key's sub-queue. Returns the list's length after it.
+local function push_back(queueKey, payload)
+  local key = fair_of(payload)
+  if key then return fair_push(queueKey, key, payload, false) end
+  return redis.call('LPUSH', queueKey, payload)
+end
