@@ -29,7 +29,8 @@ from urllib.parse import quote
 
 import redis
 
-__all__ = ["ClusterGroup", "RedisServer", "SentinelGroup", "SentinelServer", "ServerError", "find_server_binary"]
+__all__ = ["ClusterGroup", "RedisServer", "SentinelGroup", "SentinelServer", "ServerError",
+           "find_server_binary"]
 
 HOST = "127.0.0.1"
 _BINARIES = ("redis-server", "valkey-server")
@@ -499,7 +500,7 @@ class ClusterGroup:
                     c.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
             seed = self.servers[0]
             with seed.client(socket_timeout=2.0) as c:
-                for other, bus in zip(self.servers[1:], self._bus_ports[1:]):
+                for other, bus in zip(self.servers[1:], self._bus_ports[1:], strict=True):
                     c.execute_command("CLUSTER", "MEET", HOST, other.port, bus)
             total = len(self.servers)
             self._wait(lambda: all(_known_nodes(s) >= total for s in self.servers), timeout,
