@@ -41,6 +41,7 @@ with :data:`CLUSTER_NOT_YET`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,8 @@ from .config import (
 
 #: Transport option that says the URL's server is a seed node of a Redis Cluster.
 CLUSTER_OPTION = "cluster"
+#: Environment variable that overrides the option (compose files set it).
+CLUSTER_ENV = "CELERY_EXT_CLUSTER"
 #: Port of a cluster seed URL without one (Redis's default).
 DEFAULT_CLUSTER_PORT = 6379
 #: The one line a worker or producer configured for a cluster stops with.
@@ -113,14 +116,16 @@ class ClusterConfig:
         return f"cluster:{host}:{port}"
 
 
-def cluster_config(urls: Iterable[str], options: Mapping[str, Any] | None = None
-                   ) -> ClusterConfig | None:
+def cluster_config(urls: Iterable[str], options: Mapping[str, Any] | None = None,
+                   environ: Mapping[str, str] | None = None) -> ClusterConfig | None:
     """The cluster setup of ``urls`` (each one URL, or ``;``-separated seeds) when the
-    transport ``options`` say ``cluster``; None otherwise. Raises ConfigError (one line,
-    password masked) for a db other than 0, a sentinel URL, or an unreadable port."""
+    transport ``options`` say ``cluster`` (overridden by ``CELERY_EXT_CLUSTER``, as the
+    settings are by theirs); None otherwise. Raises ConfigError (one line, password
+    masked) for a db other than 0, a sentinel URL, or an unreadable port."""
     from redis.connection import parse_url
 
-    raw = (options or {}).get(CLUSTER_OPTION)
+    environ = os.environ if environ is None else environ
+    raw = environ.get(CLUSTER_ENV, (options or {}).get(CLUSTER_OPTION))
     try:
         wanted = _bool(raw) if raw is not None else False
     except ValueError:

@@ -1,8 +1,7 @@
 """Celery app used by the end-to-end tests (workers run it as ``-A tests.proj``).
 
 The broker URL comes from ``CELERY_EXT_BROKER_URL`` (and the Sentinel master's name, for a
-sentinel URL, from ``CELERY_EXT_MASTER_NAME``; ``TEST_CLUSTER=1`` makes it a Redis
-Cluster's seed URL); results go to the same server's
+sentinel URL, from ``CELERY_EXT_MASTER_NAME``); results go to the same server's
 db 1 over plain ``redis://``. Tasks record what they do in Redis so tests can count
 runs without relying on results. ``CELERY_EXT_NO_INSTALL=1`` runs it drop-in (no
 ``install(app)``); with it, ``TEST_ACKS_LATE=1`` sets Celery's ``task_acks_late`` and
@@ -44,8 +43,6 @@ app.conf.update(
 )
 if os.environ.get("CELERY_EXT_MASTER_NAME"):  # a celery-ext+sentinel:// broker URL
     app.conf.broker_transport_options = {"master_name": os.environ["CELERY_EXT_MASTER_NAME"]}
-if os.environ.get("TEST_CLUSTER") == "1":  # the URL is a seed node of a Redis Cluster
-    app.conf.broker_transport_options = {"cluster": True}
 if os.environ.get("CELERY_EXT_NO_INSTALL") != "1":
     celery_ext.install(app)
 elif os.environ.get("TEST_ACKS_LATE") == "1":

@@ -60,8 +60,12 @@ def test_cluster_url_is_read_like_kombus() -> None:
     assert (config.password, config.tls) == ("s3cret", False)
     tls = cluster_config(["celery-exts://h1:7000?ssl_cert_reqs=none"], {"cluster": "true"})
     assert tls is not None and tls.tls and tls.query["ssl_cert_reqs"] == "none"
-    assert cluster_config(["celery-ext://h1:7000/0"], {}) is None
-    assert cluster_config(["celery-ext://h1:7000/3"], {"cluster": False}) is None
+    assert cluster_config(["celery-ext://h1:7000/0"], {}, environ={}) is None
+    assert cluster_config(["celery-ext://h1:7000/3"], {"cluster": False}, environ={}) is None
+    # CELERY_EXT_CLUSTER overrides the option, as CELERY_EXT_<SETTING> variables do.
+    assert cluster_config(["celery-ext://h1"], {}, environ={"CELERY_EXT_CLUSTER": "1"})
+    assert cluster_config(["celery-ext://h1"], {"cluster": True},
+                          environ={"CELERY_EXT_CLUSTER": "0"}) is None
 
 
 @pytest.mark.parametrize(("url", "options", "needle"), [
@@ -133,7 +137,7 @@ def test_client_cli_and_dashboard_read_a_cluster(cluster_url: str) -> None:
         assert client.counts()["dead"] == 0
 
         out = celery_cli("-A", "tests.proj", "ext", "queues", "--json", broker_url=cluster_url,
-                         env={"TEST_CLUSTER": "1", "CELERY_EXT_NAMESPACE": "cl_view"})
+                         env={"CELERY_EXT_CLUSTER": "1", "CELERY_EXT_NAMESPACE": "cl_view"})
         assert out.returncode == 0, out.stderr
         rows = json.loads(out.stdout)
         items = rows["items"] if isinstance(rows, dict) else rows
@@ -164,7 +168,7 @@ def test_client_for_app_builds_a_cluster_client(cluster_url: str) -> None:
 
 def test_worker_on_a_cluster_stops_with_one_line(cluster_url: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CELERY_EXT_BROKER_URL": cluster_url,
-           "TEST_CLUSTER": "1"}
+           "CELERY_EXT_CLUSTER": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "tests.proj", "worker", "-P", "solo",
          "--without-mingle", "--without-gossip"],
