@@ -50,6 +50,7 @@ from urllib.parse import unquote, urlsplit
 import redis
 from redis import sentinel as _sentinel
 from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException
 
 from .config import (
     SENTINEL_SCHEME,
@@ -171,7 +172,8 @@ def cluster_client(config: ClusterConfig, params: Mapping[str, Any] | None = Non
                    ) -> RedisCluster:
     """redis-py's :class:`~redis.cluster.RedisCluster` for ``config``; ``params`` are
     connection keywords (timeouts, TLS options) applied to every node's connections.
-    Slot routing, MOVED/ASK and a failover's new topology are redis-py's business."""
+    Slot routing, MOVED/ASK and a failover's new topology are redis-py's business.
+    Raises ``redis.ConnectionError`` when no seed gives the slot map."""
     kwargs: dict[str, Any] = {k: v for k, v in (params or {}).items()
                               if k not in ("host", "port", "db", "path", "connection_class")}
     kwargs.update(config.query)
@@ -181,7 +183,12 @@ def cluster_client(config: ClusterConfig, params: Mapping[str, Any] | None = Non
         kwargs["ssl"] = True
         kwargs.setdefault("ssl_cert_reqs", "required")  # secure by default, as on one node
     nodes = [ClusterNode(host, port) for host, port in config.seeds]
-    return RedisCluster(startup_nodes=nodes, **kwargs)
+    try:
+        return RedisCluster(startup_nodes=nodes, **kwargs)
+    except RedisClusterException as exc:
+        # It asks the seeds for the slot map at once; no seed answering (or refusing
+        # the password) is a connection failure to every caller, as on one node.
+        raise redis.ConnectionError(str(exc)) from None
 
 
 def is_sentinel_url(url: str) -> bool:

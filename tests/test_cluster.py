@@ -23,7 +23,7 @@ from celery_ext.connections import CLUSTER_NOT_YET, cluster_client, cluster_conf
 from celery_ext.keys import Keys
 from celery_ext.server import ClusterGroup
 from celery_ext.web import create_app
-from tests.helpers import REPO_ROOT, celery_cli, wait_for
+from tests.helpers import REPO_ROOT, celery_cli, free_port, wait_for
 
 with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; httpx still works
     warnings.simplefilter("ignore")
@@ -184,3 +184,26 @@ def test_producer_on_a_cluster_is_refused(cluster_url: str) -> None:
     app.conf.broker_transport_options = {"cluster": True}
     with pytest.raises(ConfigError, match="cluster mode"), app.connection_for_write() as conn:
         conn.default_channel  # noqa: B018 - building the channel is what is refused
+
+
+def test_client_reaches_a_password_cluster_with_the_urls_password() -> None:
+    with ClusterGroup(masters=3, password="s3cret") as group:
+        url = group.url()
+        assert ":s3cret@" in url
+        client = Client.from_url(url, cluster=True, namespace="cl_auth")
+        try:
+            assert client.ping() and client.job_queues() == []
+        finally:
+            client.client.close()
+        with pytest.raises(redis.ConnectionError, match="invalid username-password"):
+            Client.from_url(url.replace("s3cret", "wrong"), cluster=True)
+
+
+def test_cli_says_in_one_line_that_no_seed_answers() -> None:
+    out = celery_cli("-A", "tests.proj", "ext", "queues",
+                     broker_url=f"celery-ext://:s3cret@127.0.0.1:{free_port()}/0",
+                     env={"CELERY_EXT_CLUSTER": "1"})
+    assert out.returncode == 1
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: cannot reach Redis"), out.stderr
+    assert "s3cret" not in out.stderr
