@@ -68,6 +68,15 @@ def _free_port() -> int:
         return port
 
 
+def _wait_until(check: Any, timeout: float, what: str) -> None:
+    """Poll ``check`` until it is true; ServerError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise ServerError(f"{what} within {timeout}s")
+        time.sleep(0.05)
+
+
 # Servers still running at interpreter exit are stopped, so none outlives a test session.
 _RUNNING: set[RedisServer] = set()
 
@@ -425,13 +434,7 @@ class SentinelGroup:
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return ";".join(f"{scheme}://{auth}{HOST}:{s.port}/{db}" for s in self.sentinels)
 
-    @staticmethod
-    def _wait(check: Any, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > deadline:
-                raise ServerError(f"{what} within {timeout}s")
-            time.sleep(0.05)
+    _wait = staticmethod(_wait_until)
 
     def __enter__(self) -> SentinelGroup:
         return self.start()
@@ -580,13 +583,7 @@ class ClusterGroup:
         assert winner is not None
         return winner
 
-    @staticmethod
-    def _wait(check: Any, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > deadline:
-                raise ServerError(f"{what} within {timeout}s")
-            time.sleep(0.05)
+    _wait = staticmethod(_wait_until)
 
     def __enter__(self) -> ClusterGroup:
         return self.start()

@@ -53,13 +53,17 @@ def compose_config(path: Path, **env: str) -> subprocess.CompletedProcess[str]:
                           timeout=120)
 
 
-@pytest.fixture(scope="module")
-def resolved() -> dict[str, Any]:
-    """The stack as Compose resolves it (anchors merged, variables filled in)."""
-    result = compose_config(FILE, CELERY_EXT_DASHBOARD_TOKEN="s3cret")
+def resolve(path: Path) -> dict[str, Any]:
+    """A stack file as Compose resolves it (anchors merged, variables filled in)."""
+    result = compose_config(path, CELERY_EXT_DASHBOARD_TOKEN="s3cret")
     assert result.returncode == 0, result.stderr
     config: dict[str, Any] = yaml.safe_load(result.stdout)
     return config
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict[str, Any]:
+    return resolve(FILE)
 
 
 def test_the_validator_rejects_what_the_specification_does(tmp_path: Path) -> None:
@@ -220,10 +224,7 @@ NODES = tuple(f"valkey-{n}" for n in range(1, 7))
 
 @pytest.fixture(scope="module")
 def cluster_resolved() -> dict[str, Any]:
-    result = compose_config(CLUSTER_FILE, CELERY_EXT_DASHBOARD_TOKEN="s3cret")
-    assert result.returncode == 0, result.stderr
-    config: dict[str, Any] = yaml.safe_load(result.stdout)
-    return config
+    return resolve(CLUSTER_FILE)
 
 
 def test_the_cluster_file_is_valid_and_needs_the_token(tmp_path: Path) -> None:
