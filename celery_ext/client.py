@@ -25,7 +25,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps
 
 from .config import Settings
-from .connections import client_from_url
+from .connections import client_from_url, cluster_client, cluster_config
 from .dead import split_record
 from .fair import message_fair_key
 from .job_index import index_keys, index_ttl_ms
@@ -188,6 +188,9 @@ class Client:
     @classmethod
     def from_app(cls, app: Any) -> Client:
         """Connect like ``app``'s broker does (URL, TLS, transport options)."""
+        cluster = _cluster_client(app)
+        if cluster is not None:
+            return cls(cluster, Settings.load(app.conf.broker_transport_options))
         with app.connection_for_write() as conn:
             channel = conn.default_channel
             if not hasattr(channel, "settings"):
@@ -513,6 +516,11 @@ class Client:
     def for_app(cls, app: Any) -> Client:
         """Like :meth:`from_app`, keeping ``app`` for :meth:`job`; fails within seconds
         (one connection retry) when Redis is down."""
+        cluster = _cluster_client(app)
+        if cluster is not None:
+            client = cls(cluster, Settings.load(app.conf.broker_transport_options))
+            client.app = app
+            return client
         with app.connection_for_write() as conn:
             channel = conn.channel()
             try:
@@ -648,3 +656,19 @@ from .periodic import PeriodicEntry, entry_rows, run_now, set_paused  # noqa: E4
 from .reaper import Reaper, ReapResult  # noqa: E402
 from .search import Filters, SetSearch, parse_cursor  # noqa: E402
 from .status import JobLookup, JobStatus  # noqa: E402
+
+
+def _cluster_client(app: Any) -> Any:
+    """A RedisCluster client when ``app``'s broker is a cluster (transport option
+    ``cluster``), else None: the transport itself does not run on a cluster yet, so the
+    client is built from the URL and options (``broker_use_ssl`` for TLS) without it."""
+    conf = app.conf
+    urls = [u for u in (conf.broker_write_url, conf.broker_url) if isinstance(u, str) and u]
+    config = cluster_config(urls[:1], conf.broker_transport_options)
+    if config is None:
+        return None
+    params: dict[str, Any] = {"socket_timeout": Settings.load(
+        conf.broker_transport_options).reply_timeout}
+    if isinstance(conf.broker_use_ssl, dict):
+        params.update(conf.broker_use_ssl)
+    return cluster_client(config, params)

@@ -25,12 +25,23 @@ whose master moved closes its idle connections. A connection that finds the old
 master demoted (``READONLY``) is closed and the error becomes a ``ConnectionError``,
 so every caller handles a failover as the connection cut it is.
 
-A Redis Cluster variant fits here too: a second config type beside
-:class:`SentinelConfig` and one more branch in :func:`connection_pool`.
+Redis Cluster follows Kombu's conventions too: a seed URL (any reachable master; more
+seeds ``;``-separated) plus a transport option::
+
+    broker_url = "celery-ext://:secret@seed-host:6379/0"
+    broker_transport_options = {"cluster": True}
+
+A cluster has only db 0; TLS (``celery-exts://``) and the password work as on one node.
+:func:`cluster_client` builds redis-py's :class:`~redis.cluster.RedisCluster`, which owns
+slot routing, MOVED/ASK and topology refresh. Today the CLI, the dashboard and
+:class:`~celery_ext.client.Client` connect to a cluster; the transport does not run
+on one yet (see docs/cluster.md), and a worker or producer with ``cluster`` set stops
+with :data:`CLUSTER_NOT_YET`.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,15 +49,29 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 from redis import sentinel as _sentinel
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException
 
 from .config import (
     SENTINEL_SCHEME,
     TLS_SENTINEL_SCHEME,
     ConfigError,
+    _bool,
     mask_url,
     redis_url,
 )
 
+#: Transport option that says the URL's server is a seed node of a Redis Cluster.
+CLUSTER_OPTION = "cluster"
+#: Environment variable that overrides the option (compose files set it).
+CLUSTER_ENV = "CELERY_EXT_CLUSTER"
+#: Port of a cluster seed URL without one (Redis's default).
+DEFAULT_CLUSTER_PORT = 6379
+#: The one line a worker or producer configured for a cluster stops with.
+CLUSTER_NOT_YET = (
+    "celery_ext: cluster mode (broker_transport_options={'cluster': True}) is not available "
+    "for workers and producers yet in this version; the CLI, the dashboard and "
+    "celery_ext.client.Client can connect to a cluster (see docs/cluster.md)")
 #: Port of a sentinel URL without one (Redis Sentinel's own default).
 DEFAULT_SENTINEL_PORT = 26379
 #: Transport options that describe the Sentinel setup (Kombu's names).
@@ -72,6 +97,98 @@ class SentinelConfig:
     def server_id(self) -> str:
         """Stable name of the server behind the sentinels (the master moves, this does not)."""
         return f"sentinel:{self.master_name}/{self.db}"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The seed nodes and credentials of a Redis Cluster, read from a broker URL."""
+
+    seeds: tuple[tuple[str, int], ...]
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    #: Connection keywords from the URL's query (``ssl_cert_reqs``, timeouts, ...).
+    query: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def server_id(self) -> str:
+        """Stable name of the cluster (the first seed; masters move, the name does not)."""
+        host, port = self.seeds[0]
+        return f"cluster:{host}:{port}"
+
+
+def cluster_config(urls: Iterable[str], options: Mapping[str, Any] | None = None,
+                   environ: Mapping[str, str] | None = None) -> ClusterConfig | None:
+    """The cluster setup of ``urls`` (each one URL, or ``;``-separated seeds) when the
+    transport ``options`` say ``cluster`` (overridden by ``CELERY_EXT_CLUSTER``, as the
+    settings are by theirs); None otherwise. Raises ConfigError (one line, password
+    masked) for a db other than 0, a sentinel URL, or an unreadable port."""
+    from redis.connection import parse_url
+
+    environ = os.environ if environ is None else environ
+    raw = environ.get(CLUSTER_ENV, (options or {}).get(CLUSTER_OPTION))
+    try:
+        wanted = _bool(raw) if raw is not None else False
+    except ValueError:
+        raise ConfigError(f"celery_ext: transport option {CLUSTER_OPTION!r} must be true or "
+                          f"false, got {raw!r}") from None
+    if not wanted:
+        return None
+    seeds: list[tuple[str, int]] = []
+    username = password = None
+    tls = False
+    query: dict[str, Any] = {}
+    for one in (u.strip() for entry in urls for u in entry.split(";")):
+        if not one:
+            continue
+        shown = mask_url(one)
+        if is_sentinel_url(one):
+            raise ConfigError(f"celery_ext: broker URL {shown}: a cluster is reached through "
+                              "its own nodes, not sentinels (drop 'cluster' or the +sentinel)")
+        try:
+            kwargs = parse_url(redis_url(one))
+        except ValueError:
+            raise ConfigError(f"celery_ext: broker URL {shown}: cannot read host:port (the "
+                              "port must be a whole number 0-65535)") from None
+        if int(kwargs.pop("db", 0) or 0) != 0:
+            raise ConfigError(f"celery_ext: broker URL {shown}: a Redis Cluster has only db 0 "
+                              "(end the URL with /0 or nothing)")
+        seeds.append((str(kwargs.pop("host", "127.0.0.1")),
+                      int(kwargs.pop("port", DEFAULT_CLUSTER_PORT))))
+        tls = tls or kwargs.pop("connection_class", None) is redis.SSLConnection
+        if password is None and kwargs.get("password"):
+            username, password = kwargs.get("username"), kwargs["password"]
+        kwargs.pop("username", None)
+        kwargs.pop("password", None)
+        query.update(kwargs)
+    if not seeds:
+        raise ConfigError("celery_ext: the 'cluster' transport option needs a broker URL "
+                          "naming at least one node of the cluster")
+    return ClusterConfig(seeds=tuple(seeds), username=username, password=password, tls=tls,
+                         query=query)
+
+
+def cluster_client(config: ClusterConfig, params: Mapping[str, Any] | None = None
+                   ) -> RedisCluster:
+    """redis-py's :class:`~redis.cluster.RedisCluster` for ``config``; ``params`` are
+    connection keywords (timeouts, TLS options) applied to every node's connections.
+    Slot routing, MOVED/ASK and a failover's new topology are redis-py's business.
+    Raises ``redis.ConnectionError`` when no seed gives the slot map."""
+    kwargs: dict[str, Any] = {k: v for k, v in (params or {}).items()
+                              if k not in ("host", "port", "db", "path", "connection_class")}
+    kwargs.update(config.query)
+    if config.password is not None:
+        kwargs["username"], kwargs["password"] = config.username, config.password
+    if config.tls:
+        kwargs["ssl"] = True
+        kwargs.setdefault("ssl_cert_reqs", "required")  # secure by default, as on one node
+    nodes = [ClusterNode(host, port) for host, port in config.seeds]
+    try:
+        return RedisCluster(startup_nodes=nodes, **kwargs)
+    except RedisClusterException as exc:
+        # It asks the seeds for the slot map at once; no seed answering (or refusing
+        # the password) is a connection failure to every caller, as on one node.
+        raise redis.ConnectionError(str(exc)) from None
 
 
 def is_sentinel_url(url: str) -> bool:
@@ -177,9 +294,13 @@ def close_pool(pool: Any) -> None:
         manager.close()
 
 
-def client_from_url(url: str, options: Mapping[str, Any] | None = None) -> redis.Redis:
+def client_from_url(url: str, options: Mapping[str, Any] | None = None) -> Any:
     """A synchronous client for a broker URL of ours (or ``redis://``): for tools that
-    have a URL and no Celery app (``Client.from_url``, the demo)."""
+    have a URL and no Celery app (``Client.from_url``, the demo). With the ``cluster``
+    option it is a :class:`~redis.cluster.RedisCluster`."""
+    cluster = cluster_config([url], options)
+    if cluster is not None:
+        return cluster_client(cluster)
     config = sentinel_config([url], options)
     if config is None:
         return redis.Redis.from_url(redis_url(url))

@@ -29,7 +29,8 @@ from urllib.parse import quote
 
 import redis
 
-__all__ = ["RedisServer", "SentinelGroup", "SentinelServer", "ServerError", "find_server_binary"]
+__all__ = ["ClusterGroup", "RedisServer", "SentinelGroup", "SentinelServer", "ServerError",
+           "find_server_binary"]
 
 HOST = "127.0.0.1"
 _BINARIES = ("redis-server", "valkey-server")
@@ -65,6 +66,15 @@ def _free_port() -> int:
         sock.bind((HOST, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def _wait_until(check: Any, timeout: float, what: str) -> None:
+    """Poll ``check`` until it is true; ServerError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise ServerError(f"{what} within {timeout}s")
+        time.sleep(0.05)
 
 
 # Servers still running at interpreter exit are stopped, so none outlives a test session.
@@ -424,13 +434,7 @@ class SentinelGroup:
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return ";".join(f"{scheme}://{auth}{HOST}:{s.port}/{db}" for s in self.sentinels)
 
-    @staticmethod
-    def _wait(check: Any, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > deadline:
-                raise ServerError(f"{what} within {timeout}s")
-            time.sleep(0.05)
+    _wait = staticmethod(_wait_until)
 
     def __enter__(self) -> SentinelGroup:
         return self.start()
@@ -438,6 +442,212 @@ class SentinelGroup:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+#: Hash slots of a Redis Cluster (CRC16 of the key or its hash tag, mod 16384).
+CLUSTER_SLOTS = 16384
+
+
+class ClusterGroup:
+    """A Redis/Valkey Cluster on 127.0.0.1: ``masters`` primaries sharing the 16384 hash
+    slots evenly, each with ``replicas`` replicas, for tests, chaos scenarios and
+    benchmarks. It is built with plain cluster commands (ADDSLOTSRANGE, MEET, REPLICATE)
+    through redis-py, so it needs the server binary only, not a ``*-cli``.
+
+    ``node_timeout_ms`` is short by default: a SIGKILLed master is replaced by its
+    replica within about 2-3 s (:meth:`kill_master`, :meth:`wait_promoted`)."""
+
+    def __init__(self, *, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000,
+                 password: str | None = None, appendonly: bool = False) -> None:
+        if masters < 1 or replicas < 0:
+            raise ValueError("a cluster needs at least one master and no negative replicas")
+        self.password = password
+        self.node_timeout_ms = node_timeout_ms
+        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(node_timeout_ms),
+                # A replica takes over however long its link was down (tests kill at will).
+                "--cluster-replica-validity-factor", "0",
+                "--repl-diskless-sync-delay", "0"]
+        if password:
+            args += ["--masterauth", password]
+        #: servers[i] for i < masters are the first masters; then replicas, in master order.
+        # The cluster bus port is picked too: the default (port + 10000) does not
+        # exist for a free port above 55535.
+        count = masters * (1 + replicas)
+        self._bus_ports = [_free_port() for _ in range(count)]
+        self.servers = [RedisServer(password=password, appendonly=appendonly,
+                                    appendfsync="everysec",
+                                    extra_args=[*args, "--cluster-port", str(bus)])
+                        for bus in self._bus_ports]
+        self.masters_count = masters
+        self.replicas_count = replicas
+        #: Node id of each server, known once started.
+        self.node_ids: dict[RedisServer, str] = {}
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self, timeout: float = 20.0) -> ClusterGroup:
+        """Start every node, assign the slots, join the nodes, attach the replicas and
+        wait until every node reports ``cluster_state:ok``; returns self."""
+        try:
+            for server in self.servers:
+                server.start()
+                with server.client(socket_timeout=2.0) as c:
+                    self.node_ids[server] = _text(c.execute_command("CLUSTER", "MYID"))
+            masters = self.servers[:self.masters_count]
+            per = CLUSTER_SLOTS // len(masters)
+            for i, master in enumerate(masters):
+                first = i * per
+                last = CLUSTER_SLOTS - 1 if i == len(masters) - 1 else first + per - 1
+                with master.client(socket_timeout=2.0) as c:
+                    c.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+            seed = self.servers[0]
+            with seed.client(socket_timeout=2.0) as c:
+                for other, bus in zip(self.servers[1:], self._bus_ports[1:], strict=True):
+                    c.execute_command("CLUSTER", "MEET", HOST, other.port, bus)
+            total = len(self.servers)
+            self._wait(lambda: all(_known_nodes(s) >= total for s in self.servers), timeout,
+                       "the cluster nodes did not all meet")
+            for n, replica in enumerate(self.servers[self.masters_count:]):
+                master = masters[n // self.replicas_count]
+                with replica.client(socket_timeout=2.0) as c:
+                    c.execute_command("CLUSTER", "REPLICATE", self.node_ids[master])
+            self._wait(lambda: all(_link_up(r) for r in self.replica_servers()), timeout,
+                       "the replicas did not sync with their masters")
+            self._wait(self.healthy, timeout, "the cluster did not reach cluster_state:ok")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    # -- views -----------------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        """Every running node reports ``cluster_state:ok`` and all slots served."""
+        running = [s for s in self.servers if s.running]
+        return bool(running) and all(_cluster_ok(s) for s in running)
+
+    def master_servers(self) -> list[RedisServer]:
+        """The running servers that are masters now (a promoted replica counts)."""
+        return [s for s in self.servers if s.running and _role(s) == "master"]
+
+    def replica_servers(self) -> list[RedisServer]:
+        """The running servers that are replicas now."""
+        return [s for s in self.servers if s.running and _role(s) == "slave"]
+
+    def master_of(self, key: str) -> RedisServer:
+        """The running master serving ``key``'s hash slot (as the running nodes see it)."""
+        for server in self.master_servers():
+            with server.client(socket_timeout=2.0) as c:
+                slot = int(c.execute_command("CLUSTER", "KEYSLOT", key))
+                if slot in _own_slots(c):
+                    return server
+        raise ServerError(f"no running master serves the slot of {key!r}")
+
+    def url(self, scheme: str = "celery-ext", db: int = 0) -> str:
+        """A seed URL (the first running master); pair it with the ``cluster`` option."""
+        seed = next(s for s in self.servers if s.running)
+        return seed.url(scheme=scheme, db=db)
+
+    def startup_nodes(self) -> list[tuple[str, int]]:
+        """(host, port) of every running node."""
+        return [(HOST, s.port) for s in self.servers if s.running]
+
+    # -- failover --------------------------------------------------------------------
+
+    def kill_master(self, server: RedisServer) -> None:
+        """SIGKILL the master ``server``, as a crash would (its data dir is kept)."""
+        if server not in self.master_servers():
+            raise ServerError(f"{server!r} is not a running master")
+        server.kill()
+
+    def wait_promoted(self, killed: RedisServer, timeout: float = 15.0) -> RedisServer:
+        """Wait until a replica of the killed master is a master and the cluster is ok
+        again; returns the promoted server."""
+        killed_id = self.node_ids[killed]
+        replicas = [s for s in self.servers if s.running and _master_id(s) == killed_id]
+        if not replicas:
+            raise ServerError(f"{killed!r} has no running replica to promote")
+
+        def promoted() -> RedisServer | None:
+            return next((r for r in replicas if _role(r) == "master"), None)
+
+        self._wait(lambda: promoted() is not None and self.healthy(), timeout,
+                   "no replica was promoted to master")
+        winner = promoted()
+        assert winner is not None
+        return winner
+
+    _wait = staticmethod(_wait_until)
+
+    def __enter__(self) -> ClusterGroup:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _cluster_info(server: RedisServer) -> dict[str, str]:
+    try:
+        with server.client(socket_timeout=1.0) as c:
+            raw = _text(c.execute_command("CLUSTER", "INFO"))
+    except redis.RedisError:
+        return {}
+    return dict(line.split(":", 1) for line in raw.splitlines() if ":" in line)
+
+
+def _cluster_ok(server: RedisServer) -> bool:
+    info = _cluster_info(server)
+    return info.get("cluster_state") == "ok" and info.get("cluster_slots_ok") == str(CLUSTER_SLOTS)
+
+
+def _known_nodes(server: RedisServer) -> int:
+    return int(_cluster_info(server).get("cluster_known_nodes", 0))
+
+
+def _myself(server: RedisServer) -> list[str]:
+    """The ``myself`` line of CLUSTER NODES, split: id, addr, flags, master id, ..."""
+    try:
+        with server.client(socket_timeout=1.0) as c:
+            raw = _text(c.execute_command("CLUSTER", "NODES"))
+    except redis.RedisError:
+        return []
+    return next((line.split() for line in raw.splitlines() if "myself" in line), [])
+
+
+def _role(server: RedisServer) -> str | None:
+    fields = _myself(server)
+    if not fields:
+        return None
+    flags = fields[2].split(",")
+    return "master" if "master" in flags else "slave" if "slave" in flags else None
+
+
+def _master_id(server: RedisServer) -> str | None:
+    fields = _myself(server)
+    return fields[3] if len(fields) > 3 and fields[3] != "-" else None
+
+
+def _own_slots(client: redis.Redis) -> set[int]:
+    """Hash slots the node behind ``client`` serves as master (from its CLUSTER NODES)."""
+    raw = _text(client.execute_command("CLUSTER", "NODES"))
+    mine = next((line.split() for line in raw.splitlines() if "myself" in line), [])
+    slots: set[int] = set()
+    for part in mine[8:]:
+        if part.startswith("["):  # a slot being migrated: not served here yet
+            continue
+        first, _, last = part.partition("-")
+        slots.update(range(int(first), int(last or first) + 1))
+    return slots
 
 
 def _link_up(replica: RedisServer) -> bool:

@@ -50,7 +50,7 @@ from kombu.utils.json import loads
 from . import connections
 from . import scripts as _scripts
 from .clock import now_s
-from .config import TLS_SCHEME, TLS_SENTINEL_SCHEME, Settings
+from .config import TLS_SCHEME, TLS_SENTINEL_SCHEME, ConfigError, Settings
 from .dead import dead_letter, one_line
 from .envelope import envelope_problem
 from .errors import CONNECTION_ERRORS, BrokerOutOfMemory, job_name
@@ -886,6 +886,11 @@ class Transport(kredis.Transport):
         super().__init__(*args, **kwargs)
         self.cycle = MultiChannelPoller()
         self.settings = Settings.load(self.client.transport_options)
+        c = self.client  # (as_uri would build this transport again)
+        db = (c.virtual_host or "").strip("/")
+        urls = c.alt or [f"redis://{c.hostname}:{c.port or 6379}/{db}"]
+        if connections.cluster_config(urls, c.transport_options):
+            raise ConfigError(connections.CLUSTER_NOT_YET)  # producers too: not half-working
         # Fix the pool id now, before a prefork pool forks: children then know which
         # pool owns the jobs they run (their busy records and checkins name it).
         current_pool_id()

@@ -2,7 +2,9 @@
 
 Load it with ``app.config_from_object("config.celeryconfig")``. The broker URL comes
 from ``CELERY_EXT_BROKER_URL`` (the demo sets it to an embedded server); results go
-to the same server, db 1, over plain ``redis://``.
+to the same server, db 1, over plain ``redis://``, unless ``CELERY_EXT_RESULT_BACKEND``
+names another (a Redis Cluster has no db 1, and Celery's Redis backend does not speak
+cluster: the cluster compose file gives results a server of their own).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ broker_url = os.environ.get("CELERY_EXT_BROKER_URL", "celery-ext://127.0.0.1:637
 
 _parts = urlsplit(broker_url)
 _scheme = "rediss" if _parts.scheme == "celery-exts" else "redis"
-result_backend = urlunsplit((_scheme, _parts.netloc, "/1", _parts.query, ""))
+result_backend = os.environ.get("CELERY_EXT_RESULT_BACKEND") or urlunsplit(
+    (_scheme, _parts.netloc, "/1", _parts.query, ""))
 
 # celery_ext settings (each also overridable by a CELERY_EXT_<NAME> environment variable).
 broker_transport_options = {

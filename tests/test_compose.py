@@ -5,7 +5,9 @@ missing, like the browser test's chromium) validates the file against its Compos
 specification schema and resolves it with ``config``, which needs no engine. The
 resolved file is then checked for what the README promises: AOF on, noeviction,
 health checks that ask the real thing, restart policies, one image built from
-compose/Dockerfile. ``valkey.conf`` itself is loaded by a real server.
+compose/Dockerfile. ``valkey.conf`` itself is loaded by a real server. The cluster
+variant (``docker-compose.cluster.yml``) is checked the same way, and its node commands
+and one-shot init script are run against real servers to build a cluster.
 """
 
 from __future__ import annotations
@@ -51,13 +53,17 @@ def compose_config(path: Path, **env: str) -> subprocess.CompletedProcess[str]:
                           timeout=120)
 
 
-@pytest.fixture(scope="module")
-def resolved() -> dict[str, Any]:
-    """The stack as Compose resolves it (anchors merged, variables filled in)."""
-    result = compose_config(FILE, CELERY_EXT_DASHBOARD_TOKEN="s3cret")
+def resolve(path: Path) -> dict[str, Any]:
+    """A stack file as Compose resolves it (anchors merged, variables filled in)."""
+    result = compose_config(path, CELERY_EXT_DASHBOARD_TOKEN="s3cret")
     assert result.returncode == 0, result.stderr
     config: dict[str, Any] = yaml.safe_load(result.stdout)
     return config
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict[str, Any]:
+    return resolve(FILE)
 
 
 def test_the_validator_rejects_what_the_specification_does(tmp_path: Path) -> None:
@@ -208,3 +214,124 @@ def test_the_health_checks_pass_against_real_services_and_fail_for_another_pool(
         assert run(web_check, CELERY_EXT_WEB_TOKEN="wrong").returncode != 0
     finally:
         web.stop(timeout=10)
+
+
+# -- the cluster variant -----------------------------------------------------------------------
+
+CLUSTER_FILE = COMPOSE / "docker-compose.cluster.yml"
+NODES = tuple(f"valkey-{n}" for n in range(1, 7))
+
+
+@pytest.fixture(scope="module")
+def cluster_resolved() -> dict[str, Any]:
+    return resolve(CLUSTER_FILE)
+
+
+def test_the_cluster_file_is_valid_and_needs_the_token(tmp_path: Path) -> None:
+    assert "CELERY_EXT_DASHBOARD_TOKEN" in compose_config(CLUSTER_FILE).stderr
+    broken = yaml.safe_load(CLUSTER_FILE.read_text())
+    broken["services"]["cluster-init"]["restart_when"] = "never"
+    path = tmp_path / "docker-compose.cluster.yml"
+    path.write_text(yaml.safe_dump(broken))
+    result = compose_config(path, CELERY_EXT_DASHBOARD_TOKEN="s3cret")
+    assert result.returncode != 0 and "restart_when" in result.stderr
+
+
+def test_the_cluster_nodes_are_durable_and_each_has_its_own_data(
+        cluster_resolved: dict[str, Any]) -> None:
+    services = cluster_resolved["services"]
+    assert set(services) == {*NODES, "cluster-init", "results", *APP_SERVICES}
+    data = set()
+    for name in NODES:
+        node = services[name]
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in node["volumes"]}
+        # The single-node file's valkey.conf (AOF always, noeviction: checked above).
+        assert Path(mounts["/etc/valkey/valkey.conf"]).resolve() == (COMPOSE / "valkey.conf"
+                                                                     ).resolve(), name
+        data.add(mounts["/data"])
+        command = " ".join(node["command"])
+        assert "/etc/valkey/valkey.conf --cluster-enabled yes" in command, name
+        assert "valkey-cli ping" in " ".join(node["healthcheck"]["test"]), name
+        assert node["restart"] == "unless-stopped" and node["hostname"] == name
+    assert len(data) == len(NODES)  # no two nodes share an AOF
+
+    init = services["cluster-init"]
+    script = init["command"][-1]
+    assert "--cluster create " + " ".join(f"{n}:6379" for n in NODES) in script
+    assert "--cluster-replicas 1" in script  # 6 nodes: 3 masters + 1 replica each
+    assert init["restart"] == "no"
+    assert {n: c["condition"] for n, c in init["depends_on"].items()} == dict.fromkeys(
+        NODES, "service_healthy")
+
+
+def test_the_cluster_apps_use_the_cluster_option(cluster_resolved: dict[str, Any]) -> None:
+    services = cluster_resolved["services"]
+    for name in APP_SERVICES:
+        service = services[name]
+        env = service["environment"]
+        assert env["CELERY_EXT_CLUSTER"] == "1", name
+        seeds = env["CELERY_EXT_BROKER_URL"].split(";")
+        assert seeds and all(s.startswith("celery-ext://valkey-") and s.endswith(":6379/0")
+                             for s in seeds), name
+        assert not env["CELERY_EXT_RESULT_BACKEND"].startswith("redis://valkey-"), name
+        assert service["depends_on"]["cluster-init"]["condition"] \
+            == "service_completed_successfully", name
+        assert (Path(service["build"]["context"]) / service["build"]["dockerfile"]).resolve() \
+            == (COMPOSE / "Dockerfile").resolve(), name
+    # What the transport cannot run yet starts only on request.
+    assert services["worker"]["profiles"] == services["flower"]["profiles"] == ["transport"]
+    assert "profiles" not in services["dashboard"]
+
+
+def test_the_cluster_node_and_init_commands_build_a_real_cluster(
+        cluster_resolved: dict[str, Any], tmp_path: Path) -> None:
+    """Each node's command and the init service's script, run as the containers would
+    (their names replaced by loopback ports), make a working 3-master cluster; a
+    second run of the init leaves it alone."""
+    services = cluster_resolved["services"]
+    binary = Path(find_server_binary())
+    cli = binary.parent / binary.name.replace("-server", "-cli")
+    if not cli.is_file():
+        pytest.skip(f"no {cli.name} next to {binary}")
+    ports = {name: free_port() for name in NODES}
+    procs = []
+    try:
+        for name in NODES:
+            script = services[name]["command"][-1].replace("$$", "$")
+            script = script.replace("valkey-server ", f"{binary} ", 1).replace(
+                "/etc/valkey/valkey.conf", str(COMPOSE / "valkey.conf"))
+            data = tmp_path / name
+            data.mkdir()
+            script += (f" --port {ports[name]} --bind 127.0.0.1 --dir {data}"
+                       f" --cluster-port {free_port()} --appendfsync everysec")
+            procs.append(subprocess.Popen(
+                ["sh", "-c", script], env={**os.environ, "HOSTNAME": name},
+                stdin=subprocess.DEVNULL, stdout=(data / "log").open("wb"),
+                stderr=subprocess.STDOUT))
+        clients = [redis.Redis(port=p, socket_timeout=2, decode_responses=True)
+                   for p in ports.values()]
+
+        def up() -> bool:
+            try:
+                return all(c.ping() for c in clients)
+            except redis.ConnectionError:
+                return False
+
+        wait_for(up, 15, "the cluster nodes")
+        init = services["cluster-init"]["command"][-1].replace("valkey-cli", str(cli))
+        for name, port in ports.items():
+            init = init.replace(f"-h {name} ", f"-h 127.0.0.1 -p {port} ")
+            init = init.replace(f"{name}:6379", f"127.0.0.1:{port}")
+        for _ in range(2):  # the second run finds the cluster and leaves it alone
+            done = subprocess.run(["timeout", "60", "sh", "-c", init], capture_output=True,
+                                  text=True, timeout=70)
+            assert done.returncode == 0, done.stdout + done.stderr
+        roles = [c.info("replication")["role"] for c in clients]
+        assert sorted(roles) == ["master"] * 3 + ["slave"] * 3
+        assert all(c.config_get("appendonly")["appendonly"] == "yes" for c in clients)
+        assert clients[0].cluster("info")["cluster_state"] == "ok"
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(15)
