@@ -137,17 +137,30 @@ def _args_of(body: Any) -> tuple[Any, Any]:
     return (), {}
 
 
+def _declaring_task(name: str) -> Any:
+    """The task named ``name`` that declares ``fair_by``, in the current app or else in
+    any other app of this process: the signal does not say which app publishes, and the
+    current app is not always the publisher (several apps in one process, or apps made
+    with ``set_as_current=False``). Registries are read as they are (``.tasks`` would
+    finalize an app that may not want it)."""
+    from celery._state import _get_active_apps, get_current_app
+
+    for app in (get_current_app(), *_get_active_apps()):
+        task = app._tasks.get(name)
+        if task is not None and getattr(task, "fair_by", None) is not None:
+            return task
+    return None
+
+
 def _on_before_publish(sender: Any = None, body: Any = None, headers: Any = None,
                        properties: Any = None, **_: Any) -> None:
     """Set the ``fair_key`` property of a job about to be published (module docstring)."""
     if not isinstance(properties, dict) or properties.get(PROPERTY) is not None:
         return
     from celery import current_task
-    from celery._state import get_current_app
 
-    # The registry as it is (``.tasks`` would finalize an app that may not want it).
-    task = get_current_app()._tasks.get(sender) if sender else None
-    if task is not None and getattr(task, "fair_by", None) is not None:
+    task = _declaring_task(sender) if sender else None
+    if task is not None:
         key = key_for(task, *_args_of(body))
     else:
         # A retry of a job given its key per call: the request being retried has it.

@@ -63,6 +63,20 @@ def fair_leftovers(client: redis.Redis) -> list[bytes]:
             + [f for f in client.hkeys(K.running) if b"\n" in f])
 
 
+def test_the_key_is_computed_whichever_app_is_current(installed: Any,
+                                                      redis_client: redis.Redis) -> None:
+    """The publish signal does not say which app publishes: the task is found in the
+    app that declares it even when another app is the current one (several apps in one
+    process)."""
+    other = Celery("another-app")
+    other.set_current()
+    try:
+        installed.work.apply_async(("T", 1))
+    finally:
+        proj.app.set_current()
+    assert redis_client.llen(K.fair_queue("tests.proj_fair.work", "T")) == 1
+
+
 # -- end to end ----------------------------------------------------------------------------------
 
 
