@@ -57,7 +57,7 @@ from .errors import CONNECTION_ERRORS, BrokerOutOfMemory, job_name
 from .fair import connect as connect_fair_keys
 from .heartbeater import current_pool_id
 from .keys import LEVEL_SEP, Keys
-from .pool import WorkerPool, pool_for
+from .pool import WorkerPool, on_loop_close, on_loop_tick, pool_for
 from .producer import Enqueuer, ReplicatedPublishBatch
 from .readiness import ReadyQueues
 from .weights import weight_of
@@ -203,6 +203,9 @@ class Channel(kredis.Channel):
         self._worker_pool: WorkerPool | None = None
         #: A tracked fetch was sent and its reply not read yet.
         self._fetch_pending = False
+        #: The worker's concurrency (set by its consumer step): while the process holds
+        #: at least this many jobs, a fetch waits until it can take this many.
+        self.fetch_min = 1
         #: The event-loop timer that wakes rate-limited queues, and when it fires.
         self._throttle_timer: Any = None
         self._throttle_timer_at: float | None = None
@@ -590,6 +593,10 @@ class Channel(kredis.Channel):
         n = self.settings.fetch_batch if credit is None else min(credit, self.settings.fetch_batch)
         if n <= 0:
             return
+        if n < self.fetch_min and len(self.qos._delivered) >= self.fetch_min:
+            # Every slot has a job: fetch a few at once rather than one per finished job
+            # (fewer round trips and fetch scripts per job, none while a slot may wait).
+            return
         picks = ready.take(n)
         no_ack = self._no_ack_queues
         flags = "".join("0" if q in no_ack else "1" for q in picks)
@@ -907,6 +914,9 @@ class Transport(kredis.Transport):
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)
         self.event_loop = loop
+        # Acks made in the loop's thread are written once per turn (WorkerPool.ack).
+        loop.on_tick.add(on_loop_tick)
+        loop.on_close.add(on_loop_close)
         cycle = self.cycle
         old = getattr(cycle, "_ready_refresh_tref", None)
         if old is not None:
