@@ -427,7 +427,7 @@ def on_loop_tick() -> None:
         pool.on_loop_tick()
 
 
-def on_loop_close() -> None:
+def on_loop_close(*_: Any) -> None:
     """The event loop closed: the pools write acks at once again."""
     for pool in list(_pools.values()):
         pool.event_loop_gone()

@@ -579,6 +579,8 @@ class Channel(kredis.Channel):
         """Send one fetch (instead of BRPOP) for up to the free prefetch slots; first
         make the pool's in-flight record match what the process holds, if needed."""
         if self._worker_pool is not None:
+            # Acks this turn made are written before the fetch they make room for.
+            self._worker_pool.flush_acks()
             try:
                 self._worker_pool.maybe_reconcile()
             except CONNECTION_ERRORS as exc:
