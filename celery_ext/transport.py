@@ -595,7 +595,8 @@ class Channel(kredis.Channel):
         n = self.settings.fetch_batch if credit is None else min(credit, self.settings.fetch_batch)
         if n <= 0:
             return
-        if n < self.fetch_min and len(self.qos._delivered) >= self.fetch_min:
+        if (n < min(self.fetch_min, self.settings.fetch_batch)
+                and len(self.qos._delivered) >= self.fetch_min):
             # Every slot has a job: fetch a few at once rather than one per finished job
             # (fewer round trips and fetch scripts per job, none while a slot may wait).
             return
