@@ -68,6 +68,14 @@ logger = logging.getLogger("celery_ext.transport")
 connect_fair_keys()
 
 
+def fetch_waits(free: int, held: int, concurrency: int, batch: int) -> bool:
+    """Whether a fetch for ``free`` prefetch slots waits: every execution slot has a job
+    (``held`` >= ``concurrency``) and fewer than a pool's worth (at most ``batch``) are
+    free. Fetching a few at once rather than one per finished job costs fewer round trips
+    and fetch scripts per job; a slot that may be idle never waits for it."""
+    return free < min(concurrency, batch) and held >= concurrency
+
+
 class QoS(virtual.QoS):
     """Prefetch accounting in memory; ownership lives in Redis (the in-flight record)
     and in the worker pool of the process (what it holds: ``pool.Holdings``)."""
@@ -595,10 +603,7 @@ class Channel(kredis.Channel):
         n = self.settings.fetch_batch if credit is None else min(credit, self.settings.fetch_batch)
         if n <= 0:
             return
-        if (n < min(self.fetch_min, self.settings.fetch_batch)
-                and len(self.qos._delivered) >= self.fetch_min):
-            # Every slot has a job: fetch a few at once rather than one per finished job
-            # (fewer round trips and fetch scripts per job, none while a slot may wait).
+        if fetch_waits(n, len(self.qos._delivered), self.fetch_min, self.settings.fetch_batch):
             return
         picks = ready.take(n)
         no_ack = self._no_ack_queues
