@@ -11,6 +11,7 @@ import argparse
 import os
 import platform
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -194,5 +195,12 @@ def replot(out: Path, save_chart: bool) -> int:
     return 0
 
 
+def _stop_on_term(signum: int, frame: object) -> None:
+    """SIGTERM (a timeout, CI) unwinds like Ctrl-C: every server and worker the run
+    started is stopped by its context manager instead of left running."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _stop_on_term)
     sys.exit(main())
