@@ -20,8 +20,6 @@ import pytest
 from tests.helpers import wait_for
 from tests.workers import REPO_ROOT
 
-pytest.importorskip("flower", reason="flower is not installed")
-
 #: Shorter reaper timings than the demo's own (it keeps values already set).
 FAST = {"CELERY_EXT_HEARTBEAT_INTERVAL": "0.5", "CELERY_EXT_DEAD_AFTER": "2",
         "CELERY_EXT_REAP_INTERVAL": "0.5"}
