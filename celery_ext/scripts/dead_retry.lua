@@ -17,13 +17,7 @@
 -- A job whose record is gone (retried or deleted by someone else) or changed
 -- since the caller read it is skipped, so pressing "retry" twice requeues once.
 -- Returns the ids requeued.
--- Whether `key` is one of the priority level lists of the job queue whose default
--- level list is `queueKey`: that key itself, or it followed by "\6\22<level>" (keys.py).
-local function is_level_of(key, queueKey)
-  if key == queueKey then return true end
-  return string.sub(key, 1, #queueKey + 2) == queueKey .. '\6\22'
-    and string.find(key, '^%d+$', #queueKey + 3) ~= nil
-end
+-- @include priority
 local indexTtl = tonumber(ARGV[3])
 -- @include job_index
 -- @include fair

@@ -50,13 +50,7 @@ local function parse(rec)
   local nl2 = string.find(rec, '\n', nl1 + 1, true)
   return string.sub(rec, nl1 + 1, nl2 - 1), nl2, nl1
 end
--- Whether `key` is one of the priority level lists of the job queue whose default
--- level list is `queueKey`: that key itself, or it followed by "\6\22<level>" (keys.py).
-local function is_level_of(key, queueKey)
-  if key == queueKey then return true end
-  return string.sub(key, 1, #queueKey + 2) == queueKey .. '\6\22'
-    and string.find(key, '^%d+$', #queueKey + 3) ~= nil
-end
+-- @include priority
 
 local indexTtl = tonumber(ARGV[6])
 -- @include job_index

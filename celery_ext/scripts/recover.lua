@@ -47,13 +47,7 @@ if ARGV[2] == 'pool' then
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('DEL', KEYS[3])
 end
--- Whether `key` is one of the priority level lists of the job queue whose default
--- level list is `queueKey`: that key itself, or it followed by "\6\22<level>" (keys.py).
-local function is_level_of(key, queueKey)
-  if key == queueKey then return true end
-  return string.sub(key, 1, #queueKey + 2) == queueKey .. '\6\22'
-    and string.find(key, '^%d+$', #queueKey + 3) ~= nil
-end
+-- @include priority
 local indexTtl = tonumber(ARGV[9])
 -- @include job_index
 -- @include fair
