@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -52,42 +50,11 @@ def enqueue(n: int, keys: int) -> dict[str, float]:
 
 def measure(jobs: int, keys: int, rounds: int, pool: str, concurrency: int, acks_late: bool,
             out: Path) -> dict[str, Any]:
-    from bench.harness import REPO_ROOT, Bench, median
-    from bench.workloads import drain_once, log, order
+    from bench.workloads import ab_drain
 
-    with Bench.open(out / "logs") as bench:
-        for label in LABELS:
-            bench.flush()
-            done = subprocess.run(
-                [sys.executable, "-m", "bench.fair", "enqueue", "--n", str(jobs),
-                 "--keys", str(keys if label == "fair" else 0)], cwd=REPO_ROOT,
-                env=bench.env("ours"), stdin=subprocess.DEVNULL, capture_output=True,
-                text=True, timeout=60 + jobs * 0.02, check=True)
-            sent = json.loads(done.stdout)
-            snap = bench.snapshot(f"ours/{label}")
-            log(f"  filled {jobs} jobs ({label}) in {sent['seconds']:.1f}s ({snap} keys)")
-        runs: dict[str, list[float]] = {label: [] for label in LABELS}
-        paired: list[float] = []
-        for rnd in range(rounds):
-            rates: dict[str, float] = {}
-            for label in order(rnd, LABELS):
-                res = drain_once(bench, "ours", pool, concurrency, jobs, acks_late,
-                                 tag=f"/{label}")
-                rates[label] = res["jobs_per_s"]
-                runs[label].append(res["jobs_per_s"])
-                log(f"  round {rnd + 1} {label}: {res['jobs_per_s']:.0f} jobs/s (steady "
-                    f"{res['steady_jobs_per_s']:.0f}, main process "
-                    f"{res['worker_main_cpu_us']:.0f} us/job, redis "
-                    f"{res['redis_cpu_us']:.0f} us/job, calls/job {res['redis_calls_per_job']})")
-            paired.append(rates["fair"] / rates["plain"])
-    medians = {label: median(v) for label, v in runs.items()}
-    return {
-        "config": f"{pool} -c {concurrency}, acks {'late' if acks_late else 'early'}",
-        "jobs": jobs, "keys": keys, "rounds": rounds, "jobs_per_s": runs, "medians": medians,
-        "ratio_fair_vs_plain": medians["fair"] / medians["plain"],
-        "paired_ratios": paired, "paired_ratio_median": median(paired),
-        "loadavg": os.getloadavg(),
-    }
+    fill = ["-m", "bench.fair", "enqueue", "--n", str(jobs), "--keys"]
+    return {**ab_drain({"plain": [*fill, "0"], "fair": [*fill, str(keys)]}, jobs, rounds,
+                       pool, concurrency, acks_late, out), "keys": keys}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

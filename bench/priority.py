@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -53,43 +51,11 @@ def enqueue(n: int, priorities: list[int]) -> dict[str, float]:
 
 def measure(jobs: int, rounds: int, pool: str, concurrency: int, acks_late: bool,
             out: Path) -> dict[str, Any]:
-    from bench.harness import REPO_ROOT, Bench, median
-    from bench.workloads import drain_once, log, order
+    from bench.workloads import ab_drain
 
-    with Bench.open(out / "logs") as bench:
-        for label, priorities in CONFIGS.items():
-            bench.flush()
-            done = subprocess.run(
-                [sys.executable, "-m", "bench.priority", "enqueue", "--n", str(jobs),
-                 "--priorities", priorities], cwd=REPO_ROOT, env=bench.env("ours"),
-                stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                timeout=60 + jobs * 0.02, check=True)
-            sent = json.loads(done.stdout)
-            keys = bench.snapshot(f"ours/{label}")
-            log(f"  filled {jobs} jobs ({label}) in {sent['seconds']:.1f}s ({keys} keys)")
-        runs: dict[str, list[float]] = {label: [] for label in CONFIGS}
-        paired: list[float] = []
-        for rnd in range(rounds):
-            rates: dict[str, float] = {}
-            for label in order(rnd, tuple(CONFIGS)):
-                res = drain_once(bench, "ours", pool, concurrency, jobs, acks_late,
-                                 tag=f"/{label}")
-                rates[label] = res["jobs_per_s"]
-                runs[label].append(res["jobs_per_s"])
-                log(f"  round {rnd + 1} {label}: {res['jobs_per_s']:.0f} jobs/s (steady "
-                    f"{res['steady_jobs_per_s']:.0f}, worker {res['worker_cpu_us']:.0f} us/job, "
-                    f"main process {res['worker_main_cpu_us']:.0f}, "
-                    f"redis {res['redis_cpu_us']:.0f} us/job, calls/job "
-                    f"{res['redis_calls_per_job']})")
-            paired.append(rates["spread"] / rates["default"])
-    medians = {label: median(v) for label, v in runs.items()}
-    return {
-        "config": f"{pool} -c {concurrency}, acks {'late' if acks_late else 'early'}",
-        "jobs": jobs, "rounds": rounds, "jobs_per_s": runs, "medians": medians,
-        "ratio_spread_vs_default": medians["spread"] / medians["default"],
-        "paired_ratios": paired, "paired_ratio_median": median(paired),
-        "loadavg": os.getloadavg(),
-    }
+    fill = ["-m", "bench.priority", "enqueue", "--n", str(jobs), "--priorities"]
+    return ab_drain({label: [*fill, prios] for label, prios in CONFIGS.items()}, jobs,
+                    rounds, pool, concurrency, acks_late, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

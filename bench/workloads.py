@@ -3,11 +3,15 @@ on the same server and returns result rows plus details for ``results.json``."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from bench import app as bench_app
@@ -464,3 +468,48 @@ def restrict(sizes: Sizes, pools: Iterable[str] | None, acks: Iterable[str] | No
     if names:
         out = replace(out, names=tuple(names))
     return out
+
+
+def ab_drain(fills: dict[str, list[str]], jobs: int, rounds: int, pool: str,
+             concurrency: int, acks_late: bool, out: Path) -> dict[str, Any]:
+    """Drain cost of one feature of ours: each label's jobs are queued by its ``fills``
+    command (a ``python -m ...`` argv printing ``{"seconds": ...}``), snapshotted, then
+    drained by one worker, labels alternating per round. The first label is the base;
+    returns rates per label, medians and the paired feature/base ratios."""
+    from bench.harness import REPO_ROOT, Bench, median
+
+    labels = tuple(fills)
+    base, feature = labels
+    with Bench.open(out / "logs") as bench:
+        for label, argv in fills.items():
+            bench.flush()
+            done = subprocess.run(
+                [sys.executable, *argv], cwd=REPO_ROOT, env=bench.env("ours"),
+                stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                timeout=60 + jobs * 0.02, check=True)
+            sent = json.loads(done.stdout)
+            snap = bench.snapshot(f"ours/{label}")
+            log(f"  filled {jobs} jobs ({label}) in {sent['seconds']:.1f}s ({snap} keys)")
+        runs: dict[str, list[float]] = {label: [] for label in labels}
+        paired: list[float] = []
+        for rnd in range(rounds):
+            rates: dict[str, float] = {}
+            for label in order(rnd, labels):
+                res = drain_once(bench, "ours", pool, concurrency, jobs, acks_late,
+                                 tag=f"/{label}")
+                rates[label] = res["jobs_per_s"]
+                runs[label].append(res["jobs_per_s"])
+                log(f"  round {rnd + 1} {label}: {res['jobs_per_s']:.0f} jobs/s (steady "
+                    f"{res['steady_jobs_per_s']:.0f}, worker {res['worker_cpu_us']:.0f} us/job, "
+                    f"main process {res['worker_main_cpu_us']:.0f}, "
+                    f"redis {res['redis_cpu_us']:.0f} us/job, calls/job "
+                    f"{res['redis_calls_per_job']})")
+            paired.append(rates[feature] / rates[base])
+    medians = {label: median(v) for label, v in runs.items()}
+    return {
+        "config": f"{pool} -c {concurrency}, acks {'late' if acks_late else 'early'}",
+        "jobs": jobs, "rounds": rounds, "jobs_per_s": runs, "medians": medians,
+        f"ratio_{feature}_vs_{base}": medians[feature] / medians[base],
+        "paired_ratios": paired, "paired_ratio_median": median(paired),
+        "loadavg": os.getloadavg(),
+    }
