@@ -35,7 +35,8 @@ SCRIPT_NAMES = (
 
 
 #: A line ``-- @include <name>`` in a script is replaced by ``scripts/_<name>.lua``: the
-#: helpers several scripts share (``_job_index.lua``, ``_fair.lua``, ``_priority.lua``) have one text.
+#: helpers several scripts share (``_job_index.lua``, ``_fair.lua``, ``_priority.lua``)
+#: have one text.
 INCLUDE = "-- @include "
 
 
