@@ -52,7 +52,7 @@ def memory(client: Any, settings: Settings, names: int) -> dict[str, Any]:
     writer.flush()
     writer.gauge({"queued": 123456, "in_flight": 64, "scheduled": 5000, "retry": 300,
                   "dead": 10000, "latency": 12.5})
-    k = Keys(settings.namespace)
+    k = Keys.for_settings(settings)
     minute = next(iter(client.scan_iter(k.history_minute(0)[:-1] + "*")))
     hour = next(iter(client.scan_iter(k.history_hour(0)[:-1] + "*")))
     m_bytes = int(client.memory_usage(minute, samples=0))

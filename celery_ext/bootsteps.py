@@ -263,7 +263,7 @@ class Sets(bootsteps.StartStopStep):
         if self.written or not hasattr(channel, "worker_pool"):
             return  # already written by this worker, or not our transport
         pool = channel.worker_pool
-        keys, consumed = Keys(pool.settings.namespace), c.app.amqp.queues.consume_from
+        keys, consumed = Keys.for_settings(pool.settings), c.app.amqp.queues.consume_from
         write_limits(pool.client, keys, self.limits, consumed)
         write_fair_limits(pool.client, keys, self.fair_limits, consumed)
         if self.buckets is not None:

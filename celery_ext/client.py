@@ -174,7 +174,7 @@ class Client:
         # redis-py types replies as sync/async unions; this is the sync client.
         self.client: Any = client
         self.settings = settings or Settings()
-        self.keys = Keys(self.settings.namespace)
+        self.keys = Keys.for_settings(self.settings)
         self.scripts = Scripts(client)
         self.state = State(client, self.settings)
 

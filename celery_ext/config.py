@@ -141,6 +141,9 @@ class Settings:
     priority_steps: tuple[int, ...] = DEFAULT_PRIORITY_STEPS
     job_index: bool = DEFAULT_JOB_INDEX
     job_index_ttl: float = DEFAULT_JOB_INDEX_TTL
+    #: The broker is a Redis/Valkey Cluster (``broker_transport_options={"cluster":
+    #: True}``): job queues spread over its shards (keys.py, docs/cluster.md).
+    cluster: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -64,7 +64,7 @@ def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,
     flight because it was acked when it started (``acks_late`` off). Returns False
     when nothing was recorded (the job had already been moved elsewhere).
     """
-    keys = Keys(settings.namespace)
+    keys = Keys.for_settings(settings)
     record = json.dumps({"reason": reason, "error": error, "pool": pool_id, **meta},
                         default=repr, separators=(",", ":"))
     moved = Scripts(client)(

@@ -430,7 +430,7 @@ def _run(args: argparse.Namespace, broker_url: str, env: dict[str, str], log_dir
     settings = Settings.load()
     client = client_from_url(broker_url)
     state = State(client, settings)
-    keys = Keys(settings.namespace)
+    keys = Keys.for_settings(settings)
     started = time.monotonic()
     print(f"starting the server, worker pools {' and '.join(NODES)}, the dashboard and "
           f"Flower (logs in {log_dir})", flush=True)

@@ -48,7 +48,7 @@ def _broker_class(base: type) -> type:
             super().__init__(broker_url)
             options = kwargs.get("broker_options") or {}
             self.settings = Settings.load(options)
-            self.keys = Keys(self.settings.namespace)
+            self.keys = Keys.for_settings(self.settings)
             parts = urlparse(broker_url)
             db = (parts.path or "/0").lstrip("/") or "0"
             params: dict[str, Any] = {

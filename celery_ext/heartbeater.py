@@ -65,7 +65,7 @@ class Heartbeater:
                  info: dict[str, Any] | None = None) -> None:
         self.client = client
         self.settings = settings
-        self.keys = Keys(settings.namespace)
+        self.keys = Keys.for_settings(settings)
         self.pool_id = pool_id
         self.info: dict[str, Any] = {
             "pool_id": pool_id,

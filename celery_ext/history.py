@@ -150,7 +150,7 @@ class HistoryWriter:
 
     def __init__(self, client: Any, settings: Settings) -> None:
         self.client = client
-        self.keys = Keys(settings.namespace)
+        self.keys = Keys.for_settings(settings)
         self.scripts = Scripts(client)
         #: Redis clock minus this host's clock (seconds), learned from the script.
         self.offset = 0.0
@@ -256,7 +256,7 @@ class HistoryReader:
 
     def __init__(self, client: Any, settings: Settings) -> None:
         self.client = client
-        self.keys = Keys(settings.namespace)
+        self.keys = Keys.for_settings(settings)
 
     def _buckets(self, window: str, now: float) -> tuple[int, list[int], list[str]]:
         span, step = window_of(window)

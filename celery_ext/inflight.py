@@ -116,7 +116,7 @@ def recover_tags(client: Any, settings: Settings, pool_id: str, tags: list[str],
     Returns (done, requeued tags, dead tags); done is False when the pool turned out
     to be alive ("pool" mode re-checks the heartbeat atomically).
     """
-    keys = Keys(settings.namespace)
+    keys = Keys.for_settings(settings)
     inflight = keys.inflight(pool_id)
     pairs = lists_of(client, keys, settings.priority_steps, inflight, tags)
     scripts = scripts or Scripts(client)

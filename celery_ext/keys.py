@@ -1,8 +1,26 @@
 """Every Redis key and pub/sub channel name the plugin uses, built in one place.
 
-All names start with ``{<namespace>}:``. The braces make the namespace the Redis
-Cluster hash tag, so every key a script touches lives in one hash slot and every
-script stays valid on a cluster (shard by running several namespaces).
+All names start with ``{<tag>}:``; the braces make ``<tag>`` the Redis Cluster hash
+tag, so the keys of one tag live in one hash slot and every script, which touches
+the keys of one tag only, runs on a cluster as on one node.
+
+*One node* (the default): one tag, the namespace; the whole layout below is one copy.
+
+*A cluster* (setting ``cluster``): every job queue has its own copy of the layout
+under the tag ``<namespace>:<queue name>`` (``Keys.of(queue)``), so different job
+queues land on different masters and every move of a job (queue, in-flight record,
+scheduled and retry sets, dead set, unique lock, counters, job index) stays one
+atomic script in one slot. What is namespace-wide stays in the namespace's own copy
+(``Keys.home``): pool registrations and heartbeats, busy records, checkins, stop
+requests, weights, the reaper lock, the requeuer lease, runtime histograms, history,
+periodic entries, the registry of job queues (``queues``) and the hint of which
+queues hold jobs (``ready``), both written beside the per-queue copies (the per-queue
+copy's own ``queues``/``ready`` keep what its scripts write). Pub/sub channels are
+not keys (a PUBLISH reaches every node): they are always the home copy's. In a
+queue's copy, ``pools`` lists the pools that joined it (fetched from it; the reaper
+removes a dead pool there, which makes its fetches refused) and ``requeuer`` is the
+leader's id, refreshed by each promote. On one node ``home`` and ``of(queue)`` are
+the one copy. See docs/cluster.md.
 
 Layout (``ns`` = namespace)::
 
@@ -85,8 +103,10 @@ Layout (``ns`` = namespace)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 #: Fields of the ``stats`` hash counting reliability events (Prometheus counters).
 STAT_RECOVERED = "recovered"
@@ -104,13 +124,43 @@ FAIR_SEP = "\x06\x17"
 
 @dataclass(frozen=True)
 class Keys:
-    """Key builder for one namespace."""
+    """Key builder for one namespace, or (on a cluster) one job queue's copy of it."""
 
     namespace: str
+    #: Job queues have copies of their own (``of``): the namespace runs on a cluster.
+    cluster: bool = False
+    #: The hash tag of this copy; "" = the namespace's home copy.
+    tag: str = ""
+
+    @classmethod
+    def for_settings(cls, settings: Any) -> Keys:
+        """The home copy for a :class:`~celery_ext.config.Settings`."""
+        return cls(settings.namespace, cluster=settings.cluster)
 
     @property
     def prefix(self) -> str:
-        return "{" + self.namespace + "}:"
+        return "{" + (self.tag or self.namespace) + "}:"
+
+    @property
+    def home(self) -> Keys:
+        """The namespace's own copy: registrations, heartbeats, leases, registry."""
+        return Keys(self.namespace, self.cluster) if self.tag else self
+
+    def of(self, queue: str) -> Keys:
+        """The copy that holds ``queue`` and every per-queue record (itself on one node)."""
+        return _queue_copy(self.namespace, queue) if self.cluster else self
+
+    def groups(self, queues: Iterable[str]) -> dict[Keys, list[str]]:
+        """``queues`` by the copy holding them, in first-seen order (one group on one
+        node): what one script call or one pipeline per copy covers."""
+        out: dict[Keys, list[str]] = {}
+        for q in queues:
+            out.setdefault(self.of(q), []).append(q)
+        return out
+
+    @property
+    def is_home(self) -> bool:
+        return not self.tag
 
     def queue(self, name: str) -> str:
         return f"{self.prefix}queue:{name}"
@@ -158,7 +208,7 @@ class Keys:
 
     @property
     def wake_channel(self) -> str:
-        return self.prefix + "wake"
+        return "{" + self.namespace + "}:wake"  # a channel, not a key: always the home's
 
     @property
     def pools(self) -> str:
@@ -227,7 +277,7 @@ class Keys:
 
     @property
     def schedule_channel(self) -> str:
-        return self.prefix + "schedule"
+        return "{" + self.namespace + "}:schedule"  # a channel: always the home's
 
     @property
     def requeuer_lease(self) -> str:
@@ -275,3 +325,10 @@ class Keys:
 
     def periodic_entry(self, name: str) -> str:
         return f"{self.prefix}periodic:{name}"
+
+
+@lru_cache(maxsize=4096)
+def _queue_copy(namespace: str, queue: str) -> Keys:
+    """A job queue's copy of the layout on a cluster: tag ``<namespace>:<queue>``. A
+    ``}`` in the name ends the tag early, the same way for every key of the copy."""
+    return Keys(namespace, cluster=True, tag=f"{namespace}:{queue}")

@@ -105,7 +105,7 @@ class Observer:
         self.client = client
         self.settings = settings
         self.pool_id = pool_id
-        self.keys = Keys(settings.namespace)
+        self.keys = Keys.for_settings(settings)
         self.scripts = Scripts(client)
         self.history = HistoryWriter(client, settings)  # per-minute counts, with the stats
         self._checkins: dict[str, _CheckinState] = {}

@@ -257,7 +257,7 @@ class Periodic:
         self.app = app
         self.client: Any = client
         self.settings = settings
-        self.keys = Keys(settings.namespace)
+        self.keys = Keys.for_settings(settings)
         self.scripts = Scripts(client)
         self.entries = load_entries(app) if entries is None else entries
         self.scheduler = Scheduler(app, lazy=True)

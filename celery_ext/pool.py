@@ -128,7 +128,7 @@ class WorkerPool:
     def __init__(self, client_factory: Callable[[], redis.Redis], settings: Settings,
                  server_id: str) -> None:
         self.settings = settings
-        self.keys = Keys(settings.namespace)
+        self.keys = Keys.for_settings(settings)
         self.server_id = server_id
         self.pool_id = current_pool_id()
         #: The pool's own connection pool: it outlives every channel (acks of jobs

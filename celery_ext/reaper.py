@@ -71,7 +71,7 @@ class Reaper:
                  own_pool_id: str | None = None) -> None:
         self.client = client
         self.settings = settings
-        self.keys = Keys(settings.namespace)
+        self.keys = Keys.for_settings(settings)
         self.scripts = Scripts(client)
         self.own_pool_id = own_pool_id
         self._stop = threading.Event()

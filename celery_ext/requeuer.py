@@ -74,7 +74,7 @@ class Requeuer:
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.client = client
         self.settings = settings
-        self.keys = Keys(settings.namespace)
+        self.keys = Keys.for_settings(settings)
         self.scripts = Scripts(client)
         self.id = uuid.uuid4().hex
         self.lease_ms = int((settings.promote_interval + 1) * 1000)

@@ -148,7 +148,7 @@ class JobFateRequest(CeleryRequest):
             return
         try:
             with channel.conn_or_acquire() as client:
-                release_unique(channel.scripts, Keys(channel.settings.namespace), str(digest),
+                release_unique(channel.scripts, Keys.for_settings(channel.settings), str(digest),
                                self.id, client)
         except Exception as exc:
             logger.warning("celery_ext: could not release the unique lock of %s[%s]: %s "

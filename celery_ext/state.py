@@ -104,7 +104,7 @@ class State:
     def __init__(self, client: redis.Redis, settings: Settings | None = None) -> None:
         self.client: Any = client  # sync client (redis-py types replies as unions)
         self.settings = settings or Settings()
-        self.keys = Keys(self.settings.namespace)
+        self.keys = Keys.for_settings(self.settings)
         self.scripts = Scripts(client)
 
     # -- queues ------------------------------------------------------------------------

@@ -151,7 +151,7 @@ class JobLookup:
     def __init__(self, client: redis.Redis, settings: Settings, app: Any = None) -> None:
         self.client: Any = client  # sync client (redis-py types replies as unions)
         self.settings = settings
-        self.keys = Keys(settings.namespace)
+        self.keys = Keys.for_settings(settings)
         self.app = app
 
     def status(self, job_id: str, deep: bool = True) -> JobStatus:

@@ -193,7 +193,7 @@ class Channel(kredis.Channel):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         conn = args[0] if args else kwargs["connection"]
         self.settings = Settings.load(conn.client.transport_options)
-        self.keys = Keys(self.settings.namespace)
+        self.keys = Keys.for_settings(self.settings)
         self._ready = ReadyQueues(default_weight=self.settings.default_weight)
         self._no_ack_queues: set[str] = set()
         self._predeclared_sizes: dict[str, int] = {}

@@ -102,7 +102,7 @@ def fill_dead(client: Any, jobs: Sequence[tuple[str, str, str, list[Any]]]) -> N
     does (the ``dead`` script, with the record a job acked at its start leaves),
     pipelined: thousands of dead jobs in a second or two, no real failures needed."""
     settings, scripts = Settings(), Scripts(client)
-    k = Keys(settings.namespace)
+    k = Keys.for_settings(settings)
     with client.pipeline(transaction=False) as pipe:
         for tag, name, exc_type, args in jobs:
             meta = json.dumps({"reason": "failed", "error": f"{exc_type}: {args[0]!r} failed",
