@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from celery_ext.pool import stop_all
-from celery_ext.server import RedisServer
+from celery_ext.server import ClusterGroup, RedisServer
 from tests.workers import WorkerProcess
 
 # pyproject passes `-p no:celery` so the plugin is not auto-loaded twice; load it here
@@ -42,6 +42,19 @@ def _stop_this_process_pools() -> Iterator[None]:
     process's exit would, so it does not reap or promote in later tests."""
     yield
     stop_all()
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[ClusterGroup]:
+    """A real local cluster: three masters with one replica each (the replicas serve
+    the failover tests). Each test uses namespaces or queue names of its own."""
+    with ClusterGroup(masters=3, replicas=1) as group:
+        yield group
+
+
+@pytest.fixture
+def cluster_url(cluster: ClusterGroup) -> str:
+    return cluster.url()
 
 
 @pytest.fixture(scope="session")

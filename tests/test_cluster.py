@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -28,18 +27,6 @@ from tests.helpers import REPO_ROOT, celery_cli, free_port, wait_for
 with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; httpx still works
     warnings.simplefilter("ignore")
     from starlette.testclient import TestClient
-
-
-@pytest.fixture(scope="session")
-def cluster() -> Iterator[ClusterGroup]:
-    """Three masters with one replica each (the replicas serve the failover test)."""
-    with ClusterGroup(masters=3, replicas=1) as group:
-        yield group
-
-
-@pytest.fixture
-def cluster_url(cluster: ClusterGroup) -> str:
-    return cluster.url()
 
 
 def enqueue(client: Client, queue: str, payload: str) -> None:
@@ -157,7 +144,7 @@ def test_client_for_app_builds_a_cluster_client(cluster_url: str) -> None:
     app.conf.broker_transport_options = {"cluster": True, "namespace": "cl_app"}
     client = Client.for_app(app)
     try:
-        assert client.app is app and client.keys == Keys("cl_app")
+        assert client.app is app and client.keys == Keys("cl_app", cluster=True)
         assert client.ping() and client.job_queues() == []
     finally:
         client.client.close()
