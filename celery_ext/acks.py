@@ -148,3 +148,26 @@ class AckSender:
                 conn.disconnect()
             except Exception:  # closing a broken socket
                 pass
+
+
+class SyncAcks:
+    """The :class:`AckSender` interface for a pool whose acks are applied at once by
+    ``fallback`` (on a cluster, where one pool's acks go to several masters)."""
+
+    def __init__(self, fallback: Callable[[list[str]], None]) -> None:
+        self._fallback = fallback
+
+    def connect(self) -> None:
+        """Nothing to open: the pool's client connects on use."""
+
+    def ack(self, keys: list[str], args: list[Any], tags: list[str]) -> None:
+        self._fallback(tags)
+
+    def poll(self) -> None:
+        """No replies wait: every ack was applied when it was made."""
+
+    def flush(self) -> None:
+        """No replies wait: every ack was applied when it was made."""
+
+    def close(self) -> None:
+        """No connection of its own to drop."""

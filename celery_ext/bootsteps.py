@@ -33,7 +33,7 @@ from kombu import Queue
 
 from . import pool as _pool
 from .config import ConfigError, Settings, check_broker_url, uses_our_transport
-from .connections import CLUSTER_NOT_YET, cluster_config, sentinel_config
+from .connections import CLUSTER_NO_WAIT, cluster_config, sentinel_config
 from .dead import wrap_consumer_handlers
 from .fair import job_fair_limits, write_fair_limits
 from .keys import Keys
@@ -165,8 +165,8 @@ def validate_settings(sender: Any = None, instance: Any = None, **kwargs: Any) -
         cluster = cluster_config(urls, conf.broker_transport_options)  # db 0, no sentinel
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
-    if ours and cluster is not None:
-        raise SystemExit(CLUSTER_NOT_YET)  # not a half-working worker
+    if ours and cluster is not None and Settings.load(conf.broker_transport_options).wait_replicas:
+        raise SystemExit(CLUSTER_NO_WAIT)
     if ours:
         pool_name = _pool_name((kwargs.get("options") or {}).get("pool_cls") or conf.worker_pool)
         if pool_name in UNSUPPORTED_POOLS:

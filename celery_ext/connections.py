@@ -33,10 +33,9 @@ seeds ``;``-separated) plus a transport option::
 
 A cluster has only db 0; TLS (``celery-exts://``) and the password work as on one node.
 :func:`cluster_client` builds redis-py's :class:`~redis.cluster.RedisCluster`, which owns
-slot routing, MOVED/ASK and topology refresh. Today the CLI, the dashboard and
-:class:`~celery_ext.client.Client` connect to a cluster; the transport does not run
-on one yet (see docs/cluster.md), and a worker or producer with ``cluster`` set stops
-with :data:`CLUSTER_NOT_YET`.
+slot routing, MOVED/ASK and topology refresh; job queues spread over the masters
+(``keys.py``, docs/cluster.md). ``wait_replicas`` is refused on a cluster
+(:data:`CLUSTER_NO_WAIT`).
 """
 
 from __future__ import annotations
@@ -67,11 +66,11 @@ CLUSTER_OPTION = "cluster"
 CLUSTER_ENV = "CELERY_EXT_CLUSTER"
 #: Port of a cluster seed URL without one (Redis's default).
 DEFAULT_CLUSTER_PORT = 6379
-#: The one line a worker or producer configured for a cluster stops with.
-CLUSTER_NOT_YET = (
-    "celery_ext: cluster mode (broker_transport_options={'cluster': True}) is not available "
-    "for workers and producers yet in this version; the CLI, the dashboard and "
-    "celery_ext.client.Client can connect to a cluster (see docs/cluster.md)")
+#: The one line a worker or producer configured for a cluster with ``wait_replicas`` stops with.
+CLUSTER_NO_WAIT = (
+    "celery_ext: wait_replicas is not available on a cluster in this version: WAIT has to "
+    "follow each write on the connection of the master that ran it (drop wait_replicas, or "
+    "use Sentinel for acknowledged replication)")
 #: Port of a sentinel URL without one (Redis Sentinel's own default).
 DEFAULT_SENTINEL_PORT = 26379
 #: Transport options that describe the Sentinel setup (Kombu's names).

@@ -44,7 +44,12 @@ def lists_of(client: Any, keys: Keys, steps: Sequence[int], inflight_key: str,
 
 
 class InflightRecord:
-    """One pool's in-flight record, through one client."""
+    """One pool's in-flight record, through one client.
+
+    On a cluster the record is one hash per job queue, in the queue's copy of the
+    layout (``Keys.of``): the pool joins a copy before its first fetch from it
+    (:meth:`join`), and every move goes to the copies its tags are in (:meth:`locate`).
+    On one node there is one copy and one hash."""
 
     def __init__(self, client: Any, keys: Keys, pool_id: str,
                  priority_steps: Sequence[int] = DEFAULT_PRIORITY_STEPS,
@@ -56,20 +61,97 @@ class InflightRecord:
         self.pool_id = pool_id
         self.key = keys.inflight(pool_id)
         self.scripts = Scripts(client)
+        #: Cluster: the copies this pool joined (whose ``pools`` name it), and the
+        #: job queue of each tag fetched and not yet finished.
+        self._joined: set[Keys] = set()
+        self._queue_of: dict[str, str] = {}
 
-    def ack_call(self, tags: list[str]) -> tuple[list[str], list[Any]]:
-        """KEYS and ARGV of the ``ack`` script for ``tags`` (tags last)."""
-        k = self.keys
-        return ([self.key, k.redelivery, k.running, k.limits, k.ready, *index_keys(k)],
-                [k.wake_channel, self.index_ttl, *tags])
+    # -- where the record is (one copy on one node) -----------------------------------
+    def copies(self) -> list[Keys]:
+        return list(self._joined) if self.keys.cluster else [self.keys]
+
+    def join(self, copies: Sequence[Keys]) -> None:
+        """Cluster: add the pool to the ``pools`` of the copies it has not joined yet
+        (one pipeline), before it fetches from them: fetch refuses a pool that is not
+        there, which is how the reaper's recovery of a copy reaches a live pool."""
+        new = [k for k in copies if k not in self._joined]
+        if not new or not self.keys.cluster:
+            return
+        with self.client.pipeline(transaction=False) as pipe:
+            for k in new:
+                pipe.zadd(k.pools, {self.pool_id: 0})
+            pipe.execute()
+        self._joined.update(new)
+
+    def forget_joins(self) -> None:
+        """The pool was declared dead somewhere: join every copy again before fetching."""
+        self._joined.clear()
+
+    def fetched(self, tag: str, queue: str) -> None:
+        if self.keys.cluster:
+            self._queue_of[tag] = queue
+
+    def finished(self, tags: Sequence[str]) -> None:
+        if self.keys.cluster:
+            for tag in tags:
+                self._queue_of.pop(tag, None)
+
+    def locate(self, tags: Sequence[str]) -> dict[Keys, list[str]]:
+        """``tags`` by the copy whose record holds them (one copy on one node). A tag
+        whose queue this process does not know is looked for in every joined copy."""
+        if not self.keys.cluster:
+            return {self.keys: list(tags)} if tags else {}
+        out: dict[Keys, list[str]] = {}
+        unknown = []
+        for tag in tags:
+            queue = self._queue_of.get(tag)
+            if queue is None:
+                unknown.append(tag)
+            else:
+                out.setdefault(self.keys.of(queue), []).append(tag)
+        copies = self.copies()
+        if unknown and copies:
+            with self.client.pipeline(transaction=False) as pipe:
+                for k in copies:
+                    pipe.hmget(k.inflight(self.pool_id), unknown)
+                for k, recs in zip(copies, pipe.execute(), strict=True):
+                    out.setdefault(k, []).extend(t for t, r in zip(unknown, recs, strict=True)
+                                                 if r)
+        return {k: ts for k, ts in out.items() if ts}
+
+    # -- moves ----------------------------------------------------------------------------
+    def ack_call(self, tags: list[str], keys: Keys | None = None
+                 ) -> tuple[list[str], list[Any]]:
+        """KEYS and ARGV of the ``ack`` script for ``tags`` of one copy (tags last)."""
+        k = keys or self.keys
+        return ([k.inflight(self.pool_id), k.redelivery, k.running, k.limits, k.ready,
+                 *index_keys(k)], [k.wake_channel, self.index_ttl, *tags])
 
     def ack(self, tags: list[str]) -> int:
         """Drop finished jobs from the record; tags no longer in it are ignored."""
-        keys, args = self.ack_call(tags)
-        return int(self.scripts("ack", keys, args))
+        done = 0
+        for k, some in self.locate(tags).items():
+            keys, args = self.ack_call(some, k)
+            done += int(self.scripts("ack", keys, args))
+        self.finished(tags)
+        return done
 
     def tags(self) -> list[str]:
-        return [bytes_to_str(t) for t in self.client.hkeys(self.key)]
+        if not self.keys.cluster:
+            return [bytes_to_str(t) for t in self.client.hkeys(self.key)]
+        copies = self.copies()
+        if not copies:
+            return []
+        out = []
+        with self.client.pipeline(transaction=False) as pipe:
+            for k in copies:
+                pipe.hgetall(k.inflight(self.pool_id))
+            for recs in pipe.execute():
+                for tag, rec in recs.items():
+                    tag = bytes_to_str(tag)
+                    self._queue_of.setdefault(tag, bytes_to_str(rec.partition(b"\n")[0]))
+                    out.append(tag)
+        return out
 
     def requeue(self, tags: list[str]) -> list[str]:
         """Move ``tags`` (in delivery order) to the front of their job queues, the
@@ -78,15 +160,39 @@ class InflightRecord:
         record are skipped. Returns the tags moved."""
         if not tags:
             return []
-        keys = self.keys
-        pairs = lists_of(self.client, keys, self.priority_steps, self.key, tags)
-        done = self.scripts(
-            "requeue",
-            [self.key, keys.ready, keys.redelivery, keys.running, *index_keys(keys),
-             *(q for _, q in pairs)],
-            [keys.wake_channel, keys.queue(""), self.index_ttl, *(t for t, _ in pairs)],
-        )
-        return [bytes_to_str(t) for t in done]
+        moved: list[str] = []
+        for k, some in self.locate(tags).items():
+            key = k.inflight(self.pool_id)
+            pairs = lists_of(self.client, k, self.priority_steps, key, some)
+            done = self.scripts(
+                "requeue",
+                [key, k.ready, k.redelivery, k.running, *index_keys(k), *(q for _, q in pairs)],
+                [k.wake_channel, k.queue(""), self.index_ttl, *(t for t, _ in pairs)],
+            )
+            moved += [bytes_to_str(t) for t in done]
+            if done and k.copy_queue is not None:  # cluster: the home hint of ready queues
+                self.client.sadd(self.keys.ready, k.copy_queue)
+        self.finished(moved)
+        return moved
+
+    def leave(self) -> None:
+        """Cluster, warm shutdown after the return: leave every joined copy, dropping
+        its empty record from the copy's ``inflight_pools`` (a record still holding jobs
+        stays listed there, for the reaper)."""
+        copies = self.copies()
+        if not self.keys.cluster or not copies:
+            return
+        with self.client.pipeline(transaction=False) as pipe:
+            for k in copies:
+                pipe.hlen(k.inflight(self.pool_id))
+            left = pipe.execute()
+        with self.client.pipeline(transaction=False) as pipe:
+            for k, n in zip(copies, left, strict=True):
+                pipe.zrem(k.pools, self.pool_id)
+                if not int(n):
+                    pipe.srem(k.inflight_pools, self.pool_id)
+            pipe.execute()
+        self._joined.clear()
 
 
 def _count_recoveries(client: Any, keys: Keys, recovered: int, poison_pills: int) -> None:
@@ -110,13 +216,15 @@ def _count_recoveries(client: Any, keys: Keys, recovered: int, poison_pills: int
 
 def recover_tags(client: Any, settings: Settings, pool_id: str, tags: list[str], *,
                  mode: str, deadline_ms: int = 0, reason: str = "worker lost",
-                 scripts: Scripts | None = None) -> tuple[bool, list[str], list[str]]:
-    """Run the ``recover`` script for some of a pool's in-flight tags.
+                 scripts: Scripts | None = None, keys: Keys | None = None
+                 ) -> tuple[bool, list[str], list[str]]:
+    """Run the ``recover`` script for some of a pool's in-flight tags, in the copy
+    ``keys`` of the layout (default the home copy; on a cluster, a job queue's).
 
     Returns (done, requeued tags, dead tags); done is False when the pool turned out
     to be alive ("pool" mode re-checks the heartbeat atomically).
     """
-    keys = Keys.for_settings(settings)
+    keys = keys or Keys.for_settings(settings)
     inflight = keys.inflight(pool_id)
     pairs = lists_of(client, keys, settings.priority_steps, inflight, tags)
     scripts = scripts or Scripts(client)

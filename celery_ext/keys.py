@@ -162,6 +162,11 @@ class Keys:
     def is_home(self) -> bool:
         return not self.tag
 
+    @property
+    def copy_queue(self) -> str | None:
+        """The job queue whose copy this is (cluster); None for the home copy."""
+        return self.tag[len(self.namespace) + 1:] if self.tag else None
+
     def queue(self, name: str) -> str:
         return f"{self.prefix}queue:{name}"
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import redis
 
-from .acks import AckSender
+from .acks import AckSender, SyncAcks
 from .config import Settings
 from .dead import one_line
 from .errors import CONNECTION_ERRORS
@@ -61,6 +61,8 @@ logger = logging.getLogger("celery_ext.pool")
 
 #: Shortest gap between two reconcile attempts after one failed (seconds).
 RECONCILE_RETRY_INTERVAL = 0.5
+#: On a cluster, seconds between two reconciles when nothing asked for one.
+CLUSTER_RECONCILE_INTERVAL = 30.0
 
 
 class Holdings:
@@ -140,8 +142,14 @@ class WorkerPool:
         self.reaper = Reaper(client_factory(), settings, own_pool_id=self.pool_id)
         self.requeuer = Requeuer(client_factory(), settings)
         self.holdings = Holdings()
-        self.acks = AckSender(self.client.connection_pool, self._ack_now,
-                              on_confirmed=self.holdings.confirmed)
+        # On a cluster a pool's acks go to the masters of their queues' copies: they
+        # are applied synchronously there (one script per copy), not pipelined on one
+        # connection.
+        self.acks: AckSender | SyncAcks = (
+            SyncAcks(self._ack_now) if self.keys.cluster else
+            AckSender(self.client.connection_pool, self._ack_now,
+                      on_confirmed=self.holdings.confirmed))
+        self._next_cluster_reconcile = 0.0
         self._needs_reconcile = False
         self._reconcile_failed_at = 0.0
         self._last_tick = 0.0
@@ -184,6 +192,10 @@ class WorkerPool:
             logger.error("celery_ext: could not return the jobs of pool %s at shutdown "
                          "(%s); the reaper will requeue them", self.pool_id, exc)
         self.acks.close()
+        try:
+            self.record.leave()
+        except redis.RedisError as exc:
+            logger.debug("celery_ext: could not leave the queues' copies: %s", exc)
         self.heartbeater.stop(deregister=True)
 
     def _return_everything(self) -> None:
@@ -216,6 +228,14 @@ class WorkerPool:
     def delivered(self, tag: str, message: Any) -> None:
         self.holdings.delivered(tag, message)
 
+    def fetched(self, tag: str, queue: str) -> None:
+        """A tracked job of ``queue`` came in a fetch reply (its record's copy)."""
+        self.record.fetched(tag, queue)
+
+    def join(self, copies: list[Keys]) -> None:
+        """Before fetching from these queues' copies (cluster; see InflightRecord.join)."""
+        self.record.join(copies)
+
     def fetch_sent(self) -> None:
         with self._wire_lock:
             self._fetches_on_wire += 1
@@ -240,6 +260,11 @@ class WorkerPool:
             return
         self._last_tick = now
         self.acks.poll()
+        if self.keys.cluster and now >= self._next_cluster_reconcile:
+            # A fetch that redis-py's cluster client retried after a lost reply (MOVED,
+            # a failover) leaves jobs in a record with nobody told: look now and then.
+            self._next_cluster_reconcile = now + CLUSTER_RECONCILE_INTERVAL
+            self.needs_reconcile()
         try:
             self.maybe_reconcile()
         except CONNECTION_ERRORS as exc:
@@ -321,8 +346,12 @@ class WorkerPool:
         dead-letter it past max_recoveries. Returns "requeued", "dead" or "gone"."""
         self.holdings.released([tag])
         try:
+            copy = next(iter(self.record.locate([tag])), self.keys)
             _, requeued, dead = recover_tags(self.client, self.settings, self.pool_id, [tag],
-                                             mode="job", reason="worker lost")
+                                             mode="job", reason="worker lost", keys=copy)
+            self.record.finished([tag])
+            if requeued and copy.copy_queue is not None:  # cluster: the home ready hint
+                self.client.sadd(self.keys.ready, copy.copy_queue)
         except CONNECTION_ERRORS:
             self.needs_reconcile()
             raise
@@ -339,8 +368,10 @@ class WorkerPool:
             self.requeuer.periodic = Periodic.for_app(app, self.requeuer.client, self.settings)
 
     def revive(self) -> None:
-        """A fetch found the pool declared dead (its jobs were requeued): register again."""
+        """A fetch found the pool declared dead (its jobs were requeued): register again
+        (and, on a cluster, join the queues' copies again before fetching)."""
         self.heartbeater.revive()
+        self.record.forget_joins()
 
 
 # -- the pools of this process -----------------------------------------------------------

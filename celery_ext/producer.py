@@ -98,6 +98,9 @@ from .priority import message_priority
 from .scheduled import eta_delay_ms, retries_of, schedule, schedule_args
 from .unique import UniqueRequest, take_pending
 
+#: Cluster: seconds between two additions of one job queue to the home registry by
+#: one producer process (the registry is a hint; readers never forget a cluster's).
+REGISTRY_REFRESH = 60.0
 #: Message property holding the publish id while Kombu may retry the publish; removed
 #: from the payload before it is written.
 PUBLISH_ID = "celery_ext_publish_id"
@@ -213,6 +216,8 @@ class Enqueuer:
         self._line = PublishConnection(pool) if pool is not None else None
         self._index_keys = index_keys(keys)  # the job index (job_index.py)
         self._index_ttl = index_ttl_ms(settings)
+        #: Cluster: when each job queue was last added to the home registry.
+        self._registered: dict[str, float] = {}
 
     def put(self, queue: str, message: dict[str, Any], batch: Any = None) -> None:
         """Write one job to ``queue`` (or to ``batch``, a Kombu ``PublishBatch``)."""
@@ -236,7 +241,7 @@ class Enqueuer:
             # A job added to a batch's pipeline is never retried by Kombu (a failed
             # flush raises BatchPublishError): no marker, no memory spent on one.
             if self._marker_ttl_ms and (batch is None or uniq is not None):
-                marker = (self.keys.published(publish_marker(publish_id, queue)),
+                marker = (self.keys.of(queue).published(publish_marker(publish_id, queue)),
                           self._marker_ttl_ms)
             self._write(queue, message, delay, uniq, marker, batch)
         except NotReplicated as exc:
@@ -258,40 +263,69 @@ class Enqueuer:
                batch: Any) -> None:
         max_payload = self.settings.max_payload_bytes
         marker_keys, marker_args = ([marker[0]], [marker[1]]) if marker else ([], [])
+        copy = self.keys.of(queue)
+        index = self._index_keys if copy is self.keys else index_keys(copy)
+        if self.keys.cluster:
+            self._register(queue)
         if delay is not None and uniq is None:
-            keys, args = schedule_args(self.keys, queue, message, delay,
+            keys, args = schedule_args(copy, queue, message, delay,
                                        max_payload=max_payload, marker=marker,
                                        index_ttl_ms=self._index_ttl)
             self._run("schedule", keys, args, batch)
         elif delay is not None:
             assert uniq is not None
             with self._acquire() as client:
-                _, uniq.holder = schedule(self._call, self.keys, queue, message, delay,
-                                          client, lock=self._lock(uniq, message),
+                _, uniq.holder = schedule(self._call, copy, queue, message, delay,
+                                          client, lock=self._lock(uniq, message, copy),
                                           max_payload=max_payload, marker=marker,
                                           index_ttl_ms=self._index_ttl)
-            self._count_unique_hit(uniq, message)
+            self._count_unique_hit(uniq, message, copy)
         elif uniq is not None:
-            lock_key, task_id, ttl_ms, force = self._lock(uniq, message)
+            lock_key, task_id, ttl_ms, force = self._lock(uniq, message, copy)
             _, holder = self._run(
                 "enqueue_unique",
-                [lock_key, *self._queue_keys(queue, message), *self._index_keys, *marker_keys],
+                [lock_key, *self._queue_keys(queue, message), *index, *marker_keys],
                 [*self._queue_args(queue, message), self._index_ttl, task_id, ttl_ms,
                  "1" if force else "0", *marker_args],
                 None)
             uniq.holder = holder.decode() if isinstance(holder, bytes) else str(holder)
-            self._count_unique_hit(uniq, message)
+            self._count_unique_hit(uniq, message, copy)
+            self._pushed(queue, 1, None)
         else:
-            self._run("enqueue",
-                      [*self._queue_keys(queue, message), *self._index_keys, *marker_keys],
-                      [*self._queue_args(queue, message), self._index_ttl, *marker_args], batch)
+            n = self._run("enqueue", [*self._queue_keys(queue, message), *index, *marker_keys],
+                          [*self._queue_args(queue, message), self._index_ttl, *marker_args],
+                          batch)
+            self._pushed(queue, n, batch)
 
-    def _count_unique_hit(self, uniq: UniqueRequest, message: dict[str, Any]) -> None:
+    def _register(self, queue: str) -> None:
+        """Cluster: add ``queue`` to the home registry of job queues before its first
+        job (index first, data after), and again every ``REGISTRY_REFRESH`` seconds."""
+        now = time.monotonic()
+        if now - self._registered.get(queue, -REGISTRY_REFRESH) < REGISTRY_REFRESH \
+                or queue.endswith(".pidbox"):
+            return
+        with self._acquire() as client:
+            client.sadd(self.keys.queues, queue)
+        self._registered[queue] = now
+
+    def _pushed(self, queue: str, n: Any, batch: Any) -> None:
+        """Cluster: a push that found its list empty (``n`` == 1, or unknown) adds the
+        queue to the home hint of ready queues, after the push (see docs/cluster.md)."""
+        if not self.keys.cluster or (n is not None and n != 1 and batch is None):
+            return
+        if batch is not None:
+            batch.add("sadd", self.keys.ready, queue)
+            return
+        with self._acquire() as client:
+            client.sadd(self.keys.ready, queue)
+
+    def _count_unique_hit(self, uniq: UniqueRequest, message: dict[str, Any],
+                          copy: Keys) -> None:
         """Count an enqueue dropped because an identical job is pending (another job
         holds the lock; a retried publish of this same job is no hit)."""
         if uniq.holder != str(message["headers"].get("id")):
             with self._acquire() as client:
-                client.hincrby(self.keys.stats, STAT_UNIQUE_HITS, 1)
+                client.hincrby(copy.stats, STAT_UNIQUE_HITS, 1)
     def _write_run(self, queue: str, message: dict[str, Any], run: PeriodicRun,
                    uniq: UniqueRequest | None) -> None:
         """Push a periodic job's run with ``periodic_run``, which checks and moves its
@@ -310,10 +344,11 @@ class Enqueuer:
         """KEYS the ``enqueue`` and ``enqueue_unique`` scripts share: first the list of
         the job's priority level in its queue (:mod:`.priority`), or for a job with a
         fair key the queue key, whose key's sub-queue the script derives (:mod:`.fair`)."""
+        k = self.keys.of(queue)
         if message_fair_key(message) is not None:
-            return [self.keys.queue(queue), self.keys.ready, self.keys.queues]
+            return [k.queue(queue), k.ready, k.queues]
         level = priority_level(message_priority(message), self.settings.priority_steps)
-        return [self.keys.queue_level(queue, level), self.keys.ready, self.keys.queues]
+        return [k.queue_level(queue, level), k.ready, k.queues]
 
     def _queue_args(self, queue: str, message: dict[str, Any]) -> list[Any]:
         """ARGV the ``enqueue`` and ``enqueue_unique`` scripts share, payload first."""
@@ -321,10 +356,11 @@ class Enqueuer:
         check_payload_size(payload, message, queue, self.settings.max_payload_bytes)
         return [payload, queue, self.keys.wake_channel, self._expires.get(queue, 0)]
 
-    def _lock(self, uniq: UniqueRequest, message: dict[str, Any]) -> tuple[str, str, int, bool]:
+    def _lock(self, uniq: UniqueRequest, message: dict[str, Any],
+              copy: Keys) -> tuple[str, str, int, bool]:
         """(lock key, task id, TTL ms, force) of a unique job; a retry is always written."""
         ttl_ms = int((uniq.ttl or self.settings.unique_ttl) * 1000)
-        return (self.keys.unique(uniq.digest), str(message["headers"].get("id")), ttl_ms,
+        return (copy.unique(uniq.digest), str(message["headers"].get("id")), ttl_ms,
                 retries_of(message) > 0)
 
     def _run(self, script: str, keys: list[str], args: list[Any], batch: Any) -> Any:

@@ -39,7 +39,6 @@ from kombu.utils.json import dumps
 
 from .config import Settings
 from .dead import MAX_TRACEBACK, one_line
-from .keys import Keys
 from .unique import HEADER as UNIQUE_HEADER
 from .unique import release as release_unique
 
@@ -148,8 +147,8 @@ class JobFateRequest(CeleryRequest):
             return
         try:
             with channel.conn_or_acquire() as client:
-                release_unique(channel.scripts, Keys.for_settings(channel.settings), str(digest),
-                               self.id, client)
+                release_unique(channel.scripts, channel.copy_of(self.message.delivery_tag),
+                               str(digest), self.id, client)
         except Exception as exc:
             logger.warning("celery_ext: could not release the unique lock of %s[%s]: %s "
                            "(it expires after its TTL)", one_line(self.name),

@@ -63,6 +63,9 @@ from .readiness import ReadyQueues
 from .weights import weight_of
 
 logger = logging.getLogger("celery_ext.transport")
+#: On a cluster, seconds between two checks of a pool's queues' own lists (one
+#: pipeline): the ready hint's safety net for a writer that died before updating it.
+CLUSTER_RECHECK_INTERVAL = 30.0
 # A process that publishes through this transport computes the fair keys of its jobs
 # (fair.py); this module is imported before its first publish, in drop-in mode too.
 connect_fair_keys()
@@ -209,12 +212,17 @@ class Channel(kredis.Channel):
         #: The Sentinel setup of a ``celery-ext+sentinel://`` URL, else None.
         self.sentinel = connections.sentinel_config(_urls_of(conn.client),
                                                     conn.client.transport_options)
+        #: The cluster setup when the broker is a Redis Cluster (setting ``cluster``).
+        self.cluster = connections.cluster_config(_urls_of(conn.client),
+                                                  conn.client.transport_options)
+        #: On a cluster: the reply of the fetch run synchronously (see ``_brpop_start``).
+        self._cluster_reply: Any = None
         if self.sentinel is not None:
             self.connection_class = connections.sentinel_connection_class()
             self.connection_class_ssl = connections.sentinel_connection_class(tls=True)
         super().__init__(*args, **kwargs)
         self.handlers["WAKE"] = self._wake_read
-        self._scripts = _scripts.Scripts(self.client)
+        self._scripts = _scripts.Scripts(self._cluster_client() if self.cluster else self.client)
         # The event loop sends fetch by SHA without redis-py's NOSCRIPT fallback.
         with self.conn_or_acquire() as client:
             self._scripts.load_all(client)
@@ -236,6 +244,14 @@ class Channel(kredis.Channel):
         return params
 
     def _get_pool(self, asynchronous: bool = False) -> Any:
+        if self.cluster is not None:
+            # The channel's own connections (fetch signal, wake-ups, fanout) go to the
+            # master of the namespace's home slot; commands go through the cluster client.
+            params = self._connparams(asynchronous=asynchronous)
+            node = self._cluster_client().get_node_from_key(self.keys.home.prefix)
+            params.update(host=node.host, port=node.port, db=0)
+            self.keyprefix_fanout = self.keyprefix_fanout.format(db=0)
+            return redis.ConnectionPool(**params)
         if self.sentinel is None:
             return super()._get_pool(asynchronous)
         params = self._connparams(asynchronous=asynchronous)
@@ -249,6 +265,28 @@ class Channel(kredis.Channel):
             self._sentinel_manager = manager
         return pool
 
+    def _cluster_client(self) -> Any:
+        """This channel's :class:`~redis.cluster.RedisCluster` (cluster only): slot
+        routing, MOVED/ASK and a failover's new topology are redis-py's."""
+        rc = self.__dict__.get("_rc")
+        if rc is None:
+            assert self.cluster is not None
+            rc = self.__dict__["_rc"] = connections.cluster_client(
+                self.cluster, self._cluster_params())
+        return rc
+
+    def _cluster_params(self) -> dict[str, Any]:
+        """Connection keywords of this channel (timeouts, TLS), for every node."""
+        params = super()._connparams(asynchronous=False)
+        if params.get("socket_timeout") is None:
+            params["socket_timeout"] = self.settings.reply_timeout
+        return params
+
+    def _create_client(self, asynchronous: bool = False) -> Any:
+        if self.cluster is not None and not asynchronous:
+            return self._cluster_client()
+        return super()._create_client(asynchronous=asynchronous)
+
     @contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
         """Like Kombu's, but reuse one client per channel and connection pool:
@@ -256,6 +294,9 @@ class Channel(kredis.Channel):
         of ``apply_async``. (redis-py clients are thread-safe over their pool.)"""
         if client:
             yield client
+            return
+        if self.cluster is not None:
+            yield self._cluster_client()
             return
         pool = self.pool
         cached = self.__dict__.get("_cached_client")
@@ -268,7 +309,9 @@ class Channel(kredis.Channel):
         """Which server this channel talks to; kept after close, when Kombu has
         dropped ``self.connection`` but acks of jobs still running must go on."""
         sid = self.__dict__.get("_server_id")
-        if sid is None and self.sentinel is not None:
+        if sid is None and self.cluster is not None:
+            sid = self.__dict__["_server_id"] = self.cluster.server_id
+        elif sid is None and self.sentinel is not None:
             sid = self.__dict__["_server_id"] = self.sentinel.server_id
         elif sid is None:
             c = self.connection.client
@@ -280,10 +323,12 @@ class Channel(kredis.Channel):
         """The plugin's Lua scripts, bound to this channel's client."""
         return self._scripts
 
-    def new_client(self) -> redis.Redis:
+    def new_client(self) -> Any:
         """A client on a connection pool of its own, with this channel's connection
         settings (server or sentinels, TLS, password, timeouts): for parts that outlive
-        channels."""
+        channels. On a cluster, a cluster client of its own."""
+        if self.cluster is not None:
+            return connections.cluster_client(self.cluster, self._cluster_params())
         params = self._connparams(asynchronous=False)
         return redis.Redis(connection_pool=connections.connection_pool(params, self.sentinel))
 
@@ -303,7 +348,8 @@ class Channel(kredis.Channel):
         if enqueuer is None:
             enqueuer = self.__dict__["_enqueuer"] = Enqueuer(
                 self.settings, self.keys, self._scripts, self.conn_or_acquire, self._expires,
-                clock_offset=getattr(self, "_clock_offset", 0.0), pool=lambda: self.pool)
+                clock_offset=getattr(self, "_clock_offset", 0.0),
+                pool=None if self.cluster is not None else lambda: self.pool)
         return enqueuer
 
     def basic_publish(self, message: Any, exchange: str, routing_key: str,
@@ -329,12 +375,13 @@ class Channel(kredis.Channel):
     # -- queue management --------------------------------------------------------------
     def _levels(self, queue: str) -> list[str]:
         """The lists of a job queue, one per priority level (see :mod:`.priority`)."""
-        return self.keys.queue_levels(queue, self.settings.priority_steps)
+        return self.keys.of(queue).queue_levels(queue, self.settings.priority_steps)
 
     def _sub_queues(self, client: Any, queue: str) -> list[str]:
         """The sub-queues of a job queue's fair keys with jobs (:mod:`.fair`)."""
-        return [self.keys.fair_queue(queue, bytes_to_str(key))
-                for key in client.lrange(self.keys.fair_ring(queue), 0, -1)]
+        k = self.keys.of(queue)
+        return [k.fair_queue(queue, bytes_to_str(key))
+                for key in client.lrange(k.fair_ring(queue), 0, -1)]
 
     def _size(self, queue: str) -> int:
         size = self._predeclared_sizes.pop(queue, None)
@@ -349,7 +396,7 @@ class Channel(kredis.Channel):
         """Delete every list of a job queue (levels, fair ring and sub-queues) and the
         index entries of the jobs in them, in one script (``purge.lua``). Returns how
         many jobs were removed."""
-        k = self.keys
+        k = self.keys.of(queue)
         return int(self.scripts("purge", [k.ready, k.job_index, *self._levels(queue)], [queue],
                                 client=client))
 
@@ -359,7 +406,7 @@ class Channel(kredis.Channel):
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         with self.conn_or_acquire() as client:
-            return bool(client.exists(*self._levels(queue), self.keys.fair_ring(queue)))
+            return bool(client.exists(*self._levels(queue), self.keys.of(queue).fair_ring(queue)))
 
     def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str,
                 *args: Any, **kwargs: Any) -> None:
@@ -460,6 +507,15 @@ class Channel(kredis.Channel):
                 else self.keyprefix_binding_permanent % (exchange,)]
         member = self.sep.join([routing_key or "", pattern or "", queue or ""])
         with self.conn_or_acquire() as client:
+            if self.cluster is not None:
+                # Kombu's keys are in two slots: bind.lua's writes as two commands,
+                # which a full Redis refuses (the worker then retries its start).
+                client.sadd(keys[0], member)
+                if ttl:
+                    client.zadd(keys[1], {exchange: int(now_s(client) * 1000) + ttl}, gt=True)
+                else:
+                    client.sadd(keys[1], member)
+                return
             self._scripts("bind", keys, [member, exchange, ttl], client=client)
 
     # -- consuming ---------------------------------------------------------------------
@@ -524,6 +580,13 @@ class Channel(kredis.Channel):
     def pool_id(self) -> str:
         return self.worker_pool.pool_id
 
+    def copy_of(self, tag: str) -> Keys:
+        """The copy of the layout whose records hold the tracked job ``tag``: its job
+        queue's on a cluster, the one copy on one node."""
+        if self.cluster is None:
+            return self.keys
+        return next(iter(self.worker_pool.record.locate([tag])), self.keys)
+
     def _fetch_sent(self) -> None:
         self._fetch_pending = True
         self.worker_pool.fetch_sent()
@@ -538,6 +601,37 @@ class Channel(kredis.Channel):
     def _fetch_keys(self, pool_id: str, queues: list[str]) -> list[str]:
         return self.keys.fetch(pool_id, queues, self.settings.priority_steps)
 
+    def _fetch_copies(self, client: Any, pool_id: str, picks: list[str], flags: str) -> list[Any]:
+        """On a cluster: one ``fetch`` call per queue copy of the candidates, in one
+        pipeline (one round trip per master visited); their replies merged into one
+        as the script gives it on one node. A copy that refuses the pool (the reaper
+        recovered its jobs there) makes the status 0; the jobs of the others count."""
+        groups = self.keys.groups(picks)
+        flag_of = dict(zip(picks, flags, strict=True))
+        if pool_id != "-":
+            self.worker_pool.join(list(groups))
+        steps, max_payload = self.settings.priority_steps, self.settings.max_payload_bytes
+        sha = _scripts.sha("fetch")
+        with client.pipeline(transaction=False) as pipe:
+            for k, queues in groups.items():
+                keys = k.fetch(pool_id, queues, steps)
+                pipe.evalsha(sha, len(keys), *keys, pool_id, "".join(flag_of[q] for q in queues),
+                             *queues, max_payload, int(self.settings.job_index))
+            replies = pipe.execute(raise_on_error=False)
+        status, jobs, empties, blocked, waits = 1, [], [], [], []
+        for reply in replies:
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                self._scripts.load_all(client)  # a promoted replica: its script cache is empty
+                continue
+            if isinstance(reply, Exception):
+                raise reply
+            status = min(status, int(reply[0]))
+            jobs += reply[1]
+            empties += reply[2]
+            blocked += reply[3]
+            waits += reply[4]
+        return [status, jobs, empties, blocked, waits]
+
     def _fetch_sync(self, queues: list[str], track: bool) -> list[Any]:
         pool_id = self.pool_id if track else "-"
         flags = ("1" if track else "0") * len(queues)
@@ -546,10 +640,13 @@ class Channel(kredis.Channel):
                 if track:
                     self.worker_pool.fetch_sent()
                 try:
-                    status, jobs, *_ = self._scripts(
-                        "fetch", self._fetch_keys(pool_id, queues),
-                        [pool_id, flags, *queues, self.settings.max_payload_bytes,
-                         int(self.settings.job_index)], client=client)
+                    if self.cluster is not None:
+                        status, jobs, *_ = self._fetch_copies(client, pool_id, queues, flags)
+                    else:
+                        status, jobs, *_ = self._scripts(
+                            "fetch", self._fetch_keys(pool_id, queues),
+                            [pool_id, flags, *queues, self.settings.max_payload_bytes,
+                             int(self.settings.job_index)], client=client)
                 except BaseException:
                     if track:
                         self.worker_pool.fetch_done(lost=True)
@@ -559,6 +656,8 @@ class Channel(kredis.Channel):
                 if status:
                     return list(jobs)
                 self.worker_pool.revive()
+                if jobs:  # on a cluster, other queues' copies gave jobs meanwhile
+                    return list(jobs)
         return []
 
     def _brpop_start(self, timeout: Any = None) -> None:
@@ -583,13 +682,27 @@ class Channel(kredis.Channel):
         no_ack = self._no_ack_queues
         flags = "".join("0" if q in no_ack else "1" for q in picks)
         pool_id = self.pool_id if "1" in flags else "-"
-        keys = self._fetch_keys(pool_id, picks)
         conn = self.client.connection
         self._in_poll = conn
         ready.fetch_sent()
         self._brpop_sent_at = monotonic()
         if pool_id != "-":
             self._fetch_sent()
+        if self.cluster is not None:
+            # The candidates' copies live on several masters: the fetch runs here, one
+            # pipeline (one round trip per master visited), and a PING on the channel's
+            # own connection hands its reply to the event loop's reading code.
+            try:
+                self._cluster_reply = self._fetch_copies(self._cluster_client(), pool_id,
+                                                         picks, flags)
+            except BaseException:
+                self._in_poll = None
+                ready.fetch_lost()
+                self._fetch_finished(lost=True)
+                raise
+            conn.send_command("PING")
+            return
+        keys = self._fetch_keys(pool_id, picks)
         conn.send_command("EVALSHA", _scripts.sha("fetch"), len(keys), *keys,
                           pool_id, flags, *picks, self.settings.max_payload_bytes,
                           int(self.settings.job_index))
@@ -599,7 +712,11 @@ class Channel(kredis.Channel):
         pending = self._in_poll
         try:
             try:
-                reply = self.client.parse_response(conn, "EVALSHA", **options)
+                if self.cluster is not None:
+                    self.client.parse_response(conn, "PING", **options)
+                    reply, self._cluster_reply = self._cluster_reply, None
+                else:
+                    reply = self.client.parse_response(conn, "EVALSHA", **options)
             except self.connection_errors:
                 conn.disconnect()
                 self._ready.fetch_lost()
@@ -622,6 +739,8 @@ class Channel(kredis.Channel):
         # Empty queues wait for a wake-up; paused ones and those at their
         # max_concurrency too (resume and ack publish one); rate-limited ones for a timer.
         replied = self._ready.fetch_replied([bytes_to_str(n) for n in (*empties, *blocked)])
+        if self.cluster is not None and empties:
+            self._cluster_emptied([bytes_to_str(n) for n in empties])
         if waits:
             self._throttle([(bytes_to_str(q), int(us) / 1e6) for q, us in waits])
         if replied:
@@ -636,8 +755,10 @@ class Channel(kredis.Channel):
                 self._ready.activate_all()
         if not status:
             # A reaper declared this pool dead while it was stopped; register again.
+            # (On a cluster the copies that did not refuse it may have given jobs.)
             self.worker_pool.revive()
-            raise Empty()
+            if not jobs:
+                raise Empty()
         delivered = False
         no_ack = self._no_ack_queues
         for qname, tag, payload, rec in jobs:
@@ -679,6 +800,8 @@ class Channel(kredis.Channel):
         because it is over ``max_payload_bytes``; ``tracked``: fetched into the pool's
         in-flight record (else, a no-ack fetch, the dead record is written from here)."""
         queue, tag = bytes_to_str(qname), bytes_to_str(tag)
+        if tracked and self.cluster is not None:
+            self.worker_pool.fetched(tag, queue)  # which copy's record holds it
         limit = self.settings.max_payload_bytes
         if isinstance(payload, int) or (limit and len(payload) > limit):
             size = payload if isinstance(payload, int) else len(payload)
@@ -793,10 +916,42 @@ class Channel(kredis.Channel):
             f"celery_ext: no reply to a fetch within {self.settings.reply_timeout:g}s")
 
     def _refresh_ready(self) -> None:
-        """Mark every consumed queue in the ``ready`` set active (1 command)."""
+        """Mark every consumed queue in the ``ready`` set active (1 command). On a
+        cluster it is the home copy's hint; the queues' own lists are re-checked at
+        start and every ``CLUSTER_RECHECK_INTERVAL`` (a writer may have died between
+        its script and its hint)."""
+        if self.cluster is not None and monotonic() >= self._cluster_recheck_at:
+            self._cluster_recheck_at = monotonic() + CLUSTER_RECHECK_INTERVAL
+            self._cluster_recheck([q for q in self._active_queues
+                                   if q not in self.active_fanout_queues])
         with self.conn_or_acquire() as client:
             ready = client.smembers(self.keys.ready)
         self._ready.woken([bytes_to_str(name) for name in ready], refresh=True)
+
+    _cluster_recheck_at = 0.0
+
+    def _cluster_emptied(self, queues: list[str]) -> None:
+        """A fetch found these queues empty (cluster): take them out of the home
+        hint, then look at their lists and put back those that hold jobs again. A
+        push after the fetch was onto an empty list, and its producer adds the
+        queue to the hint after our removal; an earlier one is seen here."""
+        client = self._cluster_client()
+        client.srem(self.keys.home.ready, *queues)
+        self._cluster_recheck(queues)
+
+    def _cluster_recheck(self, queues: list[str]) -> None:
+        """Add to the home hint (and wake) those of ``queues`` whose lists hold jobs:
+        one pipeline, one round trip per master."""
+        if not queues:
+            return
+        client = self._cluster_client()
+        with client.pipeline(transaction=False) as pipe:
+            for q in queues:
+                pipe.exists(*self._levels(q), self.keys.of(q).fair_ring(q))
+            found = [q for q, n in zip(queues, pipe.execute(), strict=True) if int(n)]
+        if found:
+            client.sadd(self.keys.home.ready, *found)
+            self._ready.woken(found)
 
     # -- rate limits -----------------------------------------------------------------------
     def _throttle(self, waits: list[tuple[str, float]]) -> None:
@@ -889,8 +1044,8 @@ class Transport(kredis.Transport):
         c = self.client  # (as_uri would build this transport again)
         db = (c.virtual_host or "").strip("/")
         urls = c.alt or [f"redis://{c.hostname}:{c.port or 6379}/{db}"]
-        if connections.cluster_config(urls, c.transport_options):
-            raise ConfigError(connections.CLUSTER_NOT_YET)  # producers too: not half-working
+        if connections.cluster_config(urls, c.transport_options) and self.settings.wait_replicas:
+            raise ConfigError(connections.CLUSTER_NO_WAIT)
         # Fix the pool id now, before a prefork pool forks: children then know which
         # pool owns the jobs they run (their busy records and checkins name it).
         current_pool_id()
