@@ -95,6 +95,10 @@ Layout (``ns`` = namespace)::
                                      written by the script that moves the job
     {ns}:jobs_done           zset    task id -> ms after which its finished entry in
                                      {ns}:jobs is trimmed (job_index_ttl past the finish)
+    {ns}:_kombu.binding.<exchange>, {ns}:_kombu.binding_permanent.<exchange>,
+    {ns}:_kombu.binding_deadlines
+                             Kombu's binding tables, on a cluster only (Kombu's own
+                             names, without a tag, on one node)
     {ns}:periodic            set     names of the periodic job entries (the leader's beat_schedule)
     {ns}:periodic:<name>     hash    one entry's state: next_due, last_due, last_run_at (ms),
                                      last_job_id, runs, missed, paused, outcome (+ its
@@ -157,6 +161,21 @@ class Keys:
         for q in queues:
             out.setdefault(self.of(q), []).append(q)
         return out
+
+    # Kombu's binding keys, on a cluster only (on one node Kombu's own names are kept):
+    # under the home tag, so Kombu's binding scripts (an expiring binding and its
+    # deadline in one call) touch one slot. Format strings as Kombu's channel has them.
+    @property
+    def kombu_binding(self) -> str:
+        return "{" + self.namespace + "}:_kombu.binding.%s"
+
+    @property
+    def kombu_binding_permanent(self) -> str:
+        return "{" + self.namespace + "}:_kombu.binding_permanent.%s"
+
+    @property
+    def kombu_binding_deadlines(self) -> str:
+        return "{" + self.namespace + "}:_kombu.binding_deadlines"
 
     @property
     def is_home(self) -> bool:

@@ -24,6 +24,7 @@ from importlib import resources
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
 SCRIPT_NAMES = (
@@ -72,6 +73,10 @@ class Scripts:
     def load_all(self, client: redis.Redis | None = None) -> None:
         """Load every script into the server's cache (after a restart flushed it)."""
         target = client or self._client
+        if isinstance(target, RedisCluster):  # no SCRIPT LOAD in a cluster pipeline
+            for name in SCRIPT_NAMES:
+                target.script_load(source(name))  # (to every master)
+            return
         with target.pipeline(transaction=False) as pipe:  # one round trip for all
             for name in SCRIPT_NAMES:
                 pipe.script_load(source(name))

@@ -39,6 +39,7 @@ from contextlib import contextmanager, suppress
 from queue import Empty
 from time import monotonic
 from typing import Any
+from urllib.parse import quote
 
 import redis
 from kombu.transport import redis as kredis
@@ -213,16 +214,22 @@ class Channel(kredis.Channel):
         self.sentinel = connections.sentinel_config(_urls_of(conn.client),
                                                     conn.client.transport_options)
         #: The cluster setup when the broker is a Redis Cluster (setting ``cluster``).
-        self.cluster = connections.cluster_config(_urls_of(conn.client),
+        self.cluster_setup = connections.cluster_config(_seed_urls(conn.client),
                                                   conn.client.transport_options)
         #: On a cluster: the reply of the fetch run synchronously (see ``_brpop_start``).
         self._cluster_reply: Any = None
+        if self.cluster_setup is not None:
+            home = self.keys.home
+            self.keyprefix_queue = home.kombu_binding
+            self.keyprefix_binding_permanent = home.kombu_binding_permanent
+            self.keyprefix_binding_deadlines = home.kombu_binding_deadlines
         if self.sentinel is not None:
             self.connection_class = connections.sentinel_connection_class()
             self.connection_class_ssl = connections.sentinel_connection_class(tls=True)
         super().__init__(*args, **kwargs)
         self.handlers["WAKE"] = self._wake_read
-        self._scripts = _scripts.Scripts(self._cluster_client() if self.cluster else self.client)
+        self._scripts = _scripts.Scripts(
+            self._cluster_client() if self.cluster_setup is not None else self.client)
         # The event loop sends fetch by SHA without redis-py's NOSCRIPT fallback.
         with self.conn_or_acquire() as client:
             self._scripts.load_all(client)
@@ -244,7 +251,7 @@ class Channel(kredis.Channel):
         return params
 
     def _get_pool(self, asynchronous: bool = False) -> Any:
-        if self.cluster is not None:
+        if self.cluster_setup is not None:
             # The channel's own connections (fetch signal, wake-ups, fanout) go to the
             # master of the namespace's home slot; commands go through the cluster client.
             params = self._connparams(asynchronous=asynchronous)
@@ -270,9 +277,9 @@ class Channel(kredis.Channel):
         routing, MOVED/ASK and a failover's new topology are redis-py's."""
         rc = self.__dict__.get("_rc")
         if rc is None:
-            assert self.cluster is not None
+            assert self.cluster_setup is not None
             rc = self.__dict__["_rc"] = connections.cluster_client(
-                self.cluster, self._cluster_params())
+                self.cluster_setup, self._cluster_params())
         return rc
 
     def _cluster_params(self) -> dict[str, Any]:
@@ -283,7 +290,7 @@ class Channel(kredis.Channel):
         return params
 
     def _create_client(self, asynchronous: bool = False) -> Any:
-        if self.cluster is not None and not asynchronous:
+        if self.cluster_setup is not None and not asynchronous:
             return self._cluster_client()
         return super()._create_client(asynchronous=asynchronous)
 
@@ -295,7 +302,7 @@ class Channel(kredis.Channel):
         if client:
             yield client
             return
-        if self.cluster is not None:
+        if self.cluster_setup is not None:
             yield self._cluster_client()
             return
         pool = self.pool
@@ -309,8 +316,8 @@ class Channel(kredis.Channel):
         """Which server this channel talks to; kept after close, when Kombu has
         dropped ``self.connection`` but acks of jobs still running must go on."""
         sid = self.__dict__.get("_server_id")
-        if sid is None and self.cluster is not None:
-            sid = self.__dict__["_server_id"] = self.cluster.server_id
+        if sid is None and self.cluster_setup is not None:
+            sid = self.__dict__["_server_id"] = self.cluster_setup.server_id
         elif sid is None and self.sentinel is not None:
             sid = self.__dict__["_server_id"] = self.sentinel.server_id
         elif sid is None:
@@ -327,8 +334,8 @@ class Channel(kredis.Channel):
         """A client on a connection pool of its own, with this channel's connection
         settings (server or sentinels, TLS, password, timeouts): for parts that outlive
         channels. On a cluster, a cluster client of its own."""
-        if self.cluster is not None:
-            return connections.cluster_client(self.cluster, self._cluster_params())
+        if self.cluster_setup is not None:
+            return connections.cluster_client(self.cluster_setup, self._cluster_params())
         params = self._connparams(asynchronous=False)
         return redis.Redis(connection_pool=connections.connection_pool(params, self.sentinel))
 
@@ -349,7 +356,7 @@ class Channel(kredis.Channel):
             enqueuer = self.__dict__["_enqueuer"] = Enqueuer(
                 self.settings, self.keys, self._scripts, self.conn_or_acquire, self._expires,
                 clock_offset=getattr(self, "_clock_offset", 0.0),
-                pool=None if self.cluster is not None else lambda: self.pool)
+                pool=None if self.cluster_setup is not None else lambda: self.pool)
         return enqueuer
 
     def basic_publish(self, message: Any, exchange: str, routing_key: str,
@@ -490,13 +497,29 @@ class Channel(kredis.Channel):
         binding TTL, ``celery inspect`` stops reaching a pool that is draining a full
         Redis."""
         try:
-            super()._refresh_bindings(queues)
+            if self.cluster_setup is not None:
+                self._refresh_bindings_one_by_one(queues)
+            else:
+                super()._refresh_bindings(queues)
         except redis.exceptions.OutOfMemoryError:
             for queue in queues:
                 for exchange, routing_key, args in self.state.queue_bindings(queue):
                     _, pattern, _ = self.typeof(exchange).prepare_bind(
                         queue, exchange, routing_key, args)
                     self._bind_at_maxmemory(exchange, routing_key, pattern, queue)
+
+    def _refresh_bindings_one_by_one(self, queues: Any) -> None:
+        """Kombu's refresh without its pipeline, which a cluster client refuses for
+        scripts (the bindings and their deadlines share the home slot on a cluster)."""
+        with self.conn_or_acquire() as client:
+            for queue in queues:
+                for exchange, routing_key, args in self.state.queue_bindings(queue):
+                    _, pattern, _ = self.typeof(exchange).prepare_bind(
+                        queue, exchange, routing_key, args)
+                    self._refresh_binding(
+                        keys=[self.keyprefix_queue % (exchange,), self._script_binding_deadlines],
+                        args=[self.sep.join([routing_key or "", pattern or "", queue]),
+                              exchange, self._binding_ttl(queue)], client=client)
 
     def _bind_at_maxmemory(self, exchange: str, routing_key: str, pattern: str,
                            queue: str) -> None:
@@ -507,15 +530,6 @@ class Channel(kredis.Channel):
                 else self.keyprefix_binding_permanent % (exchange,)]
         member = self.sep.join([routing_key or "", pattern or "", queue or ""])
         with self.conn_or_acquire() as client:
-            if self.cluster is not None:
-                # Kombu's keys are in two slots: bind.lua's writes as two commands,
-                # which a full Redis refuses (the worker then retries its start).
-                client.sadd(keys[0], member)
-                if ttl:
-                    client.zadd(keys[1], {exchange: int(now_s(client) * 1000) + ttl}, gt=True)
-                else:
-                    client.sadd(keys[1], member)
-                return
             self._scripts("bind", keys, [member, exchange, ttl], client=client)
 
     # -- consuming ---------------------------------------------------------------------
@@ -583,7 +597,7 @@ class Channel(kredis.Channel):
     def copy_of(self, tag: str) -> Keys:
         """The copy of the layout whose records hold the tracked job ``tag``: its job
         queue's on a cluster, the one copy on one node."""
-        if self.cluster is None:
+        if self.cluster_setup is None:
             return self.keys
         return next(iter(self.worker_pool.record.locate([tag])), self.keys)
 
@@ -615,8 +629,11 @@ class Channel(kredis.Channel):
         with client.pipeline(transaction=False) as pipe:
             for k, queues in groups.items():
                 keys = k.fetch(pool_id, queues, steps)
-                pipe.evalsha(sha, len(keys), *keys, pool_id, "".join(flag_of[q] for q in queues),
-                             *queues, max_payload, int(self.settings.job_index))
+                # (execute_command: redis-py's cluster pipeline refuses its evalsha method,
+                # but routes an EVALSHA by its keys' slot like any keyed command.)
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, pool_id,
+                                     "".join(flag_of[q] for q in queues), *queues, max_payload,
+                                     int(self.settings.job_index))
             replies = pipe.execute(raise_on_error=False)
         status, jobs, empties, blocked, waits = 1, [], [], [], []
         for reply in replies:
@@ -640,7 +657,7 @@ class Channel(kredis.Channel):
                 if track:
                     self.worker_pool.fetch_sent()
                 try:
-                    if self.cluster is not None:
+                    if self.cluster_setup is not None:
                         status, jobs, *_ = self._fetch_copies(client, pool_id, queues, flags)
                     else:
                         status, jobs, *_ = self._scripts(
@@ -688,7 +705,7 @@ class Channel(kredis.Channel):
         self._brpop_sent_at = monotonic()
         if pool_id != "-":
             self._fetch_sent()
-        if self.cluster is not None:
+        if self.cluster_setup is not None:
             # The candidates' copies live on several masters: the fetch runs here, one
             # pipeline (one round trip per master visited), and a PING on the channel's
             # own connection hands its reply to the event loop's reading code.
@@ -712,7 +729,7 @@ class Channel(kredis.Channel):
         pending = self._in_poll
         try:
             try:
-                if self.cluster is not None:
+                if self.cluster_setup is not None:
                     self.client.parse_response(conn, "PING", **options)
                     reply, self._cluster_reply = self._cluster_reply, None
                 else:
@@ -739,7 +756,7 @@ class Channel(kredis.Channel):
         # Empty queues wait for a wake-up; paused ones and those at their
         # max_concurrency too (resume and ack publish one); rate-limited ones for a timer.
         replied = self._ready.fetch_replied([bytes_to_str(n) for n in (*empties, *blocked)])
-        if self.cluster is not None and empties:
+        if self.cluster_setup is not None and empties:
             self._cluster_emptied([bytes_to_str(n) for n in empties])
         if waits:
             self._throttle([(bytes_to_str(q), int(us) / 1e6) for q, us in waits])
@@ -800,7 +817,7 @@ class Channel(kredis.Channel):
         because it is over ``max_payload_bytes``; ``tracked``: fetched into the pool's
         in-flight record (else, a no-ack fetch, the dead record is written from here)."""
         queue, tag = bytes_to_str(qname), bytes_to_str(tag)
-        if tracked and self.cluster is not None:
+        if tracked and self.cluster_setup is not None:
             self.worker_pool.fetched(tag, queue)  # which copy's record holds it
         limit = self.settings.max_payload_bytes
         if isinstance(payload, int) or (limit and len(payload) > limit):
@@ -920,7 +937,7 @@ class Channel(kredis.Channel):
         cluster it is the home copy's hint; the queues' own lists are re-checked at
         start and every ``CLUSTER_RECHECK_INTERVAL`` (a writer may have died between
         its script and its hint)."""
-        if self.cluster is not None and monotonic() >= self._cluster_recheck_at:
+        if self.cluster_setup is not None and monotonic() >= self._cluster_recheck_at:
             self._cluster_recheck_at = monotonic() + CLUSTER_RECHECK_INTERVAL
             self._cluster_recheck([q for q in self._active_queues
                                    if q not in self.active_fanout_queues])
@@ -1030,6 +1047,19 @@ def _urls_of(conninfo: Any) -> list[str]:
     return [f"{prefix}+{host}" if prefix else host]
 
 
+def _seed_urls(conninfo: Any) -> list[str]:
+    """The URLs of a Kombu connection as a cluster's seeds: every ``;``-separated one,
+    or the one URL rebuilt with its credentials (``as_uri`` would build a transport)."""
+    if conninfo.alt:
+        return [u for u in conninfo.alt if isinstance(u, str)]
+    scheme = "rediss" if conninfo.transport_cls == TLS_SCHEME else "redis"
+    auth = ""
+    if conninfo.password:
+        auth = f"{quote(conninfo.userid or '', safe='')}:{quote(conninfo.password, safe='')}@"
+    db = (conninfo.virtual_host or "").strip("/")
+    return [f"{scheme}://{auth}{conninfo.hostname}:{conninfo.port or 6379}/{db}"]
+
+
 class Transport(kredis.Transport):
     """Kombu transport registered as ``celery-ext://`` (and ``celery-exts://`` for TLS)."""
 
@@ -1041,10 +1071,9 @@ class Transport(kredis.Transport):
         super().__init__(*args, **kwargs)
         self.cycle = MultiChannelPoller()
         self.settings = Settings.load(self.client.transport_options)
-        c = self.client  # (as_uri would build this transport again)
-        db = (c.virtual_host or "").strip("/")
-        urls = c.alt or [f"redis://{c.hostname}:{c.port or 6379}/{db}"]
-        if connections.cluster_config(urls, c.transport_options) and self.settings.wait_replicas:
+        c = self.client
+        if connections.cluster_config(_seed_urls(c), c.transport_options) \
+                and self.settings.wait_replicas:
             raise ConfigError(connections.CLUSTER_NO_WAIT)
         # Fix the pool id now, before a prefork pool forks: children then know which
         # pool owns the jobs they run (their busy records and checkins name it).
