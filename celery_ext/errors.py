@@ -14,7 +14,12 @@ from kombu.exceptions import OperationalError
 
 #: Errors of the connection: the command may or may not have run, so whoever sent it
 #: must find out (reconcile, resend an idempotent script), never assume either way.
-CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+#: On a cluster, a master failing over answers CLUSTERDOWN or TRYAGAIN, or leaves a
+#: slot without a known owner for a moment: the same "go find out, try again later".
+CLUSTER_ERRORS = (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+                  redis.exceptions.SlotNotCoveredError)
+CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+                     *CLUSTER_ERRORS)
 
 
 class PayloadTooLarge(ValueError):

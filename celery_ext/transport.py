@@ -54,7 +54,7 @@ from .clock import now_s
 from .config import TLS_SCHEME, TLS_SENTINEL_SCHEME, ConfigError, Settings
 from .dead import dead_letter, one_line
 from .envelope import envelope_problem
-from .errors import CONNECTION_ERRORS, BrokerOutOfMemory, job_name
+from .errors import CLUSTER_ERRORS, CONNECTION_ERRORS, BrokerOutOfMemory, job_name
 from .fair import connect as connect_fair_keys
 from .heartbeater import current_pool_id
 from .keys import LEVEL_SEP, Keys
@@ -285,6 +285,7 @@ class Channel(kredis.Channel):
     def _cluster_params(self) -> dict[str, Any]:
         """Connection keywords of this channel (timeouts, TLS), for every node."""
         params = super()._connparams(asynchronous=False)
+        params.pop("retry_on_timeout", None)  # redis-py's cluster retries timeouts itself
         if params.get("socket_timeout") is None:
             params["socket_timeout"] = self.settings.reply_timeout
         return params
@@ -1066,6 +1067,10 @@ class Transport(kredis.Transport):
     Channel = Channel
     driver_type = "redis"
     driver_name = "redis"
+    #: Kombu's, and a cluster's failover answers: the consumer reconnects on them.
+    connection_errors = (*kredis.Transport.connection_errors, *CLUSTER_ERRORS)
+    channel_errors = tuple(e for e in kredis.Transport.channel_errors
+                           if e not in CLUSTER_ERRORS)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -25,7 +25,8 @@ NAMES = 30
 app = Celery("proj_cluster", broker=BROKER_URL)
 app.conf.update(
     broker_connection_retry_on_startup=True,
-    broker_transport_options={"cluster": True},
+    broker_transport_options={"cluster": True,
+                              "namespace": os.environ.get("CELERY_EXT_NAMESPACE", "celery_ext")},
     worker_hijack_root_logger=False,
     task_ignore_result=True,
 )
@@ -33,6 +34,14 @@ if os.environ.get("CELERY_EXT_NO_INSTALL") != "1":
     celery_ext.install(app)
 
 _record: redis.Redis | None = None
+
+
+def configure(broker_url: str, namespace: str, record_url: str) -> None:
+    """Point this (test process's) app at a cluster, a namespace and a record server."""
+    global RECORD_URL, _record
+    app.conf.broker_url = broker_url
+    app.conf.broker_transport_options = {"cluster": True, "namespace": namespace}
+    RECORD_URL, _record = record_url, None
 
 
 def recorder() -> redis.Redis:
