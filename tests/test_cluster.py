@@ -1,7 +1,7 @@
 """Redis Cluster groundwork (issue 13): a real local cluster started from the tests'
 server binary, cluster broker URLs read in ``connections``, the client, CLI and
-dashboard on a cluster, and a worker or producer configured for a cluster stopping
-with one line (the transport does not run on a cluster yet; docs/cluster.md)."""
+dashboard on a cluster, and what a cluster refuses with one line (``wait_replicas``).
+Workers and producers on a cluster: tests/test_cluster_workers.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from redis.cluster import RedisCluster
 
 from celery_ext.client import Client
 from celery_ext.config import ConfigError
-from celery_ext.connections import CLUSTER_NOT_YET, cluster_client, cluster_config
+from celery_ext.connections import CLUSTER_NO_WAIT, cluster_client, cluster_config
 from celery_ext.keys import Keys
 from celery_ext.server import ClusterGroup
 from celery_ext.web import create_app
@@ -150,26 +150,27 @@ def test_client_for_app_builds_a_cluster_client(cluster_url: str) -> None:
         client.client.close()
 
 
-# -- the transport refuses a cluster (for now) --------------------------------------------------
+# -- what a cluster refuses ----------------------------------------------------------------------
 
 
-def test_worker_on_a_cluster_stops_with_one_line(cluster_url: str) -> None:
+def test_worker_with_wait_replicas_on_a_cluster_stops_with_one_line(cluster_url: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CELERY_EXT_BROKER_URL": cluster_url,
-           "CELERY_EXT_CLUSTER": "1"}
+           "CELERY_EXT_CLUSTER": "1", "CELERY_EXT_WAIT_REPLICAS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "tests.proj", "worker", "-P", "solo",
          "--without-mingle", "--without-gossip"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert CLUSTER_NOT_YET in output.splitlines()
+    assert CLUSTER_NO_WAIT in output.splitlines()
     assert "Traceback" not in output
 
 
-def test_producer_on_a_cluster_is_refused(cluster_url: str) -> None:
+def test_producer_with_wait_replicas_on_a_cluster_is_refused(cluster_url: str) -> None:
     app = Celery("cl", broker=cluster_url)
-    app.conf.broker_transport_options = {"cluster": True}
-    with pytest.raises(ConfigError, match="cluster mode"), app.connection_for_write() as conn:
+    app.conf.broker_transport_options = {"cluster": True, "wait_replicas": 1}
+    with pytest.raises(ConfigError, match="wait_replicas is not available on a cluster"), \
+            app.connection_for_write() as conn:
         conn.default_channel  # noqa: B018 - building the channel is what is refused
 
 
