@@ -181,13 +181,22 @@ def cluster_client(config: ClusterConfig, params: Mapping[str, Any] | None = Non
     if config.tls:
         kwargs["ssl"] = True
         kwargs.setdefault("ssl_cert_reqs", "required")  # secure by default, as on one node
-    nodes = [ClusterNode(host, port) for host, port in config.seeds]
+    # The nodes a client of this process saw come after the seeds: a seed that died (a
+    # failed-over master) leaves its replicas, promoted now, to answer a reconnect.
+    seen = [n for n in _seen_nodes.get(config.seeds, ()) if n not in config.seeds]
+    nodes = [ClusterNode(host, port) for host, port in (*config.seeds, *seen)]
     try:
-        return RedisCluster(startup_nodes=nodes, **kwargs)
+        rc = RedisCluster(startup_nodes=nodes, **kwargs)
     except RedisClusterException as exc:
         # It asks the seeds for the slot map at once; no seed answering (or refusing
         # the password) is a connection failure to every caller, as on one node.
         raise redis.ConnectionError(str(exc)) from None
+    _seen_nodes[config.seeds] = tuple((n.host, n.port) for n in rc.get_nodes())
+    return rc
+
+
+#: Cluster seeds -> every node (masters and replicas) the last client built from them saw.
+_seen_nodes: dict[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]] = {}
 
 
 def is_sentinel_url(url: str) -> bool:
