@@ -65,6 +65,8 @@ class InflightRecord:
         #: job queue of each tag fetched and not yet finished.
         self._joined: set[Keys] = set()
         self._queue_of: dict[str, str] = {}
+        #: Cluster: the copies fetched from since the record was last read whole.
+        self._touched: set[Keys] = set()
 
     # -- where the record is (one copy on one node) -----------------------------------
     def copies(self) -> list[Keys]:
@@ -74,8 +76,11 @@ class InflightRecord:
         """Cluster: add the pool to the ``pools`` of the copies it has not joined yet
         (one pipeline), before it fetches from them: fetch refuses a pool that is not
         there, which is how the reaper's recovery of a copy reaches a live pool."""
+        if not self.keys.cluster:
+            return
+        self._touched.update(copies)
         new = [k for k in copies if k not in self._joined]
-        if not new or not self.keys.cluster:
+        if not new:
             return
         with self.client.pipeline(transaction=False) as pipe:
             for k in new:
@@ -137,9 +142,13 @@ class InflightRecord:
         return done
 
     def tags(self) -> list[str]:
+        """Every tag in the record. On a cluster the record is read in the copies it
+        can have jobs in: those fetched from since the last read, and those of the
+        jobs this process knows of (an idle pool reads nothing)."""
         if not self.keys.cluster:
             return [bytes_to_str(t) for t in self.client.hkeys(self.key)]
-        copies = self.copies()
+        copies = list(self._touched | {self.keys.of(q) for q in set(self._queue_of.values())})
+        self._touched.clear()
         if not copies:
             return []
         out = []

@@ -65,8 +65,10 @@ from .weights import weight_of
 
 logger = logging.getLogger("celery_ext.transport")
 #: On a cluster, seconds between two checks of a pool's queues' own lists (one
-#: pipeline): the ready hint's safety net for a writer that died before updating it.
-CLUSTER_RECHECK_INTERVAL = 30.0
+#: pipeline), beside the check of every new channel (a start, a reconnect): the ready
+#: hint's safety net for a writer that died between its push, whose wake-up reached
+#: the pools subscribed then, and its hint.
+CLUSTER_RECHECK_INTERVAL = 300.0
 # A process that publishes through this transport computes the fair keys of its jobs
 # (fair.py); this module is imported before its first publish, in drop-in mode too.
 connect_fair_keys()
