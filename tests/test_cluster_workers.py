@@ -18,6 +18,7 @@ import redis
 from celery import Celery
 
 import celery_ext
+import celery_ext.client
 from celery_ext.connections import cluster_client, cluster_config
 from celery_ext.keys import Keys
 from celery_ext.server import ClusterGroup, RedisServer
@@ -175,3 +176,70 @@ def _published(app: Celery, n: int, i: int) -> bool:
     except Exception:  # the failover is still settling: the caller tries again
         return False
     return True
+
+
+def test_sigkilled_pool_jobs_go_back_to_their_queues(
+        cluster: ClusterGroup, namespace: str, records: tuple[str, redis.Redis],
+        worker_factory: Callable[..., WorkerProcess]) -> None:
+    """A pool SIGKILLed while it holds jobs of job queues on every master: the other
+    pool's reaper returns them to the front of their queues and they run."""
+    record_url, rec = records
+    url = cluster.url()
+    env = {"CELERY_EXT_NAMESPACE": namespace, "CELERY_EXT_RECORD_URL": record_url,
+           "CELERY_EXT_HEARTBEAT_INTERVAL": "0.5", "CELERY_EXT_DEAD_AFTER": "2",
+           "CELERY_EXT_REAP_INTERVAL": "0.5"}
+    victim = worker_factory(APP, broker_url=url, pool="threads", concurrency=8, env=env)
+    victim.start(timeout=60)
+    app = producer(url, namespace, install=True)
+    names = range(0, NAMES, 3)  # ten job queues, on every master
+    for n in names:
+        app.send_task(f"{APP}.job{n}", (0,), kwargs={"sleep": 30})
+    k = Keys(namespace, cluster=True)
+    rc = cluster_rc(url)
+    try:
+        def held() -> int:
+            return sum(rc.hlen(k.of(f"{APP}.job{n}").inflight(p.decode()))
+                       for n in names for p in rc.zrange(k.of(f"{APP}.job{n}").pools, 0, -1))
+        wait_for(lambda: held() == len(names), 30, "the victim holding every job")
+        assert {cluster.master_of(k.of(f"{APP}.job{n}").queue("x")) for n in names} == set(
+            cluster.master_servers())
+        victim.kill()
+        rescuer = worker_factory(APP, broker_url=url, pool="threads", concurrency=4, env=env)
+        rescuer.start(timeout=60)
+        # The jobs sleep 30 s: they are back in their queues (and fetched by the rescuer)
+        # long before they could finish; each runs once more, from the rescuer.
+        wait_for(lambda: int(rec.get("done") or 0) >= len(names), 60, "every job run again")
+        for n in names:
+            assert runs(rec, f"job{n}", 1) == [1], f"job{n}"
+        recovered = sum(int(rc.hget(k.of(f"{APP}.job{n}").stats, "recovered") or 0)
+                        for n in names)
+        assert recovered == len(names)
+    finally:
+        rc.close()
+
+
+def test_scheduled_retry_and_dead_jobs_on_a_cluster(
+        cluster: ClusterGroup, namespace: str, records: tuple[str, redis.Redis],
+        worker_factory: Callable[..., WorkerProcess]) -> None:
+    """Countdown jobs wait in their queue's scheduled set, a failed try in its retry
+    set, a failed job in its dead set: the requeuer promotes across the masters, and
+    the client lists the dead job and retries it."""
+    record_url, rec = records
+    url = cluster.url()
+    env = {"CELERY_EXT_NAMESPACE": namespace, "CELERY_EXT_RECORD_URL": record_url,
+           "CELERY_EXT_PROMOTE_INTERVAL": "0.5"}
+    worker_factory(APP, broker_url=url, pool="threads", concurrency=4, env=env).start(timeout=60)
+    app = producer(url, namespace, install=True)
+    for i in range(10):
+        app.send_task(f"{APP}.later", (i,), countdown=1.5)
+        app.send_task(f"{APP}.flaky", (i,))
+    app.send_task(f"{APP}.boom", (7,))
+    wait_for(lambda: min(runs(rec, "later", 10)) >= 1 and min(runs(rec, "flaky", 10)) >= 1,
+             60, "countdown and retried jobs run")
+    assert runs(rec, "later", 10) == [1] * 10 and runs(rec, "flaky", 10) == [1] * 10
+    client = celery_ext.client.Client.for_app(app)
+    try:
+        dead = wait_for(lambda: client.dead()["items"], 30, "the failed job in the dead set")
+        assert [j["name"] for j in dead] == [f"{APP}.boom"]
+    finally:
+        client.client.close()
