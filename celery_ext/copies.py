@@ -75,6 +75,14 @@ def per_copy(client: Any, parts: Sequence[Keys],
     return out
 
 
+def set_counts(client: Any, keys: Keys) -> tuple[int, int, int]:
+    """Sizes of the scheduled, retry and dead sets, summed over the copies."""
+    replies = per_copy(client, copies(client, keys), lambda pipe, copy: (
+        pipe.zcard(copy.scheduled), pipe.zcard(copy.retry), pipe.zcard(copy.dead)))
+    return (sum(int(r[0]) for r in replies), sum(int(r[1]) for r in replies),
+            sum(int(r[2]) for r in replies))
+
+
 def run_scripts(client: Any, scripts: Scripts, calls: Sequence[tuple[str, list[str], list[Any]]]
                 ) -> list[Any]:
     """Run several script calls (name, KEYS, ARGV), each on the keys of one copy, in
