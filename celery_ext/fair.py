@@ -217,12 +217,12 @@ def fair_info(client: Any, keys: Keys, queues: list[str],
     per active key, two round trips in all)."""
     with client.pipeline(transaction=False) as pipe:
         for queue in queues:
-            pipe.lrange(keys.fair_ring(queue), 0, -1)
+            pipe.lrange(keys.of(queue).fair_ring(queue), 0, -1)  # (a cluster: its copy)
         rings = [[bytes_to_str(k) for k in ring] for ring in pipe.execute()]
     with client.pipeline(transaction=False) as pipe:
         for queue, ring in zip(queues, rings, strict=True):
             for key in ring:
-                pipe.llen(keys.fair_queue(queue, key))
+                pipe.llen(keys.of(queue).fair_queue(queue, key))
         sizes = iter(pipe.execute())
     out: dict[str, FairInfo] = {}
     for queue, ring in zip(queues, rings, strict=True):
