@@ -22,6 +22,7 @@ from celery_ext.copies import copies, known_queues
 from celery_ext.dead import dead_letter
 from celery_ext.keys import Keys
 from celery_ext.metrics import registry_for
+from celery_ext.periodic import PeriodicRun, run_id, run_marker, write_run_on_cluster
 from celery_ext.reaper import Reaper
 from celery_ext.requeuer import Requeuer
 from celery_ext.scheduled import schedule_args
@@ -296,3 +297,34 @@ def test_views_cli_and_metrics_read_every_copy(cc: Client, cluster: ClusterGroup
     for q, n in sizes.items():
         assert f'celery_ext_queue_depth{{queue="{q}"}} {float(n)}' in text
         assert f'celery_ext_jobs_processed_total{{queue="{q}"}} {float(10 * n)}' in text
+
+
+def test_periodic_run_on_a_cluster_is_enqueued_once_per_due_time(cc: Client) -> None:
+    queue, name = "tasks.tick", "tick"
+    copy, home = cc.keys.of(queue), cc.keys
+    cc.client.hset(home.periodic_entry(name), mapping={"next_due": 1000})
+
+    def run(due: int) -> PeriodicRun:
+        return PeriodicRun(name, run_id(home.namespace, name, due), due, due, due + 1000)
+
+    def write(one: PeriodicRun, tag: str) -> int:
+        return write_run_on_cluster(
+            cc.client, cc.scripts, home, queue, [copy.queue(queue), copy.ready, copy.queues],
+            [json.dumps(message(tag, queue)), queue, home.wake_channel, 0], 0, 60_000, one)
+
+    assert write(run(1000), "a") == 1
+    assert write(run(1000), "a") == 0  # a slow second leader: the due time has moved on
+    # A leader that died after its enqueue of due time 2000 and before moving next_due on:
+    # the next leader's enqueue finds the marker (nothing pushed) and only records it.
+    first = run(2000)
+    cc.scripts("enqueue", [copy.queue(queue), copy.ready, copy.queues, copy.job_index,
+                           copy.job_index_done, copy.published(run_marker(first))],
+               [json.dumps(message("b", queue)), queue, home.wake_channel, 0, 0, 60_000])
+    assert write(run(2000), "b2") == 1
+    assert [json.loads(raw)["properties"]["delivery_tag"]
+            for raw in reversed(cc.client.lrange(copy.queue(queue), 0, -1))] == ["a", "b"]
+    state = {bytes_to_str(f): bytes_to_str(v)
+             for f, v in cc.client.hgetall(home.periodic_entry(name)).items()}
+    assert (state["next_due"], state["runs"], state["last_due"]) == ("3000", "2", "2000")
+    assert state["last_job_id"] == run(2000).job_id
+    assert queue.encode() in cc.client.smembers(home.queues)
