@@ -21,6 +21,7 @@ from celery_ext.client import Client
 from celery_ext.copies import copies, known_queues
 from celery_ext.dead import dead_letter
 from celery_ext.keys import Keys
+from celery_ext.limits import write_limits
 from celery_ext.metrics import registry_for
 from celery_ext.periodic import PeriodicRun, run_id, run_marker, write_run_on_cluster
 from celery_ext.reaper import Reaper
@@ -159,13 +160,16 @@ def test_leading_requeuer_promotes_scheduled_and_retry_jobs_of_every_copy(
     for q in queues:
         k = cc.keys.of(q)
         for tag, retries in ((f"{q}-s", 0), (f"{q}-r", 1)):
-            cc.scripts("schedule", *schedule_args(k, q, message(tag, q, retries), 1))
+            cc.scripts("schedule", *schedule_args(k, q, message(tag, q, retries), 1,
+                                                  index_ttl_ms=60_000))
         cc.client.sadd(cc.keys.queues, q)
     later = queues[2]
     cc.scripts("schedule", *schedule_args(cc.keys.of(later), later,
                                           message("later", later), 60_000))
     time.sleep(0.01)
     assert cc.counts() == {"scheduled": 7, "retry": 6, "dead": 0}
+    # The job index entry is in the queue's copy; the status finds it there.
+    assert cc.job(f"id-{queues[4]}-r", deep=False)["state"] == "retrying"
     assert [j["id"] for j in cc.retries()["items"]] == sorted(f"{q}-r" for q in queues)
 
     requeuer = Requeuer(cc.client, cc.settings)
@@ -179,6 +183,7 @@ def test_leading_requeuer_promotes_scheduled_and_retry_jobs_of_every_copy(
         assert bytes_to_str(cc.client.get(k.requeuer_lease)) == requeuer.id
     assert {bytes_to_str(q) for q in cc.client.smembers(cc.keys.ready)} == set(queues)
     assert cc.counts() == {"scheduled": 1, "retry": 0, "dead": 0}
+    assert cc.job(f"id-{queues[4]}-r", deep=False)["state"] == "queued"
     # Run it now: the client finds the job in its queue's copy; the next pass moves it.
     assert cc.run_scheduled_now("later")
     assert requeuer.promote().moved == 1
@@ -269,6 +274,10 @@ def test_pause_and_limits_live_in_the_queues_copy(cc: Client, cluster: ClusterGr
     assert rows[queues[0]]["rate_limit"] == "10/m"
     assert cc.resume(paused)
     assert fetch(cc, pool, paused)[1] == [f"{paused}-0"]
+    # A pool starting writes the limits of its task options, each in its queue's copy.
+    assert write_limits(cc.client, cc.keys, {queues[2]: 3}, queues) == [queues[2], limited]
+    assert cc.limits() == {queues[2]: 3}
+    assert cc.client.hget(cc.keys.of(queues[2]).limits, queues[2]) == b"3"
 
 
 def test_views_cli_and_metrics_read_every_copy(cc: Client, cluster: ClusterGroup,
