@@ -319,4 +319,3 @@ class Reaper:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-
