@@ -26,6 +26,7 @@ from kombu.utils.json import dumps
 
 from .config import Settings
 from .connections import client_from_url, cluster_client, cluster_config
+from .copies import copies, per_copy, queue_of, set_counts
 from .dead import split_record
 from .fair import message_fair_key
 from .job_index import index_keys, index_ttl_ms
@@ -213,28 +214,44 @@ class Client:
         self.state.request_stop(job_id)
 
     def counts(self) -> SetCounts:
-        """Sizes of the scheduled, retry and dead sets."""
-        k = self.keys
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.zcard(k.scheduled).zcard(k.retry).zcard(k.dead)
-            scheduled, retry, dead = pipe.execute()
+        """Sizes of the scheduled, retry and dead sets (summed over the copies)."""
+        scheduled, retry, dead = set_counts(self.client, self.keys)
         return SetCounts(scheduled=int(scheduled), retry=int(retry), dead=int(dead))
 
     # -- pause, resume, limits -----------------------------------------------------------
     def pause(self, queue: str) -> bool:
         """Stop fetching from a job queue; its jobs stay. False if already paused."""
-        return bool(self.client.sadd(self.keys.paused, queue))
+        return bool(self.client.sadd(self.keys.of(queue).paused, queue))
 
     def resume(self, queue: str) -> bool:
         """Fetch from a paused job queue again (idle pools are woken). False if it
         was not paused."""
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.srem(self.keys.paused, queue).publish(self.keys.wake_channel, queue)
-            removed, _ = pipe.execute()
+        removed, = self._steer(queue, lambda pipe, k: pipe.srem(k.paused, queue))
         return bool(removed)
 
     def paused(self) -> list[str]:
-        return sorted(bytes_to_str(q) for q in self.client.smembers(self.keys.paused))
+        return sorted({bytes_to_str(q) for (names,) in self._each(lambda p, k: p.smembers(k.paused))
+                       for q in names})
+
+    def _each(self, read: Callable[[Any, Keys], object]) -> list[list[Any]]:
+        """``read(pipe, copy)`` for every copy of the namespace (one on one node), one
+        pipeline: each copy's replies."""
+        return per_copy(self.client, copies(self.client, self.keys), read)
+
+    def _steer(self, queue: str, write: Callable[[Any, Keys], object]) -> list[Any]:
+        """``write(pipe, copy)`` in the copy holding ``queue``, as one MULTI, then wake
+        idle pools for it: the PUBLISH is part of the MULTI on one node; a cluster's
+        pipeline cannot carry one, so it follows the MULTI there. The write's replies."""
+        cluster = self.keys.cluster
+        with self.client.pipeline(transaction=True) as pipe:
+            write(pipe, self.keys.of(queue))
+            if not cluster:
+                pipe.publish(self.keys.wake_channel, queue)
+            replies = pipe.execute()
+        if cluster:
+            self.client.publish(self.keys.wake_channel, queue)
+            return list(replies)
+        return list(replies[:-1])
 
     def set_max_concurrency(self, queue: str, limit: int | None) -> None:
         """Cap (or, with None, uncap) how many jobs of a queue run at once in all
@@ -242,18 +259,13 @@ class Client:
         they start, so this lasts until the next pool starts."""
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"max_concurrency must be a whole number >= 1, got {limit!r}")
-        with self.client.pipeline(transaction=True) as pipe:
-            if limit is None:
-                pipe.hdel(self.keys.limits, queue)
-            else:
-                pipe.hset(self.keys.limits, queue, limit)
-            pipe.publish(self.keys.wake_channel, queue)
-            pipe.execute()
+        self._steer(queue, lambda pipe, k: pipe.hdel(k.limits, queue) if limit is None
+                    else pipe.hset(k.limits, queue, limit))
 
     def limits(self) -> dict[str, int]:
         # (Fields "<queue>\n" are per-fair-key limits, fair.py: not a queue's.)
-        return {bytes_to_str(q): int(n) for q, n in self.client.hgetall(self.keys.limits).items()
-                if not q.endswith(b"\n")}
+        return {bytes_to_str(q): int(n) for (found,) in self._each(lambda p, k: p.hgetall(k.limits))
+                for q, n in found.items() if not q.endswith(b"\n")}
 
     def set_rate_limit(self, queue: str, limit: str | None) -> str | None:
         """Limit (or, with None, unlimit) how often jobs of a queue start, in all pools:
@@ -262,65 +274,53 @@ class Client:
         when they start, so this lasts until the next pool starts. Returns the limit
         as stored (``"20/s"``), or None. Raises ValueError for anything not a rate."""
         interval = interval_us(limit) if limit is not None else None
-        with self.client.pipeline(transaction=True) as pipe:
-            if interval is None:
-                pipe.hdel(self.keys.rate_limits, queue)
-            else:
-                pipe.hset(self.keys.rate_limits, queue, interval)
-            pipe.hdel(self.keys.rate_tat, queue)
-            pipe.publish(self.keys.wake_channel, queue)
-            pipe.execute()
+        self._steer(queue, lambda pipe, k: (
+            pipe.hdel(k.rate_limits, queue) if interval is None
+            else pipe.hset(k.rate_limits, queue, interval), pipe.hdel(k.rate_tat, queue)))
         return format_rate(interval) if interval is not None else None
 
     def rate_limits(self) -> dict[str, str]:
         """Job queue -> its cluster-wide rate limit (``"20/s"``)."""
         return {bytes_to_str(q): format_rate(int(n))
-                for q, n in self.client.hgetall(self.keys.rate_limits).items()}
+                for (found,) in self._each(lambda p, k: p.hgetall(k.rate_limits))
+                for q, n in found.items()}
 
     # -- scheduled and retry sets ---------------------------------------------------------
     def scheduled(self, offset: int = 0, limit: int = 50,
                   name: str | None = None) -> Page[ScheduledJob]:
         """Jobs waiting for their countdown/eta, soonest first."""
-        return self._page(self.keys.scheduled, self.keys.scheduled_jobs, offset, limit, name,
+        return self._page("scheduled", "scheduled_jobs", offset, limit, name,
                           newest_first=False, build=self._scheduled_job)
 
     def retries(self, offset: int = 0, limit: int = 50,
                 name: str | None = None) -> Page[ScheduledJob]:
         """The retry set: failed jobs waiting for their next attempt, soonest first,
         with attempt number, last error and next run time (``due_at``)."""
-        return self._page(self.keys.retry, self.keys.scheduled_jobs, offset, limit, name,
+        return self._page("retry", "scheduled_jobs", offset, limit, name,
                           newest_first=False, build=self._scheduled_job)
 
     def run_scheduled_now(self, job_id: str) -> bool:
         """Make a scheduled job or retry due now (promoted within moments)."""
-        k = self.keys
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.zadd(k.scheduled, {job_id: 0}, xx=True, ch=True)
-            pipe.zadd(k.retry, {job_id: 0}, xx=True, ch=True)
-            pipe.publish(k.schedule_channel, "0")
-            a, b, _ = pipe.execute()
-        return bool(a or b)
+        return job_id in self._run_now([job_id])
 
     def delete_scheduled(self, job_id: str) -> bool:
         """Drop a job from the scheduled or retry set (it will not run); a unique job's
         lock is released with it, so an identical job can be enqueued at once."""
-        k = self.keys
-        return job_id in self._forget(k.scheduled_jobs, k.scheduled, k.retry, [job_id])
+        return job_id in self._forget("scheduled_jobs", "scheduled", "retry", [job_id])
 
     # -- dead set ------------------------------------------------------------------------
     def dead(self, offset: int = 0, limit: int = 50, name: str | None = None) -> Page[DeadJob]:
         """Dead jobs, newest first, optionally only those of one job name."""
-        return self._page(self.keys.dead, self.keys.dead_jobs, offset, limit, name,
+        return self._page("dead", "dead_jobs", offset, limit, name,
                           newest_first=True, build=self._dead_job)
 
     def dead_job(self, job_id: str) -> DeadJob | None:
         """One dead job with its raw message, or None if it is not (or no longer) dead."""
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.zscore(self.keys.dead, job_id).hget(self.keys.dead_jobs, job_id)
-            score, raw = pipe.execute()
-        if score is None or raw is None:
-            return None
-        return self._dead_job(job_id, float(score), raw, with_payload=True)
+        for score, raw in self._each(lambda p, k: (p.zscore(k.dead, job_id),
+                                                   p.hget(k.dead_jobs, job_id))):
+            if score is not None and raw is not None:
+                return self._dead_job(job_id, float(score), raw, with_payload=True)
+        return None
 
     def retry_dead(self, job_id: str) -> bool:
         """Move one dead job to the front of its job queue, attempts reset and marked
@@ -337,23 +337,45 @@ class Client:
     def delete_dead(self, job_id: str) -> bool:
         """Forget one dead job (releasing its unique lock, if it still holds one).
         False if it was not dead."""
-        k = self.keys
-        return job_id in self._forget(k.dead_jobs, k.dead, k.dead, [job_id])
+        return job_id in self._forget("dead_jobs", "dead", "dead", [job_id])
 
     def delete_all_dead(self, name: str | None = None) -> int:
         """Forget every dead job (of one job name), releasing the unique locks they
         still hold; returns how many."""
-        k = self.keys
-        return sum(len(self._forget(k.dead_jobs, k.dead, k.dead, chunk))
+        return sum(len(self._forget("dead_jobs", "dead", "dead", chunk))
                    for chunk in self._dead_ids(name))
 
     # -- internals -----------------------------------------------------------------------
+    def _located(self, records: str, ids: list[str]) -> dict[Keys, list[str]]:
+        """``ids`` by the copy whose ``records`` hash (a Keys attribute) holds them: on
+        one node all in the one copy, without a round trip; on a cluster one HMGET per
+        copy, in one pipeline (ids found nowhere are left out)."""
+        parts = copies(self.client, self.keys)
+        if len(parts) == 1:
+            return {parts[0]: ids}
+        found = per_copy(self.client, parts, lambda p, k: p.hmget(getattr(k, records), ids))
+        out: dict[Keys, list[str]] = {}
+        for k, (raws,) in zip(parts, found, strict=True):
+            held = [i for i, raw in zip(ids, raws, strict=True) if raw is not None]
+            if held:
+                out[k] = held
+        return out
+
     def _forget(self, records: str, first: str, second: str, ids: list[str]) -> set[str]:
-        """Delete jobs from a set pair and its records hash with the ``forget`` script,
-        releasing each unique job's lock; returns the ids deleted."""
+        """Delete jobs from a set pair and its records hash (Keys attributes) with the
+        ``forget`` script, in the copy holding each, releasing each unique job's lock;
+        returns the ids deleted."""
+        done: set[str] = set()
+        for k, held in self._located(records, ids).items():
+            done |= self._forget_in(k, getattr(k, records), getattr(k, first),
+                                    getattr(k, second), held)
+        return done
+
+    def _forget_in(self, k: Keys, records: str, first: str, second: str,
+                   ids: list[str]) -> set[str]:
         done: set[str] = set()
         for _ in range(3):  # a record that changed after it was read is read again
-            keys = [records, first, second, *index_keys(self.keys)]
+            keys = [records, first, second, *index_keys(k)]
             args: list[Any] = [index_ttl_ms(self.settings)]
             for job_id, raw in zip(ids, self.client.hmget(records, ids), strict=True):
                 if raw is None:
@@ -363,7 +385,7 @@ class Client:
                 except ValueError:  # not "<meta>\n<queue>\n<payload>": no lock to find
                     lock = None
                 if lock is not None:
-                    keys.append(self.keys.unique(lock[0]))
+                    keys.append(k.unique(lock[0]))
                 args += [job_id, hashlib.sha1(raw).hexdigest(),
                          len(keys) if lock is not None else 0, lock[1] if lock else ""]
             if len(args) == 1:
@@ -376,7 +398,15 @@ class Client:
         return done
 
     def _retry_dead_ids(self, ids: list[str]) -> set[str]:
-        k = self.keys
+        done: set[str] = set()
+        for k, held in self._located("dead_jobs", ids).items():
+            moved = self._retry_dead_in(k, held)
+            if moved and not k.is_home:  # the home ready hint, beside the copy's (cluster)
+                self.client.sadd(self.keys.home.ready, queue_of(k))
+            done |= moved
+        return done
+
+    def _retry_dead_in(self, k: Keys, ids: list[str]) -> set[str]:
         records = self.client.hmget(k.dead_jobs, ids)
         now = now_s(self.client)
         keys: list[str] = []
@@ -396,16 +426,17 @@ class Client:
         return {bytes_to_str(d) for d in done}
 
     def _dead_ids(self, name: str | None) -> Iterator[list[str]]:
-        """Ids of dead jobs (of one job name), oldest first, in chunks."""
-        ids = [bytes_to_str(i) for i in self.client.zrange(self.keys.dead, 0, -1)]
-        for i in range(0, len(ids), CHUNK):
-            chunk = ids[i:i + CHUNK]
-            if name is not None:
-                records = self.client.hmget(self.keys.dead_jobs, chunk)
-                chunk = [j for j, raw in zip(chunk, records, strict=True)
-                         if raw is not None and self._name_of(raw) == name]
-            if chunk:
-                yield chunk
+        """Ids of dead jobs (of one job name), oldest first (in each copy), in chunks."""
+        for k in copies(self.client, self.keys):
+            ids = [bytes_to_str(i) for i in self.client.zrange(k.dead, 0, -1)]
+            for i in range(0, len(ids), CHUNK):
+                chunk = ids[i:i + CHUNK]
+                if name is not None:
+                    records = self.client.hmget(k.dead_jobs, chunk)
+                    chunk = [j for j, raw in zip(chunk, records, strict=True)
+                             if raw is not None and self._name_of(raw) == name]
+                if chunk:
+                    yield chunk
 
     @staticmethod
     def _name_of(raw: bytes) -> str:
@@ -414,7 +445,66 @@ class Client:
             return str(meta["name"])
         return _job_name(meta, queue, _decode_message(payload))
 
-    def _page(self, zkey: str, hkey: str, offset: int, limit: int, name: str | None,
+    def _page(self, zset: str, records: str, offset: int, limit: int, name: str | None,
+              newest_first: bool, build: Callable[[str, float, bytes], T]) -> Page[T]:
+        """One page of a set (``zset``/``records``: Keys attributes) in set order: of
+        the one copy on one node; on a cluster the copies' pages merged by score."""
+        parts = copies(self.client, self.keys)
+        if len(parts) == 1:
+            return self._page_in(getattr(parts[0], zset), getattr(parts[0], records), offset,
+                                 limit, name, newest_first, build)
+        offset, limit = max(0, offset), max(0, limit)
+        # Each copy's first offset + limit entries (all matches, with a name) hold the
+        # page; the same order as one set's: by score, then by id.
+        if name is None:
+            found = per_copy(self.client, parts, lambda p, k: (
+                p.zcard(getattr(k, zset)),
+                p.zrange(getattr(k, zset), 0, offset + limit - 1, desc=newest_first,
+                         withscores=True) if limit else p.zcard(getattr(k, zset))))
+            total = sum(int(n) for n, _ in found)
+            entries = [(float(sc), bytes_to_str(i), k) for k, (_, got) in zip(parts, found,
+                                                                             strict=True)
+                       if limit for i, sc in got]
+        else:
+            entries, total = [], 0
+            for k in parts:
+                for job_id, score, _raw in self._matching(k, zset, records, name,
+                                                          newest_first):
+                    entries.append((score, job_id, k))
+            total = len(entries)
+        entries.sort(key=lambda e: (e[0], e[1]), reverse=newest_first)
+        entries = entries[offset:offset + limit]
+        wanted: dict[Keys, list[str]] = {}
+        for _, job_id, k in entries:
+            wanted.setdefault(k, []).append(job_id)
+        by_copy = list(wanted)
+        raws = per_copy(self.client, by_copy, lambda p, k: p.hmget(getattr(k, records),
+                                                                    wanted[k]))
+        raw_of = {(k, i): r for k, (got,) in zip(by_copy, raws, strict=True)
+                  for i, r in zip(wanted[k], got, strict=True)}
+        items = [build(job_id, score, raw_of[(k, job_id)]) for score, job_id, k in entries
+                 if raw_of.get((k, job_id)) is not None]
+        return Page(items=items, total=total, offset=offset, limit=limit)
+
+    def _matching(self, k: Keys, zset: str, records: str, name: str,
+                  newest_first: bool) -> Iterator[tuple[str, float, bytes]]:
+        """(id, score, record) of every job of the job name ``name`` in a copy's set,
+        read in chunks."""
+        start = 0
+        while True:
+            entries = self.client.zrange(getattr(k, zset), start, start + CHUNK - 1,
+                                         desc=newest_first, withscores=True)
+            if not entries:
+                return
+            start += CHUNK
+            ids = [bytes_to_str(i) for i, _ in entries]
+            for job_id, (_, score), raw in zip(ids, entries,
+                                              self.client.hmget(getattr(k, records), ids),
+                                              strict=True):
+                if raw is not None and self._name_of(raw) == name:
+                    yield job_id, float(score), raw
+
+    def _page_in(self, zkey: str, hkey: str, offset: int, limit: int, name: str | None,
               newest_first: bool, build: Callable[[str, float, bytes], T]) -> Page[T]:
         offset, limit = max(0, offset), max(0, limit)
         if not limit:
@@ -595,43 +685,109 @@ class Client:
                limit: int = 50) -> SearchPage:
         """Jobs of the ``kind`` set ("dead", "scheduled", "retry") that match, from
         ``cursor`` (None: the start); the page's ``cursor`` goes on (None: no more)."""
+        parts = copies(self.client, self.keys)
+        if len(parts) > 1:
+            return self._search_copies(parts, kind, filters, parse_cursor(cursor),
+                                       max(1, limit))
         search = SetSearch(self.client, self.scripts, self.keys, kind)
         matches, nxt, scanned = search.page(filters, parse_cursor(cursor), max(1, limit))
-        raws = self.client.hmget(search.records, [i for i, _ in matches]) if matches else []
+        items = self._built(kind, {self.keys: [i for i, _ in matches]},
+                            [(s, i, self.keys) for i, s in matches])
+        return SearchPage(items=items, cursor=f"{nxt[0]}:{nxt[1]}" if nxt else None,
+                          scanned=scanned)
+
+    def _built(self, kind: str, wanted: dict[Keys, list[str]],
+               matches: list[tuple[float, str, Keys]]) -> list[Any]:
+        """The jobs of ``matches`` (score, id, copy), read from their copies' records."""
+        by_copy = [k for k in wanted if wanted[k]]
+        records = "dead_jobs" if kind == "dead" else "scheduled_jobs"
+        raws = per_copy(self.client, by_copy, lambda p, k: p.hmget(getattr(k, records),
+                                                                    wanted[k]))
+        raw_of = {(k, i): r for k, (got,) in zip(by_copy, raws, strict=True)
+                  for i, r in zip(wanted[k], got, strict=True)}
         build: Callable[[str, float, bytes], Any] = (
             self._dead_job if kind == "dead" else self._scheduled_job)
-        items = [build(i, score, raw) for (i, score), raw in zip(matches, raws, strict=True)
-                 if raw is not None]
-        return SearchPage(items=items, cursor=f"{nxt[0]}:{nxt[1]}" if nxt else None,
+        return [build(i, score, raw_of[(k, i)]) for score, i, k in matches
+                if raw_of.get((k, i)) is not None]
+
+    def _search_copies(self, parts: list[Keys], kind: str, filters: Filters,
+                       start: tuple[str, int] | None, limit: int) -> SearchPage:
+        """:meth:`search` over several copies (a cluster): each copy's matches from the
+        cursor's score, merged in set order (score, then id). The cursor's skip counts
+        the matches at its score already returned. A copy that stopped on the scan
+        budget bounds the page: only matches before its stopping score are sure."""
+        newest = kind == "dead"
+        skip = start[1] if start else 0
+        want = limit + skip
+        found: list[tuple[float, str, Keys]] = []
+        bound: float | None = None
+        more = False
+        scanned = 0
+        for k in parts:
+            search = SetSearch(self.client, self.scripts, k, kind)
+            matches, nxt, n = search.page(filters, (start[0], 0) if start else None, want)
+            scanned += n
+            found += [(score, i, k) for i, score in matches]
+            if nxt is not None and len(matches) < want:  # stopped by the scan budget
+                b = float(nxt[0])
+                bound = b if bound is None else (max(bound, b) if newest else min(bound, b))
+            elif nxt is not None:
+                more = True
+        found.sort(key=lambda e: (e[0], e[1]), reverse=newest)
+        if bound is not None:
+            found = [e for e in found if (e[0] > bound if newest else e[0] < bound)]
+        at = float(start[0]) if start else None
+        dropped = 0
+        while found and dropped < skip and found[0][0] == at:
+            found.pop(0)
+            dropped += 1
+        page, rest = found[:limit], found[limit:]
+        cursor = None
+        if page and (rest or more or bound is not None):
+            last = page[-1][0]
+            seen = sum(1 for e in page if e[0] == last) + (dropped if last == at else 0)
+            cursor = f"{last:.17g}:{seen}"
+        elif bound is not None:
+            cursor = f"{bound:.17g}:0"
+        wanted: dict[Keys, list[str]] = {}
+        for _, i, k in page:
+            wanted.setdefault(k, []).append(i)
+        return SearchPage(items=self._built(kind, wanted, page), cursor=cursor,
                           scanned=scanned)
 
     def count_matching(self, kind: str, filters: Filters) -> int:
         """How many jobs of the ``kind`` set match (scans the set in chunks)."""
-        return SetSearch(self.client, self.scripts, self.keys, kind).count(filters)
+        return sum(SetSearch(self.client, self.scripts, k, kind).count(filters)
+                   for k in copies(self.client, self.keys))
 
     def retry_matching(self, kind: str, filters: Filters) -> int:
         """Retry every matching dead job (as :meth:`retry_dead`), or make every matching
         scheduled job or retry due now; returns how many."""
-        search = SetSearch(self.client, self.scripts, self.keys, kind)
-        return search.act(filters, self._retry_dead_ids if kind == "dead" else self._run_now)
+        return sum(SetSearch(self.client, self.scripts, k, kind).act(
+            filters, self._retry_dead_ids if kind == "dead" else self._run_now)
+            for k in copies(self.client, self.keys))
 
     def delete_matching(self, kind: str, filters: Filters) -> int:
         """Delete every matching job of the ``kind`` set; returns how many."""
-        k = self.keys
-        pair = (k.dead_jobs, k.dead, k.dead) if kind == "dead" else (
-            k.scheduled_jobs, k.scheduled, k.retry)
-        search = SetSearch(self.client, self.scripts, self.keys, kind)
-        return search.act(filters, lambda ids: self._forget(*pair, ids))
+        pair = ("dead_jobs", "dead", "dead") if kind == "dead" else (
+            "scheduled_jobs", "scheduled", "retry")
+        return sum(SetSearch(self.client, self.scripts, k, kind).act(
+            filters, lambda ids: self._forget(*pair, ids))
+            for k in copies(self.client, self.keys))
 
     def _run_now(self, ids: list[str]) -> set[str]:
-        k = self.keys
-        with self.client.pipeline(transaction=True) as pipe:
-            for job_id in ids:
-                pipe.zadd(k.scheduled, {job_id: 0}, xx=True, ch=True)
-                pipe.zadd(k.retry, {job_id: 0}, xx=True, ch=True)
-            pipe.publish(k.schedule_channel, "0")
-            changed = pipe.execute()
-        return {i for n, i in enumerate(ids) if changed[2 * n] or changed[2 * n + 1]}
+        """Make scheduled jobs or retries due now, in the copy holding each, then wake
+        the requeuers (a cluster's pipeline cannot carry the PUBLISH)."""
+        done: set[str] = set()
+        for k, held in self._located("scheduled_jobs", ids).items():
+            with self.client.pipeline(transaction=True) as pipe:
+                for job_id in held:
+                    pipe.zadd(k.scheduled, {job_id: 0}, xx=True, ch=True)
+                    pipe.zadd(k.retry, {job_id: 0}, xx=True, ch=True)
+                changed = pipe.execute()
+            done |= {i for n, i in enumerate(held) if changed[2 * n] or changed[2 * n + 1]}
+        self.client.publish(self.keys.schedule_channel, "0")
+        return done
 
     def history(self, window: str = "1h") -> Series:
         """Per-minute (per-hour for the long windows) counts, runtime percentiles and

@@ -57,14 +57,17 @@ def one_line(text: str, limit: int = 500) -> str:
 
 def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,
                 reason: str, error: str = "", fallback: str | bytes = "",
-                **meta: Any) -> bool:
+                keys: Keys | None = None, **meta: Any) -> bool:
     """Move one in-flight job of ``pool_id`` to the dead set atomically.
 
     ``fallback`` (``"<queue>\\n<payload>"``) is recorded when the job is no longer in
     flight because it was acked when it started (``acks_late`` off). Returns False
-    when nothing was recorded (the job had already been moved elsewhere).
+    when nothing was recorded (the job had already been moved elsewhere). ``keys``:
+    the copy holding the pool's record of the job (default the home copy; on a
+    cluster the job queue's copy, ``Keys.of``, whose dead set keeps at most
+    ``dead_max_size`` jobs).
     """
-    keys = Keys.for_settings(settings)
+    keys = keys or Keys.for_settings(settings)
     record = json.dumps({"reason": reason, "error": error, "pool": pool_id, **meta},
                         default=repr, separators=(",", ":"))
     moved = Scripts(client)(

@@ -195,7 +195,10 @@ def write_fair_limits(client: Any, keys: Keys, limits: Mapping[str, int],
     queues = sorted(set(consumed) | set(limits))
     if not queues:
         return []
-    current = client.hmget(keys.limits, [q + "\n" for q in queues])
+    with client.pipeline(transaction=False) as pipe:  # each in its queue's copy (cluster)
+        for q in queues:
+            pipe.hget(keys.of(q).limits, q + "\n")
+        current = pipe.execute()
     changed = [q for q, cur in zip(queues, current, strict=True)
                if (bytes_to_str(cur) if cur is not None else None)
                != (str(limits[q]) if q in limits else None)]
@@ -203,11 +206,15 @@ def write_fair_limits(client: Any, keys: Keys, limits: Mapping[str, int],
         with client.pipeline() as pipe:
             for queue in changed:
                 if queue in limits:
-                    pipe.hset(keys.limits, queue + "\n", limits[queue])
+                    pipe.hset(keys.of(queue).limits, queue + "\n", limits[queue])
                 else:
-                    pipe.hdel(keys.limits, queue + "\n")
-                pipe.publish(keys.wake_channel, queue)
+                    pipe.hdel(keys.of(queue).limits, queue + "\n")
+                if not keys.cluster:
+                    pipe.publish(keys.wake_channel, queue)
             pipe.execute()
+        if keys.cluster:  # a cluster's pipeline cannot carry a PUBLISH
+            for queue in changed:
+                client.publish(keys.wake_channel, queue)
     return changed
 
 
@@ -217,12 +224,12 @@ def fair_info(client: Any, keys: Keys, queues: list[str],
     per active key, two round trips in all)."""
     with client.pipeline(transaction=False) as pipe:
         for queue in queues:
-            pipe.lrange(keys.fair_ring(queue), 0, -1)
+            pipe.lrange(keys.of(queue).fair_ring(queue), 0, -1)  # (a cluster: its copy)
         rings = [[bytes_to_str(k) for k in ring] for ring in pipe.execute()]
     with client.pipeline(transaction=False) as pipe:
         for queue, ring in zip(queues, rings, strict=True):
             for key in ring:
-                pipe.llen(keys.fair_queue(queue, key))
+                pipe.llen(keys.of(queue).fair_queue(queue, key))
         sizes = iter(pipe.execute())
     out: dict[str, FairInfo] = {}
     for queue, ring in zip(queues, rings, strict=True):

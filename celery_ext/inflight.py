@@ -32,13 +32,19 @@ def lists_of(client: Any, keys: Keys, steps: Sequence[int], inflight_key: str,
     the job's queue and priority level, read from its payload (:mod:`.priority`). (A
     script may only touch the keys it is given, so the records are read first; the
     scripts re-check the queue.)"""
+    return pairs_of(keys, steps, tags, client.hmget(inflight_key, tags) if tags else [])
+
+
+def pairs_of(keys: Keys, steps: Sequence[int], tags: list[str],
+             records: Sequence[bytes | None]) -> list[tuple[str, str]]:
+    """:func:`lists_of` for records already read (``HMGET`` of ``tags``): a caller that
+    reads several copies pipelines the reads."""
     pairs = []
-    if tags:
-        for tag, rec in zip(tags, client.hmget(inflight_key, tags), strict=True):
-            if rec:
-                queue, _, payload = rec.partition(b"\n")
-                pairs.append((tag, keys.queue_level(
-                    bytes_to_str(queue), level(payload_priority(payload), steps))))
+    for tag, rec in zip(tags, records, strict=True):
+        if rec:
+            queue, _, payload = rec.partition(b"\n")
+            pairs.append((tag, keys.queue_level(
+                bytes_to_str(queue), level(payload_priority(payload), steps))))
     pairs.reverse()
     return pairs
 
@@ -223,28 +229,43 @@ def _count_recoveries(client: Any, keys: Keys, recovered: int, poison_pills: int
                        recovered + poison_pills, exc)
 
 
+def recover_call(keys: Keys, settings: Settings, pool_id: str, pairs: list[tuple[str, str]],
+                 *, mode: str, deadline_ms: int = 0, reason: str = "worker lost"
+                 ) -> tuple[str, list[str], list[Any]]:
+    """Name, KEYS and ARGV of one ``recover`` call on the copy ``keys`` for ``pairs``
+    (:func:`pairs_of`)."""
+    return ("recover",
+            [keys.inflight(pool_id), keys.pools, keys.pool(pool_id), keys.inflight_pools,
+             keys.ready, keys.redelivery, keys.running, keys.dead, keys.dead_jobs,
+             *index_keys(keys), *(q for _, q in pairs)],
+            [pool_id, mode, deadline_ms, keys.wake_channel, keys.queue(""),
+             settings.max_recoveries, settings.dead_max_size, reason, index_ttl_ms(settings),
+             *(t for t, _ in pairs)])
+
+
+def recover_reply(client: Any, keys: Keys, mode: str, reply: Any
+                  ) -> tuple[bool, list[str], list[str]]:
+    """(done, requeued tags, dead tags) of a ``recover`` reply, counted in ``keys``'
+    stats."""
+    status, requeued, dead = reply
+    _count_recoveries(client, keys, len(requeued) if mode == "pool" else 0, len(dead))
+    return bool(status), [bytes_to_str(t) for t in requeued], [bytes_to_str(t) for t in dead]
+
+
 def recover_tags(client: Any, settings: Settings, pool_id: str, tags: list[str], *,
                  mode: str, deadline_ms: int = 0, reason: str = "worker lost",
                  scripts: Scripts | None = None, keys: Keys | None = None
                  ) -> tuple[bool, list[str], list[str]]:
     """Run the ``recover`` script for some of a pool's in-flight tags, in the copy
-    ``keys`` of the layout (default the home copy; on a cluster, a job queue's).
+    ``keys`` (default: the home copy; on a cluster a job queue's copy holds the pool's
+    record of that queue, ``Keys.of``).
 
     Returns (done, requeued tags, dead tags); done is False when the pool turned out
     to be alive ("pool" mode re-checks the heartbeat atomically).
     """
     keys = keys or Keys.for_settings(settings)
-    inflight = keys.inflight(pool_id)
-    pairs = lists_of(client, keys, settings.priority_steps, inflight, tags)
+    pairs = lists_of(client, keys, settings.priority_steps, keys.inflight(pool_id), tags)
     scripts = scripts or Scripts(client)
-    status, requeued, dead = scripts(
-        "recover",
-        [inflight, keys.pools, keys.pool(pool_id), keys.inflight_pools, keys.ready,
-         keys.redelivery, keys.running, keys.dead, keys.dead_jobs, *index_keys(keys),
-         *(q for _, q in pairs)],
-        [pool_id, mode, deadline_ms, keys.wake_channel, keys.queue(""),
-         settings.max_recoveries, settings.dead_max_size, reason, index_ttl_ms(settings),
-         *(t for t, _ in pairs)],
-    )
-    _count_recoveries(client, keys, len(requeued) if mode == "pool" else 0, len(dead))
-    return bool(status), [bytes_to_str(t) for t in requeued], [bytes_to_str(t) for t in dead]
+    reply = scripts(*recover_call(keys, settings, pool_id, pairs, mode=mode,
+                                  deadline_ms=deadline_ms, reason=reason))
+    return recover_reply(client, keys, mode, reply)

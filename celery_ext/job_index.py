@@ -41,6 +41,7 @@ from typing import Any, TypedDict
 from kombu.utils.encoding import bytes_to_str
 
 from .config import Settings
+from .copies import copies, per_copy
 from .keys import Keys
 
 #: The states an entry can say.
@@ -77,5 +78,12 @@ def parse(raw: bytes | str | None) -> IndexEntry | None:
 
 
 def lookup(client: Any, keys: Keys, task_id: str) -> IndexEntry | None:
-    """Where the job ``task_id`` is now, by the index (one HGET)."""
-    return parse(client.hget(keys.job_index, task_id))
+    """Where the job ``task_id`` is now, by the index (one HGET). On a cluster the
+    entry is in its job queue's copy: every copy is asked, in one pipeline."""
+    if not keys.cluster:
+        return parse(client.hget(keys.job_index, task_id))
+    for (raw,) in per_copy(client, copies(client, keys),
+                           lambda pipe, copy: pipe.hget(copy.job_index, task_id)):
+        if raw is not None:
+            return parse(raw)
+    return None

@@ -85,7 +85,9 @@ Layout (``ns`` = namespace)::
     {ns}:unique:<digest>     string  id of the pending unique job with that key (TTL'd lock)
     {ns}:published:<id>      string  a publish that wrote its job (TTL publish_idempotency_ttl);
                                      Kombu's retry of that publish writes nothing. <id>: one
-                                     per publish call and job queue (``producer.publish_marker``)
+                                     per publish call and job queue (``producer.publish_marker``);
+                                     on a cluster also "periodic:<run's job id>", one per
+                                     periodic entry and due time (``periodic.run_marker``)
     {ns}:history:m:<minute>  hash    job counts, runtime histograms ("*", "n:<job name>") and a
                                      queue-size sample ("q") of one minute (ms // 60000);
                                      expires 24 h after it (see history.py)

@@ -19,6 +19,7 @@ from typing import Any
 
 from kombu.utils.encoding import bytes_to_str
 
+from .copies import per_copy
 from .keys import Keys
 
 
@@ -41,12 +42,14 @@ def job_limits(app: Any, option: str = "max_concurrency") -> dict[str, int]:
 
 
 def write_limits(client: Any, keys: Keys, limits: Mapping[str, int],
-                 consumed: Iterable[str], hash_key: str | None = None,
-                 reset_key: str | None = None) -> list[str]:
+                 consumed: Iterable[str], hash_name: str = "limits",
+                 reset_name: str | None = None) -> list[str]:
     """Set the limits of the consumed queues (removing undeclared ones) and wake
-    pools that may have been waiting on a queue whose limit changed. ``hash_key``:
-    another hash of limits than ``{ns}:limits`` (rate limits); ``reset_key``: a hash
-    whose field of each changed queue is deleted with it (a rate limit's state).
+    pools that may have been waiting on a queue whose limit changed. ``hash_name``:
+    the Keys attribute of another hash of limits than ``limits`` (``rate_limits``);
+    ``reset_name``: of a hash whose field of each changed queue is deleted with it (a
+    rate limit's state). Each queue's limit is written in its own copy (on a cluster,
+    ``Keys.of``: fetch reads it there).
 
     Only the changes are written and published (one read first): a pool consuming
     1,000 job queues would otherwise send 2,000 commands at every start and wake
@@ -54,21 +57,30 @@ def write_limits(client: Any, keys: Keys, limits: Mapping[str, int],
     consumed = set(consumed) | set(limits)
     if not consumed:
         return []
-    hash_key = hash_key or keys.limits
-    current = {bytes_to_str(k): bytes_to_str(v)
-               for k, v in client.hgetall(hash_key).items()}
+    groups = keys.groups(sorted(consumed))
+    parts = list(groups)
+    current: dict[str, str] = {}
+    for copy, (found,) in zip(parts, per_copy(
+            client, parts, lambda p, c: p.hgetall(getattr(c, hash_name))), strict=True):
+        current.update((bytes_to_str(k), bytes_to_str(v)) for k, v in found.items()
+                       if bytes_to_str(k) in groups[copy])
     changed = [queue for queue in sorted(consumed)
                if current.get(queue) != (str(limits[queue]) if queue in limits else None)]
     if not changed:
         return []
     with client.pipeline() as pipe:
         for queue in changed:
+            copy = keys.of(queue)
             if queue in limits:
-                pipe.hset(hash_key, queue, limits[queue])
+                pipe.hset(getattr(copy, hash_name), queue, limits[queue])
             else:
-                pipe.hdel(hash_key, queue)
-            if reset_key:
-                pipe.hdel(reset_key, queue)
-            pipe.publish(keys.wake_channel, queue)
+                pipe.hdel(getattr(copy, hash_name), queue)
+            if reset_name:
+                pipe.hdel(getattr(copy, reset_name), queue)
+            if not keys.cluster:
+                pipe.publish(keys.wake_channel, queue)
         pipe.execute()
+    if keys.cluster:  # a cluster's pipeline cannot carry a PUBLISH
+        for queue in changed:
+            client.publish(keys.wake_channel, queue)
     return changed

@@ -32,6 +32,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from .copies import copies, per_copy, set_counts
 from .keys import STAT_POISON_PILLS, STAT_POOLS_REAPED, STAT_RECOVERED, STAT_UNIQUE_HITS
 from .liveness import Liveness
 from .observer import RUNTIME_BUCKET_NAMES, RUNTIME_BUCKETS
@@ -117,6 +118,8 @@ def read_snapshot(state: State) -> Snapshot:
     one pipeline for the rest (``queue_info`` by SHA; a server that lost its scripts
     gets them loaded and the pipeline sent once more)."""
     client, k = state.client, state.keys
+    if k.cluster:
+        return _read_snapshot_copies(state)
     with client.pipeline(transaction=False) as pipe:
         pipe.smembers(k.queues).zrange(k.pools, 0, -1, withscores=True)
         raw_names, beats = pipe.execute()
@@ -169,6 +172,34 @@ def read_snapshot(state: State) -> Snapshot:
             busy=int(busy), in_flight=int(held),
             concurrency=_int_or_none(info.get("concurrency")),
             heartbeat_age=max(0.0, (now_ms - beat) / 1000), node=info.get("node", ""))
+    return snap
+
+
+def _read_snapshot_copies(state: State) -> Snapshot:
+    """:func:`read_snapshot` on a cluster: the queues as :meth:`State.job_queues` reads
+    them (each in its copy), the counters summed over the copies, the runtime
+    histograms and the pools from the home copy."""
+    client, k = state.client, state.keys
+    parts = copies(client, k)
+    stats: dict[str, int] = {}
+    for (raw,) in per_copy(client, parts, lambda p, c: p.hgetall(c.stats)):
+        for name, n in _ints(raw).items():
+            stats[name] = stats.get(name, 0) + n
+    scheduled, retry, dead = set_counts(client, k)
+    snap = Snapshot(stats=stats, runtime=_ints(client.hgetall(k.runtime)),
+                    scheduled=scheduled, retry=retry, dead=dead)
+    for q in state.job_queues():
+        snap.queues[q["name"]] = QueueSample(
+            depth=q["size"], latency=q["latency"] or 0.0, in_flight=q["in_flight"],
+            paused=q["paused"])
+    for pool in state.worker_pools():
+        if pool["heartbeat_age"] is None:
+            continue  # an orphan: not registered (the one-node scrape reads registered pools)
+        busy = int(client.hlen(k.busy(pool["pool_id"])))
+        snap.pools[pool["pool_id"]] = PoolSample(
+            alive=pool["state"] != "dead", busy=busy,
+            in_flight=pool["in_flight"], concurrency=_int_or_none(pool["concurrency"]),
+            heartbeat_age=max(0.0, pool["heartbeat_age"]), node=pool["node"])
     return snap
 
 

@@ -248,6 +248,44 @@ def publish_run(scheduler: Scheduler, entry: ScheduleEntry, run: PeriodicRun) ->
     return run.outcome
 
 
+def run_marker(run: PeriodicRun) -> str:
+    """The publish marker of a run on a cluster: one per (entry, due time), as its job id."""
+    return f"periodic:{run.job_id}"
+
+
+def write_run_on_cluster(client: Any, scripts: Scripts, keys: Keys, queue: str,
+                         queue_keys: list[str], queue_args: list[Any], index_ttl_ms: int,
+                         marker_ttl_ms: int, run: PeriodicRun) -> int:
+    """A run of a periodic job on a cluster, where the entry (home copy) and the job
+    queue (its own copy) are in different slots, so one script cannot check the entry
+    and push: first the run is enqueued in the queue's copy under the publish marker
+    of (entry, due time) (``enqueue.lua``: a second enqueue of it is a no-op), then
+    ``periodic_run.lua`` on the home copy records it and moves ``next_due`` on only if
+    it still holds the due time. A leader that dies in between leaves the due time
+    to the next leader, whose enqueue the marker makes a no-op: still exactly once.
+
+    ``queue_keys``/``queue_args``: KEYS[1..3] and ARGV[1..4] of ``enqueue.lua`` in the
+    queue's copy (the producer's). Returns the outcome as ``periodic_run.lua`` gives it.
+    """
+    copy, home = keys.of(queue), keys.home
+    if run.expected_ms is not None:
+        state = client.hmget(home.periodic_entry(run.entry), "next_due", "paused")
+        if bytes_to_str(state[0] or b"") != str(run.expected_ms):
+            return 0  # another leader took this due time
+        if state[1] == b"1":  # paused: the due time passes without a run
+            return int(scripts("periodic_run", [home.periodic_entry(run.entry)],
+                               [*run.script_args(), "", "", "", 0, ""]))
+    pushed = int(scripts("enqueue", [*queue_keys, copy.job_index, copy.job_index_done,
+                                     copy.published(run_marker(run))],
+                         [*queue_args, index_ttl_ms, max(1, marker_ttl_ms)]))
+    if pushed > 0:  # the home hints beside the copy's (a marker hit pushed nothing)
+        client.sadd(home.queues, queue)
+        if pushed == 1:
+            client.sadd(home.ready, queue)
+    return int(scripts("periodic_run", [home.periodic_entry(run.entry)],
+                       [*run.script_args(), "", "", "", 0, "", 0, "1"]))
+
+
 # -- the leader's part -----------------------------------------------------------------------
 class Periodic:
     """Runs one app's ``beat_schedule`` from the requeuer that holds the lease."""

@@ -92,7 +92,7 @@ from .errors import NotReplicated, check_payload_size, job_name
 from .fair import message_fair_key, place_last
 from .job_index import index_keys, index_ttl_ms
 from .keys import STAT_UNIQUE_HITS, Keys
-from .periodic import PeriodicRun, current_run
+from .periodic import PeriodicRun, current_run, write_run_on_cluster
 from .priority import level as priority_level
 from .priority import message_priority
 from .scheduled import eta_delay_ms, retries_of, schedule, schedule_args
@@ -329,7 +329,17 @@ class Enqueuer:
     def _write_run(self, queue: str, message: dict[str, Any], run: PeriodicRun,
                    uniq: UniqueRequest | None) -> None:
         """Push a periodic job's run with ``periodic_run``, which checks and moves its
-        entry's next due time in the same call (see ``periodic.py``)."""
+        entry's next due time in the same call (see ``periodic.py``); on a cluster, in
+        two steps made exactly once by a marker (``periodic.write_run_on_cluster``)."""
+        if self.keys.cluster:
+            with self._acquire() as client:
+                run.outcome = write_run_on_cluster(
+                    client, self._scripts, self.keys, queue, self._queue_keys(queue, message),
+                    self._queue_args(queue, message), self._index_ttl, self._marker_ttl_ms,
+                    run)
+            if uniq is not None:
+                uniq.holder = run.job_id
+            return
         with self._acquire() as client:
             run.outcome = int(self._scripts(
                 "periodic_run",

@@ -122,8 +122,8 @@ def write_rate_limits(client: Any, keys: Keys, limits: Mapping[str, int],
                       consumed: Iterable[str]) -> list[str]:
     """Set the rate limits of the consumed queues (removing undeclared ones), starting
     each changed one afresh, and wake pools. Returns the queues whose limit changed."""
-    return write_limits(client, keys, limits, consumed, hash_key=keys.rate_limits,
-                        reset_key=keys.rate_tat)
+    return write_limits(client, keys, limits, consumed, hash_name="rate_limits",
+                        reset_name="rate_tat")
 
 
 class ClusterBuckets:

@@ -30,7 +30,8 @@ from kombu.utils.encoding import bytes_to_str
 
 from .clock import now_ms
 from .config import Settings
-from .inflight import recover_tags
+from .copies import copies, per_copy, queue_of, run_scripts
+from .inflight import pairs_of, recover_call, recover_reply, recover_tags
 from .keys import STAT_POOLS_REAPED, Keys
 from .liveness import LIVENESS_FIELDS, Liveness
 from .scripts import Scripts
@@ -39,6 +40,10 @@ logger = logging.getLogger("celery_ext.reaper")
 
 #: Most in-flight jobs moved by one script call (bounds the time Redis is blocked).
 RECOVER_CHUNK = 500
+#: On a cluster, the heartbeat deadline given to ``recover.lua`` in a job queue's copy:
+#: far in the future, so the pool's join of that queue (its score there) counts as
+#: stale and the copy's records of a pool declared dead on the home copy are recovered.
+JOINED_DEADLINE_MS = 2**52
 #: ``reap_now()`` reads Redis' clock this often while it watches for a stall (seconds).
 WATCH_POLL = 0.2
 #: A reply later than this after the previous one (ms, Redis time, beyond the poll
@@ -100,6 +105,10 @@ class Reaper:
             if liveness.stale(beat_of[pool_id], now):
                 result[pool_id] = liveness
         owners = sorted(bytes_to_str(p) for p in self.client.smembers(self.keys.inflight_pools))
+        if self.keys.cluster:  # a queue's copy holds the pools owning jobs of that queue
+            found = per_copy(self.client, copies(self.client, self.keys)[1:],
+                             lambda pipe, copy: pipe.smembers(copy.inflight_pools))
+            owners = sorted(set(owners) | {bytes_to_str(p) for (ids,) in found for p in ids})
         for pool_id in owners:
             if pool_id not in beat_of and pool_id != self.own_pool_id:
                 result[pool_id] = None
@@ -157,8 +166,47 @@ class Reaper:
                 return  # it heartbeated meanwhile: alive after all
             result.requeued += requeued
             result.dead_jobs += dead
+        if self.keys.cluster:
+            self._reap_copies(pool_id, result)
         result.dead_pools.append(pool_id)
         self._forget_busy(pool_id)
+
+    def _reap_copies(self, pool_id: str, result: ReapResult) -> None:
+        """On a cluster, after the pool was declared dead on the home copy: recover its
+        records in every job queue's copy ("pool" mode with a future deadline, so its
+        join counts as stale: its jobs go back to the front of their queues and its next
+        fetch of the queue is refused), the calls pipelined by master; then the home
+        ready hint gets the queues that received jobs."""
+        parts = copies(self.client, self.keys)[1:]
+        seen = per_copy(self.client, parts, lambda pipe, copy: (
+            pipe.hkeys(copy.inflight(pool_id)), pipe.zscore(copy.pools, pool_id),
+            pipe.sismember(copy.inflight_pools, pool_id)))
+        todo = [(copy, [bytes_to_str(t) for t in tags]) for copy, (tags, joined, owner)
+                in zip(parts, seen, strict=True) if tags or joined is not None or owner]
+        with self.client.pipeline(transaction=False) as pipe:
+            for copy, tags in todo:
+                pipe.hmget(copy.inflight(pool_id), tags or ["-"])
+            records = pipe.execute() if todo else []
+        calls, owners = [], []
+        steps = self.settings.priority_steps
+        for (copy, tags), recs in zip(todo, records, strict=True):
+            pairs = pairs_of(copy, steps, tags, recs) if tags else []
+            chunks = [pairs[i:i + RECOVER_CHUNK] for i in range(0, len(pairs),
+                                                                 RECOVER_CHUNK)] or [[]]
+            for chunk in chunks:
+                calls.append(recover_call(copy, self.settings, pool_id, chunk, mode="pool",
+                                          deadline_ms=JOINED_DEADLINE_MS))
+                owners.append(copy)
+        ready: set[str] = set()
+        for copy, reply in zip(owners, run_scripts(self.client, self.scripts, calls),
+                               strict=True):
+            _done, requeued, dead = recover_reply(self.client, copy, "pool", reply)
+            result.requeued += requeued
+            result.dead_jobs += dead
+            if requeued:
+                ready.add(queue_of(copy))
+        if ready:
+            self.client.sadd(self.keys.home.ready, *sorted(ready))
 
     def _forget_busy(self, pool_id: str) -> None:
         """Drop a dead pool's busy-worker records (observational data only), and count

@@ -40,6 +40,7 @@ import redis
 from kombu.utils.encoding import bytes_to_str
 
 from .config import Settings
+from .copies import copies, queue_of, run_scripts, set_counts
 from .history import HistoryWriter, sample_queues
 from .job_index import index_keys, index_ttl_ms
 from .keys import Keys
@@ -91,51 +92,72 @@ class Requeuer:
 
     # -- one pass ------------------------------------------------------------------------
     def promote(self) -> PromoteResult:
-        """Move every job that is due now (in batches of ``promote_batch``)."""
-        k = self.keys
+        """Move every job that is due now (in batches of ``promote_batch``).
+
+        On a cluster the home copy's call takes the lease (its sets are empty there);
+        the leader then promotes every known job queue's copy, the calls of one round
+        pipelined by master, and the home ready hint gets the queues that got jobs."""
         result = PromoteResult()
-        candidates: list[tuple[str, str, str, int]] = []
-        steps = self.settings.priority_steps
-        while True:
-            moved, found, next_due, leader = self.scripts(
-                "promote",
-                [k.scheduled, k.retry, k.scheduled_jobs, k.ready, k.queues, k.requeuer_lease,
-                 *index_keys(k),
-                 *(k.queue_level(q, level(p, steps)) for _, _, q, p in candidates)],
-                [k.wake_channel, k.queue(""), self.settings.promote_batch, self.id,
-                 self.lease_ms, index_ttl_ms(self.settings),
-                 *(v for which, job_id, _, _ in candidates for v in (which, job_id))],
-            )
-            result.calls += 1
-            result.moved += int(moved)
-            result.leader = bool(leader)
-            flat = [bytes_to_str(v) for v in found]
-            stuck = not int(moved) and candidates
-            previous = candidates
-            candidates = [(flat[i], flat[i + 1], flat[i + 2], int(flat[i + 3]))
-                          for i in range(0, len(flat), 4)]
-            next_due = int(next_due)
-            result.next_due_in = None if next_due < 0 else next_due / 1000
-            if not candidates:
-                break
-            result.next_due_in = 0.0
-            if stuck and candidates == previous:
-                # Not movable (a record changed under us?): leave them to the next pass.
-                result.next_due_in = self.settings.promote_min_interval
-                break
+        self._promote_in([self.keys], result)
+        if self.keys.cluster and result.leader:
+            self._promote_in(copies(self.client, self.keys)[1:], result)
         self.leader = result.leader
         self.passes += 1
         self.promoted += result.moved
         return result
 
+    def _promote_in(self, parts: list[Keys], result: PromoteResult) -> None:
+        """Call ``promote.lua`` on each copy of ``parts`` until none has due candidates
+        left; ``result`` gets the moves, the earliest next due time over the copies and
+        (from the home copy) the lease."""
+        candidates: dict[Keys, list[tuple[str, str, str, int]]] = {k: [] for k in parts}
+        active, ready = list(parts), set()
+        while active:
+            calls = [self._promote_call(k, candidates[k]) for k in active]
+            replies = run_scripts(self.client, self.scripts, calls)
+            result.calls += len(calls)
+            again = []
+            for k, (moved, found, next_due, leader) in zip(active, replies, strict=True):
+                result.moved += int(moved)
+                if k.is_home:
+                    result.leader = bool(leader)
+                elif int(moved):
+                    ready.add(queue_of(k))
+                flat = [bytes_to_str(v) for v in found]
+                stuck = not int(moved) and candidates[k]
+                previous = candidates[k]
+                candidates[k] = [(flat[i], flat[i + 1], flat[i + 2], int(flat[i + 3]))
+                                 for i in range(0, len(flat), 4)]
+                if not candidates[k]:
+                    due = None if int(next_due) < 0 else int(next_due) / 1000
+                    result.next_due_in = _earliest(result.next_due_in, due)
+                elif stuck and candidates[k] == previous:
+                    # Not movable (a record changed under us?): leave them to the next pass.
+                    result.next_due_in = _earliest(result.next_due_in,
+                                                   self.settings.promote_min_interval)
+                else:
+                    again.append(k)
+            active = again
+        if ready:
+            self.client.sadd(self.keys.home.ready, *sorted(ready))
+
+    def _promote_call(self, k: Keys, candidates: list[tuple[str, str, str, int]]
+                      ) -> tuple[str, list[str], list[Any]]:
+        """One ``promote.lua`` call on the copy ``k``: move ``candidates`` (found by the
+        previous call), report the next."""
+        steps = self.settings.priority_steps
+        return ("promote",
+                [k.scheduled, k.retry, k.scheduled_jobs, k.ready, k.queues, k.requeuer_lease,
+                 *index_keys(k),
+                 *(k.queue_level(q, level(p, steps)) for _, _, q, p in candidates)],
+                [k.wake_channel, k.queue(""), self.settings.promote_batch, self.id,
+                 self.lease_ms, index_ttl_ms(self.settings),
+                 *(v for which, job_id, _, _ in candidates for v in (which, job_id))])
+
     def sample_history(self) -> None:
         """Store a queue-size sample in the history (the leader does, every
         ``history_sample_interval``, so the plots have it with no dashboard running)."""
-        k = self.keys
-        with self.client.pipeline(transaction=False) as pipe:
-            for key in (k.scheduled, k.retry, k.dead):
-                pipe.zcard(key)
-            scheduled, retry, dead = pipe.execute()
+        scheduled, retry, dead = set_counts(self.client, self.keys)
         self._sampled_at = time.monotonic()
         self.history.gauge(sample_queues(State(self.client, self.settings), {
             "scheduled": int(scheduled), "retry": int(retry), "dead": int(dead)}))
@@ -232,3 +254,8 @@ class Requeuer:
             self.release()
         except redis.RedisError as exc:
             logger.warning("celery_ext: requeuer could not hand over its lease: %s", exc)
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    """The sooner of two waits (None: nothing due)."""
+    return b if a is None else a if b is None else min(a, b)

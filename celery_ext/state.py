@@ -24,6 +24,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from .clock import now_ms
 from .config import Settings
+from .copies import copies, known_queues, per_copy, run_scripts
 from .fair import FairInfo, fair_info
 from .keys import Keys
 from .liveness import Liveness
@@ -131,7 +132,10 @@ class State:
                 ["1" if stamps else "0", *names])
 
     def queue_names(self) -> list[str]:
-        """Names of the job queues, sorted; gone ones are forgotten on the way."""
+        """Names of the job queues, sorted; gone ones are forgotten on the way (on one
+        node; a cluster's registry is not trimmed by readers, see queue_info.lua)."""
+        if self.keys.cluster:
+            return known_queues(self.client, self.keys)
         names = sorted(bytes_to_str(n) for n in self.client.smembers(self.keys.queues))
         _, rows = self._queue_info(names, stamps=False)
         return [name for name, (size, _) in zip(names, rows, strict=True) if size >= 0]
@@ -140,6 +144,8 @@ class State:
                    prefix: str | None = None) -> list[QueueInfo]:
         """One page of job queues with size, latency, weight and counters."""
         k = self.keys
+        if k.cluster:
+            return self._job_queues_copies(offset, limit, prefix)
         if offset or limit is not None:  # forget gone names first, or pages would shift
             names = self.queue_names()
         else:  # every name: the one queue_info pass below forgets the gone ones
@@ -180,16 +186,77 @@ class State:
             ))
         return result
 
+    def _job_queues_copies(self, offset: int, limit: int | None,
+                           prefix: str | None) -> list[QueueInfo]:
+        """:meth:`job_queues` on a cluster: the known queues, each read in its own copy
+        (``queue_info`` per copy and one pipeline of per-copy reads, grouped by master);
+        weights from the home copy. Nothing is forgotten (the registry is a hint)."""
+        names = [n for n in known_queues(self.client, self.keys)
+                 if not prefix or n.startswith(prefix)]
+        names = names[offset:offset + limit if limit is not None else None]
+        if not names:
+            return []
+        now, info = self.queue_rows(names)
+        k = self.keys
+        weights = self.client.hmget(k.home.weights, names)
+        with self.client.pipeline(transaction=False) as pipe:  # by master on a cluster
+            for name in names:
+                c = k.of(name)
+                pipe.sismember(c.paused, name).hget(c.limits, name).hget(c.running, name)
+                pipe.hget(c.stats, f"processed:{name}").hget(c.stats, f"failed:{name}")
+                pipe.hget(c.rate_limits, name)
+            flat = pipe.execute()
+        reads = [flat[j:j + 6] for j in range(0, len(flat), 6)]
+        fair = fair_info(self.client, k, names)
+        result: list[QueueInfo] = []
+        for i, (name, (size, stamp)) in enumerate(zip(names, info, strict=True)):
+            paused, limit_, running, processed, failed, rate = reads[i]
+            result.append(QueueInfo(
+                name=name,
+                size=size,
+                latency=max(0.0, now - stamp) if stamp is not None else (0.0 if not size else None),
+                weight=_int(weights[i], self.settings.default_weight),
+                paused=bool(paused),
+                max_concurrency=_int(limit_) if limit_ is not None else None,
+                rate_limit=format_rate(_int(rate)) if _int(rate) > 0 else None,
+                in_flight=max(0, _int(running)),
+                processed=_int(processed),
+                failed=_int(failed),
+                fair=fair.get(name),
+            ))
+        return result
+
+    def queue_rows(self, names: list[str]) -> tuple[float, list[tuple[int, float | None]]]:
+        """Redis time (s) and (size, oldest job's enqueued_at) of each name, each read
+        by ``queue_info`` in its own copy (a cluster: the script is cross-slot over
+        several queues). A copy's own registry may lose the name there; the size is 0."""
+        calls = []
+        for name in names:
+            c = self.keys.of(name)
+            calls.append(("queue_info",
+                          [c.queues, c.ready, c.paused, c.limits, c.weights, c.running,
+                           *c.queue_levels(name, self.settings.priority_steps)],
+                          ["1", name]))
+        replies = run_scripts(self.client, self.scripts, calls)
+        now = (int(replies[0][0]) if replies else now_ms(self.client)) / 1000
+        return now, [(max(0, size), stamp) for reply in replies
+                     for size, stamp in queue_info_rows(reply)]
+
     def totals(self) -> dict[str, int]:
-        """Processed/failed/retried counters over all queues (for throughput plots)."""
-        raw = self.client.hmget(self.keys.stats, ["processed", "failed", "retried"])
-        return {"processed": _int(raw[0]), "failed": _int(raw[1]), "retried": _int(raw[2])}
+        """Processed/failed/retried counters over all queues (for throughput plots),
+        summed over the copies."""
+        fields = ["processed", "failed", "retried"]
+        raws = per_copy(self.client, copies(self.client, self.keys),
+                        lambda p, c: p.hmget(c.stats, fields))
+        return {f: sum(_int(raw[j]) for (raw,) in raws) for j, f in enumerate(fields)}
 
     # -- pools -------------------------------------------------------------------------
     def worker_pools(self) -> list[PoolInfo]:
         k = self.keys
         beats = self.client.zrange(k.pools, 0, -1, withscores=True)
-        owners = {bytes_to_str(p) for p in self.client.smembers(k.inflight_pools)}
+        parts = copies(self.client, k)
+        owners = {bytes_to_str(p) for (found,) in per_copy(
+            self.client, parts, lambda p, c: p.smembers(c.inflight_pools)) for p in found}
         ids = [bytes_to_str(p) for p, _ in beats]
         ids += sorted(owners - set(ids))  # orphans: own jobs but are not registered
         now = now_ms(self.client)
@@ -198,6 +265,11 @@ class State:
                 pipe.hgetall(k.pool(pool_id))
                 pipe.hlen(k.inflight(pool_id))
             replies = pipe.execute()
+        if len(parts) > 1:  # a cluster: a pool's in-flight jobs of a queue are in its copy
+            held = per_copy(self.client, parts[1:], lambda p, c: [
+                p.hlen(c.inflight(pool_id)) for pool_id in ids])
+            for i in range(len(ids)):
+                replies[2 * i + 1] += sum(_int(h[i]) for h in held)
         beat_of = {bytes_to_str(p): s for p, s in beats}
         result: list[PoolInfo] = []
         for i, pool_id in enumerate(ids):

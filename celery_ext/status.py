@@ -34,8 +34,9 @@ from kombu.utils.encoding import bytes_to_str
 
 from .clock import now_ms
 from .config import Settings
+from .copies import copies
 from .dead import split_record
-from .job_index import IndexEntry
+from .job_index import IndexEntry, lookup
 from .job_index import parse as parse_entry
 from .keys import Keys
 
@@ -177,10 +178,10 @@ class JobLookup:
         state = str(meta.get("status") or "PENDING")
         status["job_name"] = meta.get("name")
         status["finished_at"] = _timestamp(meta.get("date_done"))
-        entry = parse_entry(raw_entry)
+        entry = parse_entry(raw_entry) if not k.cluster else lookup(self.client, k, job_id)
         if entry is not None and entry["state"] == "queued" and entry["ref"].isdigit() \
-                and not self.client.llen(self.keys.queue_level(entry["queue"],
-                                                               int(entry["ref"]))):
+                and not self.client.llen(k.of(entry["queue"]).queue_level(entry["queue"],
+                                                                          int(entry["ref"]))):
             entry = None  # its queue was purged or deleted (no script moved the job)
         if entry is not None:
             return self._from_index(status, entry, meta, state)
@@ -231,19 +232,19 @@ class JobLookup:
                            "finished_at": None})
         elif where in ("scheduled", "retry"):
             # The set's score: "run now" (client) moves it without a script.
-            due = self.client.zscore(self.keys.retry if where == "retry"
-                                     else self.keys.scheduled, entry["ref"])
+            due = self.client.zscore(self.keys.of(entry["queue"]).retry if where == "retry"
+                                     else self.keys.of(entry["queue"]).scheduled, entry["ref"])
             status.update({"state": "retrying" if where == "retry" else "scheduled",
                            "finished_at": None, "due_at": due / 1000 if due is not None
                            else None})
-            record = self._record(self.keys.scheduled_jobs, entry["ref"])
+            record = self._record(self.keys.of(entry["queue"]).scheduled_jobs, entry["ref"])
             status["job_name"] = status["job_name"] or record.get("name")
             error = _error_text(meta.get("result")) if state == "RETRY" else record.get("error")
             status["error"] = _cut(str(error)) if error else None
         elif where == "dead":
             status.update({"state": "dead", "done": True, "dead_id": entry["ref"],
                            "finished_at": at})
-            record = self._record(self.keys.dead_jobs, entry["ref"])
+            record = self._record(self.keys.of(entry["queue"]).dead_jobs, entry["ref"])
             status["job_name"] = status["job_name"] or record.get("name")
             status["error"] = _cut(str(record.get("error") or record.get("reason")
                                        or "")) or None
@@ -251,7 +252,8 @@ class JobLookup:
             # Done while no outcome is known: acked when it started (acks_late off).
             status.update({"pool": entry["detail"] or None, "finished_at": None})
             if where == "inflight" and not status["job_name"]:
-                raw = self.client.hget(self.keys.inflight(entry["detail"]), entry["ref"])
+                raw = self.client.hget(self.keys.of(entry["queue"]).inflight(entry["detail"]),
+                                       entry["ref"])
                 status["job_name"] = _payload_task_name(bytes_to_str(raw)) if raw else None
             if not final and self._find_busy(status, [entry["detail"]]):
                 return status
@@ -318,7 +320,11 @@ class JobLookup:
         return False
 
     def _find_dead(self, status: JobStatus, since_ms: int | None = None) -> bool:
-        k = self.keys
+        """The job in the newest part of the dead set (of each copy, on a cluster)."""
+        return any(self._find_dead_in(k, status, since_ms)
+                   for k in copies(self.client, self.keys))
+
+    def _find_dead_in(self, k: Keys, status: JobStatus, since_ms: int | None) -> bool:
         if since_ms is None:
             ids = self.client.zrevrange(k.dead, 0, DEAD_SCAN - 1)
         else:
@@ -346,7 +352,10 @@ class JobLookup:
         return False
 
     def _find_scheduled(self, status: JobStatus) -> bool:
-        k = self.keys
+        """The job in small scheduled and retry sets (of each copy, on a cluster)."""
+        return any(self._find_scheduled_in(k, status) for k in copies(self.client, self.keys))
+
+    def _find_scheduled_in(self, k: Keys, status: JobStatus) -> bool:
         with self.client.pipeline(transaction=False) as pipe:
             pipe.zcard(k.scheduled)
             pipe.zcard(k.retry)

@@ -861,7 +861,8 @@ class Channel(kredis.Channel):
         elif not isinstance(payload, int):
             with self.conn_or_acquire() as client:
                 dead_letter(client, self.settings, "-", tag, reason=reason, error=error,
-                            fallback=queue.encode() + b"\n" + payload)
+                            fallback=queue.encode() + b"\n" + payload,
+                            keys=self.keys.of(queue))
 
     def _body_problem(self, raw: dict[str, Any]) -> str | None:
         """Kombu decodes the body while building the Message, where an exception stops
@@ -1002,10 +1003,16 @@ class Channel(kredis.Channel):
                      **meta: Any) -> bool:
         """Move one in-flight job of this pool to the dead set (see ``dead.dead_letter``)."""
         pool = self.worker_pool
+        copy = self.copy_of(tag)  # (before the release: the record still knows its queue)
+        fallback = meta.get("fallback")
+        if copy.is_home and self.cluster_setup is not None and isinstance(fallback, str) \
+                and "\n" in fallback:
+            # Acked at start (acks_late off): out of the record; its queue is the fallback's.
+            copy = self.keys.of(fallback.partition("\n")[0])
         pool.holdings.released([tag])
         try:
             return dead_letter(pool.client, self.settings, pool.pool_id, tag,
-                               reason=reason, error=error, **meta)
+                               reason=reason, error=error, keys=copy, **meta)
         except CONNECTION_ERRORS:
             pool.needs_reconcile()  # not held anymore: returned to its queue instead
             raise

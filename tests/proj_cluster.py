@@ -51,20 +51,32 @@ def recorder() -> redis.Redis:
     return _record
 
 
-def _run(name: str, i: int, sleep: float) -> None:
+def _run(name: str, i: int, sleep: float, hold: str = "") -> None:
     if sleep:
         time.sleep(sleep)
-    pipe = recorder().pipeline(transaction=False)
-    pipe.incr(f"runs:{name}:{i}")
-    pipe.incr("done")
-    pipe.execute()
+    deadline = time.monotonic() + 60
+    while hold and recorder().exists(hold) and time.monotonic() < deadline:
+        time.sleep(0.05)  # held until the test deletes the key
+    for attempt in (1, 2):
+        # Once in a while, while a cluster master fails over, this (one-node) client's
+        # new socket is found closed (EBADF) in a threads pool: the record is written
+        # again rather than the job failing over a record the test keeps.
+        try:
+            pipe = recorder().pipeline(transaction=False)
+            pipe.incr(f"runs:{name}:{i}")
+            pipe.incr("done")
+            pipe.execute()
+            return
+        except (redis.ConnectionError, ValueError, OSError):
+            if attempt == 2:
+                raise
 
 
 def _job(n: int) -> None:
     name = f"job{n}"
 
-    def run(i: int, sleep: float = 0.0) -> None:
-        _run(name, i, sleep)
+    def run(i: int, sleep: float = 0.0, hold: str = "") -> None:
+        _run(name, i, sleep, hold)
 
     run.__name__ = run.__qualname__ = name
     app.task(name=f"tests.proj_cluster.{name}")(run)

@@ -30,10 +30,12 @@ with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; htt
 
 
 def enqueue(client: Client, queue: str, payload: str) -> None:
-    """Enqueue a raw payload with the producers' script, through the cluster client."""
-    k = client.keys
+    """Enqueue a raw payload with the producers' script, through the cluster client: in
+    the queue's copy of the layout, the queue in the home registry (docs/cluster.md)."""
+    k = client.keys.of(queue)
     client.scripts("enqueue", [k.queue(queue), k.ready, k.queues],
                    [payload, queue, k.wake_channel, 0])
+    client.client.sadd(client.keys.queues, queue)
 
 
 # -- connections: the cluster URL --------------------------------------------------------------
@@ -134,8 +136,9 @@ def test_client_cli_and_dashboard_read_a_cluster(cluster_url: str) -> None:
             page = tc.get("/api/queues").json()
         assert [(q["name"], q["size"]) for q in page["items"]] == [("tests.proj.add", 3)]
     finally:
-        k = client.keys
+        k = client.keys.of("tests.proj.add")
         client.client.delete(k.queue("tests.proj.add"), k.ready, k.queues)
+        client.client.delete(client.keys.queues)
         client.client.close()
 
 

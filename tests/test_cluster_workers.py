@@ -192,8 +192,9 @@ def test_sigkilled_pool_jobs_go_back_to_their_queues(
     victim.start(timeout=60)
     app = producer(url, namespace, install=True)
     names = range(0, NAMES, 3)  # ten job queues, on every master
+    rec.set("hold", 1)  # the jobs wait while this key exists
     for n in names:
-        app.send_task(f"{APP}.job{n}", (0,), kwargs={"sleep": 30})
+        app.send_task(f"{APP}.job{n}", (0,), kwargs={"hold": "hold"})
     k = Keys(namespace, cluster=True)
     rc = cluster_rc(url)
     try:
@@ -206,8 +207,7 @@ def test_sigkilled_pool_jobs_go_back_to_their_queues(
         victim.kill()
         rescuer = worker_factory(APP, broker_url=url, pool="threads", concurrency=4, env=env)
         rescuer.start(timeout=60)
-        # The jobs sleep 30 s: they are back in their queues (and fetched by the rescuer)
-        # long before they could finish; each runs once more, from the rescuer.
+        rec.delete("hold")  # (the victim is gone: only the rescuer can run them now)
         wait_for(lambda: int(rec.get("done") or 0) >= len(names), 60, "every job run again")
         for n in names:
             assert runs(rec, f"job{n}", 1) == [1], f"job{n}"

@@ -19,6 +19,9 @@
 -- KEYS[6]  (with a payload) finished index entries  {ns}:jobs_done
 -- ARGV[10] (optional) why this due time has no run, kept as the entry's error
 -- ARGV[11] (with a payload) job index TTL of finished entries in ms, "0" = no index
+-- ARGV[12] (without a payload, optional) "1" = the caller pushed the run itself, in its
+--          job queue's copy under a publish marker of this job id (a cluster: the queue
+--          is in another slot, docs/cluster.md): record it as a run, as with a payload
 -- Returns 1 when the job was pushed; 2 when this job id is the entry's last run already
 -- (Kombu retried a publish whose write landed: nothing pushed again); 0 when the entry
 -- moved on meanwhile (another leader took this due time); -1 when the entry is paused
@@ -28,10 +31,11 @@ local stateKey, queueKey, readyKey, queuesKey = KEYS[1], KEYS[2], KEYS[3], KEYS[
 local expected, dueMs, nextMs, passed, jobId = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local payload, queueName, wakeChannel, expiresMs = ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
 local err = ARGV[10] or ''
+local pushedByCaller = payload == '' and ARGV[12] == '1'
 local indexTtl = tonumber(ARGV[11] or 0) or 0
 -- @include job_index
 
-if payload ~= '' and redis.call('HGET', stateKey, 'last_job_id') == jobId then
+if (payload ~= '' or pushedByCaller) and redis.call('HGET', stateKey, 'last_job_id') == jobId then
   return 2
 end
 local scheduled = expected ~= ''
@@ -39,7 +43,7 @@ if scheduled and redis.call('HGET', stateKey, 'next_due') ~= expected then
   return 0
 end
 local paused = redis.call('HGET', stateKey, 'paused') == '1'
-if payload == '' or (paused and scheduled) then
+if (payload == '' and not pushedByCaller) or (payload ~= '' and paused and scheduled) then
   redis.call('HSET', stateKey, 'next_due', nextMs, 'error', err)
   if payload ~= '' then passed = passed + 1 end
   if passed > 0 then redis.call('HINCRBY', stateKey, 'missed', passed) end
@@ -47,18 +51,20 @@ if payload == '' or (paused and scheduled) then
   return -1
 end
 
-local n = push_back(queueKey, payload)
-if redis.call('SADD', readyKey, queueName) == 1 then
-  if string.sub(queueName, -7) ~= '.pidbox' then
-    redis.call('SADD', queuesKey, queueName)
+if not pushedByCaller then
+  local n = push_back(queueKey, payload)
+  if redis.call('SADD', readyKey, queueName) == 1 then
+    if string.sub(queueName, -7) ~= '.pidbox' then
+      redis.call('SADD', queuesKey, queueName)
+    end
+    redis.call('PUBLISH', wakeChannel, queueName)
   end
-  redis.call('PUBLISH', wakeChannel, queueName)
-end
-if indexTtl > 0 then
-  jix_set(KEYS[5], jobId, 'queued', queueName, jix_level(queueKey))
-end
-if expiresMs > 0 then
-  redis.call('PEXPIRE', queueKey, expiresMs)
+  if indexTtl > 0 then
+    jix_set(KEYS[5], jobId, 'queued', queueName, jix_level(queueKey))
+  end
+  if expiresMs > 0 then
+    redis.call('PEXPIRE', queueKey, expiresMs)
+  end
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
