@@ -322,7 +322,13 @@ def async_client_from_url(url: str, options: Mapping[str, Any] | None = None,
     master behind sentinels. Close it with :func:`aclose_async_client`."""
     from redis import asyncio as aioredis
     from redis.asyncio import sentinel as asentinel
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
+    cluster = cluster_config([url], options)
+    if cluster is not None:  # seed nodes; redis-py routes every command by its slot
+        kwargs = {k: v for k, v in params.items() if k not in ("host", "port", "db")}
+        return AsyncRedisCluster(host=params.get("host"), port=params.get("port") or 6379,
+                                 **kwargs)
     config = sentinel_config([url], options)
     if config is None:
         return aioredis.Redis(**params)
@@ -336,6 +342,6 @@ def async_client_from_url(url: str, options: Mapping[str, Any] | None = None,
 async def aclose_async_client(client: Any) -> None:
     """Close an :func:`async_client_from_url` client and its sentinel connections."""
     await client.aclose()
-    manager = getattr(client.connection_pool, "sentinel_manager", None)
+    manager = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
     if manager is not None:
         await manager.aclose()

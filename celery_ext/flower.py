@@ -75,11 +75,18 @@ def _broker_class(base: type) -> type:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     steps = self.settings.priority_steps
                     for name in names:
-                        for key in k.queue_levels(name, steps):
+                        for key in k.of(name).queue_levels(name, steps):
                             pipe.llen(key)
-                    pipe.hmget(k.running, names or ["-"])
+                    if k.cluster:  # each queue's count is in its own copy
+                        for name in names:
+                            pipe.hget(k.of(name).running, name)
+                    else:
+                        pipe.hmget(k.running, names or ["-"])
                     pipe.zrange(k.pools, 0, -1)
-                    *levels, running, pool_ids = await pipe.execute()
+                    *replies, pool_ids = await pipe.execute()
+                    nlevels = len(names) * len(steps)
+                    levels = replies[:nlevels]
+                    running = replies[nlevels:] if k.cluster else replies[nlevels]
                 nlev = len(steps)
                 lengths = [sum(levels[i:i + nlev]) for i in range(0, len(levels), nlev)]
                 consumers: dict[str, int] = {}

@@ -99,6 +99,12 @@ def flaky(self, i: int) -> None:  # type: ignore[no-untyped-def]
     _run("flaky", i, 0.0)
 
 
+@app.task(name="tests.proj_cluster.unique", unique=True)
+def unique(i: int) -> None:
+    """A unique job (one pending per arguments): its lock is in its queue's copy."""
+    _run("unique", i, 0.0)
+
+
 @app.task(name="tests.proj_cluster.boom")
 def boom(i: int) -> None:
     raise ValueError(f"boom {i}")

@@ -9,8 +9,12 @@ its own. Tasks record their runs on the one-node test server (a cluster has no d
 
 from __future__ import annotations
 
+import json
+import sys
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +27,8 @@ from celery_ext.connections import cluster_client, cluster_config
 from celery_ext.keys import Keys
 from celery_ext.server import ClusterGroup, RedisServer
 from tests.helpers import wait_for
-from tests.workers import WorkerProcess
+from tests.webutil import env_for, free_port, stop_all
+from tests.workers import ManagedProcess, WorkerProcess
 
 APP = "tests.proj_cluster"
 NAMES = 30  # tests/proj_cluster.py: job0 ... job29
@@ -243,3 +248,54 @@ def test_scheduled_retry_and_dead_jobs_on_a_cluster(
         assert [j["name"] for j in dead] == [f"{APP}.boom"]
     finally:
         client.client.close()
+
+
+def test_flower_and_unique_jobs_on_a_cluster(
+        cluster: ClusterGroup, namespace: str, records: tuple[str, redis.Redis],
+        worker_factory: Callable[..., WorkerProcess], tmp_path: Path) -> None:
+    """Flower sees the pool and the true length of a paused job queue (its copy on
+    its own master); a unique job enqueued twice runs once."""
+    record_url, rec = records
+    url = cluster.url()
+    env = {"CELERY_EXT_NAMESPACE": namespace, "CELERY_EXT_RECORD_URL": record_url}
+    worker = worker_factory(APP, broker_url=url, pool="threads", concurrency=2, env=env)
+    worker.start(timeout=60)
+    app = producer(url, namespace, install=True)
+    client = celery_ext.client.Client.for_app(app)
+    port = free_port()
+    flower = ManagedProcess(
+        [sys.executable, "-m", "celery", "-A", APP, "flower", f"--port={port}",
+         "--address=127.0.0.1"], log_path=tmp_path / "flower.log",
+        env=env_for(url, FLOWER_UNAUTHENTICATED_API="1", **env), ready_pattern=r"Visit me at")
+    base = f"http://127.0.0.1:{port}"
+    paused = f"{APP}.job4"
+    try:
+        client.pause(paused)
+        for i in range(4):
+            app.send_task(paused, (i,))
+        # The producer's own declaration of the task carries its options (unique=True).
+        unique = app.task(name=f"{APP}.unique", unique=True)(_declared)
+        unique.delay(1)
+        unique.delay(1)
+        flower.start(timeout=30)
+        wait_for(lambda: worker.hostname.split("@")[0] in str(_get_json(
+            base, "/api/workers?refresh=1")), 30, "Flower to see the worker")
+        lengths = {q["name"]: q for q in _get_json(base, "/api/queues/length")["active_queues"]}
+        assert lengths[paused]["messages_ready"] == 4
+        wait_for(lambda: runs(rec, "unique", 2)[1] >= 1, 30, "the unique job run")
+        client.resume(paused)
+        wait_for(lambda: min(runs(rec, "job4", 4)) >= 1, 30, "the paused queue drained")
+        assert runs(rec, "unique", 2) == [0, 1]  # enqueued twice, run once
+    finally:
+        client.resume(paused)
+        client.client.close()
+        stop_all([flower])
+
+
+def _declared(i: int) -> None:
+    """The producer's declaration of a task the worker runs (never run here)."""
+
+
+def _get_json(base: str, path: str) -> Any:
+    with urllib.request.urlopen(base + path, timeout=10) as r:
+        return json.loads(r.read().decode())
