@@ -379,11 +379,15 @@ class Periodic:
     def _read(self) -> tuple[int, dict[str, list[str | None]]]:
         """Redis time (ms) and each entry's next_due, spec and paused, in one round trip."""
         names = list(self.entries)
+        cluster = self.keys.cluster  # (a cluster pipeline refuses TIME: asked first)
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.time()
+            if not cluster:
+                pipe.time()
             for name in names:
                 pipe.hmget(self.keys.periodic_entry(name), "next_due", "spec", "paused")
             reply = pipe.execute()
+        if cluster:
+            reply.insert(0, self.client.time())
         seconds, micros = reply[0]
         rows = {n: [bytes_to_str(v) if v is not None else None for v in r]
                 for n, r in zip(names, reply[1:], strict=True)}

@@ -506,8 +506,8 @@ class ClusterGroup:
         """Start every node, assign the slots, join the nodes, attach the replicas and
         wait until every node reports ``cluster_state:ok``; returns self."""
         try:
-            for server in self.servers:
-                server.start()
+            for i, server in enumerate(self.servers):
+                self._start_node(i, server)
                 with server.client(socket_timeout=2.0) as c:
                     self.node_ids[server] = _text(c.execute_command("CLUSTER", "MYID"))
             masters = self.servers[:self.masters_count]
@@ -535,6 +535,19 @@ class ClusterGroup:
             self.stop()
             raise
         return self
+
+    def _start_node(self, i: int, server: RedisServer) -> None:
+        """Start one node; its cluster bus port, picked free beforehand, can be taken
+        by the time it binds (a busy machine): then it gets another."""
+        for attempt in range(5):
+            try:
+                server.start()
+                return
+            except ServerError:
+                if attempt == 4 or "(cluster)" not in server._log_tail():
+                    raise
+                self._bus_ports[i] = _free_port()
+                server.extra_args[-1] = str(self._bus_ports[i])
 
     def stop(self) -> None:
         for server in self.servers:

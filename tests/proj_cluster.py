@@ -30,6 +30,8 @@ app.conf.update(
     worker_hijack_root_logger=False,
     task_ignore_result=True,
 )
+if os.environ.get("TEST_PERIODIC") == "1":  # run by the pools (periodic.py)
+    app.conf.beat_schedule = {"tick": {"task": "tests.proj_cluster.tick", "schedule": 1.0}}
 if os.environ.get("CELERY_EXT_NO_INSTALL") != "1":
     celery_ext.install(app)
 
@@ -103,6 +105,16 @@ def flaky(self, i: int) -> None:  # type: ignore[no-untyped-def]
 def unique(i: int) -> None:
     """A unique job (one pending per arguments): its lock is in its queue's copy."""
     _run("unique", i, 0.0)
+
+
+@app.task(name="tests.proj_cluster.tick", bind=True)
+def tick(self) -> None:  # type: ignore[no-untyped-def]
+    """A periodic job's run: its id is its due time's, so a second run of one due
+    time shows as more runs than ids."""
+    pipe = recorder().pipeline(transaction=False)
+    pipe.sadd("tick_ids", self.request.id)
+    pipe.incr("tick_runs")
+    pipe.execute()
 
 
 @app.task(name="tests.proj_cluster.boom")

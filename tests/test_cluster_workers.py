@@ -299,3 +299,20 @@ def _declared(i: int) -> None:
 def _get_json(base: str, path: str) -> Any:
     with urllib.request.urlopen(base + path, timeout=10) as r:
         return json.loads(r.read().decode())
+
+
+def test_periodic_jobs_run_once_per_due_time_on_a_cluster(
+        cluster: ClusterGroup, namespace: str, records: tuple[str, redis.Redis],
+        worker_factory: Callable[..., WorkerProcess]) -> None:
+    """Two pools run a 1-second ``beat_schedule`` entry: the leader enqueues each due
+    time once (enqueued in the job queue's copy, recorded on the home entry)."""
+    record_url, rec = records
+    url = cluster.url()
+    env = {"CELERY_EXT_NAMESPACE": namespace, "CELERY_EXT_RECORD_URL": record_url,
+           "TEST_PERIODIC": "1", "CELERY_EXT_PROMOTE_INTERVAL": "0.5"}
+    for _ in range(2):
+        worker_factory(APP, broker_url=url, pool="threads", concurrency=2, env=env).start(
+            timeout=60)
+    wait_for(lambda: int(rec.get("tick_runs") or 0) >= 4, 30, "four periodic runs")
+    runs_seen, ids = int(rec.get("tick_runs") or 0), rec.scard("tick_ids")
+    assert runs_seen == ids, f"{runs_seen} runs of {ids} due times"
