@@ -22,6 +22,7 @@ the dead set, and ``task.checkin()``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -135,6 +136,10 @@ def describe_pool(sender: Any = None, **kwargs: Any) -> None:
         started_at=int(time.time() * 1000),
         state="running",
     )
+    if pool.keys.cluster and consumed:
+        # The registry is how the reaper and requeuer find every queue's copy.
+        with contextlib.suppress(redis.exceptions.OutOfMemoryError):
+            pool.client.sadd(pool.keys.queues, *consumed)
     weights: dict[Any, Any] = {q: w for q, w in all_weights().items() if q in consumed}
     if weights:
         try:
