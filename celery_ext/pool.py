@@ -61,6 +61,8 @@ logger = logging.getLogger("celery_ext.pool")
 
 #: Shortest gap between two reconcile attempts after one failed (seconds).
 RECONCILE_RETRY_INTERVAL = 0.5
+#: Most tags one coalesced ``ack`` call carries (more go in the next call).
+MAX_ACKS_PER_CALL = 256
 
 
 class Holdings:
@@ -147,6 +149,12 @@ class WorkerPool:
         self._last_tick = 0.0
         self._fetches_on_wire = 0
         self._wire_lock = threading.Lock()
+        #: Acks not yet written, coalesced into one ``ack`` call (``ack``/``flush_acks``).
+        self._pending_acks: list[str] = []
+        self._acks_lock = threading.Lock()
+        self._acks_writing = False
+        #: The event loop's thread while its ticks flush the pending acks (else None).
+        self._loop_thread: int | None = None
         self.state = "new"
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -188,6 +196,7 @@ class WorkerPool:
 
     def _return_everything(self) -> None:
         """Shutdown: nothing of this process runs anymore; return what is left."""
+        self.event_loop_gone()
         self.acks.flush()
         self._replay_acks()
         left = set(self.record.tags())
@@ -239,6 +248,7 @@ class WorkerPool:
         if now - self._last_tick < self.settings.idle_refresh_interval * 0.9:
             return
         self._last_tick = now
+        self.flush_acks()
         self.acks.poll()
         try:
             self.maybe_reconcile()
@@ -264,6 +274,7 @@ class WorkerPool:
         longer holds to the front of their queues. Returns the tags returned."""
         self._needs_reconcile = False
         try:
+            self.flush_acks()
             self.acks.flush()
             self._replay_acks()
             gc.collect()  # requests Celery dropped may sit in reference cycles
@@ -282,10 +293,60 @@ class WorkerPool:
     # -- moves out of the record -----------------------------------------------------------
     def ack(self, tags: list[str]) -> None:
         """Ack without waiting for the reply (``acks.AckSender``); never raises: an ack
-        that cannot be sent now is applied by the next reconcile."""
+        that cannot be sent now is applied by the next reconcile.
+
+        Acks are coalesced: one ``ack`` call carries every tag pending when it is
+        written. In the event loop's thread (a prefork pool's results, a solo pool's
+        jobs) the write waits for the loop's next tick, which comes before the loop
+        polls again, so all the jobs finished in one turn of the loop go in one call.
+        Any other thread (a threads pool's) writes at once, unless another thread is
+        writing: that one writes these too before it returns. The tags are "acking"
+        from here on, so a reconcile never returns them."""
         self.holdings.acking(tags)
-        keys, args = self.record.ack_call(tags)
-        self.acks.ack(keys, args, tags)
+        with self._acks_lock:
+            self._pending_acks += tags
+            if self._acks_writing or threading.get_ident() == self._loop_thread:
+                return
+            self._acks_writing = True
+        self._write_acks()
+
+    def flush_acks(self) -> None:
+        """Write the pending acks now (unless a thread is writing them already)."""
+        with self._acks_lock:
+            if self._acks_writing or not self._pending_acks:
+                return
+            self._acks_writing = True
+        self._write_acks()
+
+    def on_loop_tick(self) -> None:
+        """From the event loop, each turn before it polls: acks of its thread wait for
+        this call from now on, which writes them."""
+        self._loop_thread = threading.get_ident()
+        if self._pending_acks:
+            self.flush_acks()
+
+    def event_loop_gone(self) -> None:
+        """The event loop closed (or the pool stops): no tick will come, write acks at
+        once again and write those pending."""
+        self._loop_thread = None
+        self.flush_acks()
+
+    def _write_acks(self) -> None:
+        """Write pending acks until none is left (the caller set ``_acks_writing``)."""
+        try:
+            while True:
+                with self._acks_lock:
+                    tags = self._pending_acks[:MAX_ACKS_PER_CALL]
+                    del self._pending_acks[:MAX_ACKS_PER_CALL]
+                    if not tags:
+                        self._acks_writing = False
+                        return
+                keys, args = self.record.ack_call(tags)
+                self.acks.ack(keys, args, tags)
+        except BaseException:
+            with self._acks_lock:
+                self._acks_writing = False
+            raise
 
     def _ack_now(self, tags: list[str]) -> None:
         """The AckSender's fallback: apply acks synchronously, or keep them for replay."""
@@ -358,6 +419,18 @@ def pool_for(client_factory: Callable[[], redis.Redis], settings: Settings,
             pool = _pools[key] = WorkerPool(client_factory, settings, server_id)
     pool.start()
     return pool
+
+
+def on_loop_tick() -> None:
+    """Each turn of the worker's event loop: the pools write the acks it made."""
+    for pool in list(_pools.values()):
+        pool.on_loop_tick()
+
+
+def on_loop_close(*_: Any) -> None:
+    """The event loop closed: the pools write acks at once again."""
+    for pool in list(_pools.values()):
+        pool.event_loop_gone()
 
 
 def live_pools() -> list[WorkerPool]:
