@@ -592,7 +592,10 @@ class Channel(kredis.Channel):
         n = self.settings.fetch_batch if credit is None else min(credit, self.settings.fetch_batch)
         if n <= 0:
             return
-        if fetch_waits(n, len(self.qos._delivered), self.fetch_min, self.settings.fetch_batch):
+        # Held: delivered and not acked (Kombu keeps an acked tag in ``_delivered``, as
+        # "dirty", until the next delivery).
+        held = len(self.qos._delivered) - len(self.qos._dirty)
+        if fetch_waits(n, held, self.fetch_min, self.settings.fetch_batch):
             return
         picks = ready.take(n)
         no_ack = self._no_ack_queues

@@ -473,6 +473,27 @@ def test_a_busy_pool_fetches_a_pools_worth_at_once_and_never_leaves_a_slot_waiti
     assert not fetch_waits(free=1, held=3, concurrency=1, batch=16)
 
 
+def test_a_busy_pool_with_a_free_slot_fetches_at_once(
+    app: Celery, rec: redis.Redis, worker_factory: Factory,
+) -> None:
+    """prefork -c 2, prefetch multiplier 1: while one slot runs a long job, the other
+    slot's jobs are fetched one by one as it frees (an acked tag stays in Kombu's
+    delivered map until the next delivery: it must not count as a job held, or the
+    fetch would wait for the long job)."""
+    proj.record.apply_async(("long", 1, 3.0), ignore_result=True)
+    shorts = [f"short{i}" for i in range(4)]
+    for key in shorts:
+        proj.record.apply_async((key,), ignore_result=True)
+    worker_factory("tests.proj", pool="prefork", concurrency=2,
+                   extra_args=["--prefetch-multiplier=1"]).start()
+    wait_for(lambda: all(rec.llen(f"runs:{k}") for k in ["long", *shorts]), 30, "every job")
+
+    def ended(key: str) -> float:
+        return float(rec.lindex(f"runs:{key}", 0).decode().split(":")[1])
+
+    assert max(ended(k) for k in shorts) < ended("long")  # none waited for the long job
+
+
 def test_queue_length_matches_llen(app: Celery, redis_client: redis.Redis) -> None:
     """``queue_declare(passive=True).message_count`` and ``_size`` are the job queue's LLEN."""
     for i in range(5):
