@@ -153,6 +153,8 @@ class WorkerPool:
         self._pending_acks: list[str] = []
         self._acks_lock = threading.Lock()
         self._acks_writing = False
+        #: Notified when a thread stops writing acks (``flush_acks(wait=True)``).
+        self._acks_idle = threading.Condition(self._acks_lock)
         #: The event loop's thread while its ticks flush the pending acks (else None).
         self._loop_thread: int | None = None
         self.state = "new"
@@ -310,9 +312,13 @@ class WorkerPool:
             self._acks_writing = True
         self._write_acks()
 
-    def flush_acks(self) -> None:
-        """Write the pending acks now (unless a thread is writing them already)."""
+    def flush_acks(self, wait: bool = False) -> None:
+        """Write the pending acks now, unless a thread is writing them already; with
+        ``wait``, also wait for that thread: the caller then knows every ack made
+        before the call was written (shutdown returns what is left in the record)."""
         with self._acks_lock:
+            while wait and self._acks_writing:
+                self._acks_idle.wait()
             if self._acks_writing or not self._pending_acks:
                 return
             self._acks_writing = True
@@ -327,9 +333,9 @@ class WorkerPool:
 
     def event_loop_gone(self) -> None:
         """The event loop closed (or the pool stops): no tick will come, write acks at
-        once again and write those pending."""
+        once again and write those pending, after any other thread's write under way."""
         self._loop_thread = None
-        self.flush_acks()
+        self.flush_acks(wait=True)
 
     def _write_acks(self) -> None:
         """Write pending acks until none is left (the caller set ``_acks_writing``)."""
@@ -340,12 +346,14 @@ class WorkerPool:
                     del self._pending_acks[:MAX_ACKS_PER_CALL]
                     if not tags:
                         self._acks_writing = False
+                        self._acks_idle.notify_all()
                         return
                 keys, args = self.record.ack_call(tags)
                 self.acks.ack(keys, args, tags)
         except BaseException:
             with self._acks_lock:
                 self._acks_writing = False
+                self._acks_idle.notify_all()
             raise
 
     def _ack_now(self, tags: list[str]) -> None:

@@ -101,3 +101,35 @@ def test_acks_of_the_event_loop_thread_go_in_one_call_at_its_next_tick(
         assert pool.holdings.held() == set()
     finally:
         pool.acks.close()
+
+
+def test_stopping_waits_for_an_ack_write_under_way_in_another_thread(
+        redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """An ack made while another thread writes goes in that thread's next call; a pool
+    that stops (and then returns what is left in its record) waits for it."""
+    scripts.Scripts(redis_client).load_all()
+    pool = WorkerPool(redis_server.client, Settings(), "server")
+    for tag in ("a", "b"):
+        redis_client.hset(K.inflight(pool.pool_id), tag, "q\n{}")
+    writing, release = threading.Event(), threading.Event()
+    send = pool.acks.ack
+
+    def slow_send(keys: list[str], args: list[object], tags: list[str]) -> None:
+        writing.set()
+        release.wait(10)
+        send(keys, args, tags)
+
+    pool.acks.ack = slow_send  # type: ignore[method-assign]
+    writer = threading.Thread(target=pool.ack, args=(["a"],))
+    writer.start()
+    try:
+        assert writing.wait(10)
+        pool.ack(["b"])  # the writer thread is busy: "b" goes in its next call
+        threading.Timer(0.3, release.set).start()
+        pool.event_loop_gone()  # what stopping does before it returns what is left
+        pool.acks.flush()
+        assert redis_client.hlen(K.inflight(pool.pool_id)) == 0
+    finally:
+        release.set()
+        writer.join(10)
+        pool.acks.close()
