@@ -7,6 +7,10 @@ round-robin over the app's job names, or ``--per-task`` counts) and prints
 cProfile (CPU clock) and prints the hottest functions. ``python -m bench.client latency --n N``
 sends N jobs one at a time to an idle worker, waiting for each to start, and prints
 ``{"latencies_ms": [...]}`` (enqueue call to job start, one clock).
+``python -m bench.client fill-stamped --n N`` queues N jobs whose start is recorded as
+a timestamp (the worker's drain rate, ``start_rate``), and ``python -m bench.client
+load --n N --rate R`` sends N jobs at a steady R jobs/s without waiting for them, then
+prints their enqueue-to-start latencies.
 """
 
 from __future__ import annotations
@@ -156,6 +160,42 @@ def latency(n: int, warmup: int, gap: float) -> dict[str, list[float]]:
     return {"latencies_ms": out}
 
 
+def fill_stamped(n: int) -> dict[str, int]:
+    """Queue ``n`` latency jobs stamped 0: each one records its start time itself, so
+    ``start_rate`` can read the worker's drain rate from the starts."""
+    task = bench_app.TASKS[0]
+    bench_app.counter().delete(bench_app.LATENCY_KEY)
+    for _ in range(n):
+        task.apply_async(args=(0.0,))
+    return {"n": n}
+
+
+def load(n: int, rate: float, warmup: int) -> dict[str, list[float]]:
+    """Send ``warmup`` then ``n`` jobs at a steady ``rate`` jobs/s (open loop: a send
+    never waits for a job, only for its slot in the schedule); returns the measured
+    jobs' enqueue-to-start latencies in ms, in start order."""
+    task = bench_app.TASKS[0]
+    rec = bench_app.counter()
+    rec.delete(bench_app.LATENCY_KEY)
+    gap = 1.0 / rate
+    for part, count in (("warmup", warmup), ("measured", n)):
+        t0 = time.perf_counter()
+        for i in range(count):
+            delay = t0 + i * gap - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            task.apply_async(args=(time.time(),))
+        deadline = time.monotonic() + 30 + count / rate
+        while rec.llen(bench_app.LATENCY_KEY) < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{part}: only {rec.llen(bench_app.LATENCY_KEY)}/{count} "
+                                   "jobs started within the deadline")
+            time.sleep(0.01)
+        values = [float(v) * 1000.0 for v in rec.lrange(bench_app.LATENCY_KEY, 0, -1)]
+        rec.delete(bench_app.LATENCY_KEY)
+    return {"latencies_ms": values}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.client")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -173,6 +213,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_lat.add_argument("--n", type=int, required=True)
     p_lat.add_argument("--warmup", type=int, default=20)
     p_lat.add_argument("--gap", type=float, default=0.005)
+    p_fill = sub.add_parser("fill-stamped")
+    p_fill.add_argument("--n", type=int, required=True)
+    p_load = sub.add_parser("load")
+    p_load.add_argument("--n", type=int, required=True)
+    p_load.add_argument("--rate", type=float, required=True, help="jobs/s")
+    p_load.add_argument("--warmup", type=int, default=20)
     args = parser.parse_args(argv)
     if args.cmd == "enqueue":
         per = [int(c) for c in args.per_task.split(",")] if args.per_task else None
@@ -181,6 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = profile(args.n, args.top)
     elif args.cmd == "layers":
         result = layers(args.batches, args.size)
+    elif args.cmd == "fill-stamped":
+        result = fill_stamped(args.n)
+    elif args.cmd == "load":
+        result = load(args.n, args.rate, args.warmup)
     else:
         result = latency(args.n, args.warmup, args.gap)
     json.dump(result, sys.stdout)

@@ -20,6 +20,7 @@ from bench.harness import (
     MODES,
     WORKER_FLAGS,
     Bench,
+    BenchError,
     CommandCounter,
     counts_delta,
     median,
@@ -40,6 +41,11 @@ class Sizes:
     enqueue: int = 20_000
     latency: int = 1_000
     latency_warmup: int = 20
+    #: Latency under load: jobs drained to measure the worker's rate, then jobs sent at
+    #: ``load_share`` of that rate.
+    load_rate_jobs: int = 2_000
+    load: int = 2_000
+    load_share: float = 0.5
     many_jobs: int = 20_000
     names: tuple[int, ...] = (1, 10, 100, 1_000)
     #: many_queues extra configurations: one job name spread over this many queues.
@@ -55,7 +61,8 @@ class Sizes:
 
 
 FULL = Sizes()
-QUICK = Sizes(drain=200, enqueue=2_000, latency=50, latency_warmup=5, many_jobs=200,
+QUICK = Sizes(drain=200, enqueue=2_000, latency=50, latency_warmup=5, load_rate_jobs=300,
+              load=150, many_jobs=200,
               names=(1, 10, 100), idle_seconds=3.0, idle_settle=1.0, memory_jobs=2_000,
               rss_jobs=100, fairness_fetches=400)
 
@@ -252,6 +259,77 @@ def latency(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) ->
             p99.add(mode, percentile(lat, 99))
             log(f"  round {rnd + 1} {mode}: p50 {percentile(lat, 50):.2f} ms, "
                 f"p99 {percentile(lat, 99):.2f} ms")
+    return [p50, p99, *latency_under_load(bench, sizes, rounds, details)]
+
+
+def start_rate(bench: Bench, worker: Any, n: int) -> float:
+    """Jobs/s at which ``worker`` starts the ``n`` stamped jobs queued before it started
+    (``bench.client fill-stamped``), from the first tenth's last start to the last
+    start: the steady rate, without the worker's start-up."""
+    deadline = time.monotonic() + 60 + n / 50
+    while bench.counter.llen(bench_app.LATENCY_KEY) < n:
+        if not worker.alive() or time.monotonic() > deadline:
+            raise BenchError(f"stamped drain: {bench.counter.llen(bench_app.LATENCY_KEY)}/{n} "
+                             f"started; log {worker.log_path}:\n{worker.log_tail()}")
+        time.sleep(0.01)
+    starts = sorted(float(v) for v in bench.counter.lrange(bench_app.LATENCY_KEY, 0, -1))
+    bench.counter.delete(bench_app.LATENCY_KEY)
+    skip = n // 10
+    return (n - 1 - skip) / max(starts[-1] - starts[skip], 1e-6)
+
+
+def latency_under_load(bench: Bench, sizes: Sizes, rounds: int,
+                       details: dict[str, Any]) -> list[Row]:
+    """3b. Enqueue-to-start latency under a steady load. Each round first measures both
+    sides' drain rate (a prefork -c 2 worker, as at idle, starting stamped jobs queued
+    before it started); then each side's worker is sent the same traffic, one job every
+    1/rate s from one producer that never waits for a job, at ``load_share`` of stock's
+    rate of that round: the same offered load, 50 % of stock's capacity."""
+    pct = round(sizes.load_share * 100)
+    config = f"prefork -c 2, {pct}% load"
+    log(f"[latency] {sizes.load} jobs at {pct}% of stock's drain rate "
+        f"(measured on {sizes.load_rate_jobs} jobs each round)")
+    p50 = Row("latency", config, "p50 ms", False)
+    p99 = Row("latency", config, "p99 ms", False)
+    runs: list[dict[str, Any]] = []
+    for rnd in range(rounds):
+        drain_rate: dict[str, float] = {}
+        for mode in order(rnd):
+            bench.flush()
+            bench.run_client(mode, ["fill-stamped", "--n", str(sizes.load_rate_jobs)],
+                             timeout=60 + sizes.load_rate_jobs * 0.02, latency=1)
+            worker = bench.worker(mode, "prefork", 2, latency=1)
+            worker.start()
+            try:
+                drain_rate[mode] = start_rate(bench, worker, sizes.load_rate_jobs)
+            finally:
+                worker.stop()
+        rate = drain_rate["stock"] * sizes.load_share
+        for mode in order(rnd):
+            bench.flush()
+            worker = bench.worker(mode, "prefork", 2, latency=1)
+            worker.start()
+            try:
+                bench.wait_ready(worker)
+                time.sleep(sizes.idle_settle)
+                res = bench.run_client(
+                    mode, ["load", "--n", str(sizes.load), "--rate", f"{rate:.1f}",
+                           "--warmup", str(sizes.latency_warmup)],
+                    timeout=90 + sizes.load / rate, latency=1)
+            finally:
+                worker.stop()
+            lat = res["latencies_ms"]
+            p50.add(mode, percentile(lat, 50))
+            p99.add(mode, percentile(lat, 99))
+            runs.append({"round": rnd + 1, "mode": mode, "drain_rate": drain_rate[mode],
+                         "rate": rate, "p50_ms": percentile(lat, 50),
+                         "p99_ms": percentile(lat, 99)})
+            log(f"  round {rnd + 1} {mode}: drain {drain_rate[mode]:.0f} jobs/s, sent "
+                f"{rate:.0f}/s ({100 * rate / drain_rate[mode]:.0f}% of its rate): "
+                f"p50 {percentile(lat, 50):.2f} ms, p99 {percentile(lat, 99):.2f} ms")
+    details["latency_under_load"] = {"share_of_stock_rate": sizes.load_share,
+                                     "jobs": sizes.load, "rate_jobs": sizes.load_rate_jobs,
+                                     "runs": runs}
     return [p50, p99]
 
 
@@ -441,7 +519,11 @@ def settings(name: str, sizes: Sizes) -> str:
                    f"Dramatiq: noop.send() from one process, its default middleware, no "
                    "result backend",
         "latency": f"{sizes.latency:,} jobs one at a time after {sizes.latency_warmup} warm-up, "
-                   f"prefork -c 2, acks early; {worker}",
+                   f"prefork -c 2, acks early; under load: {sizes.load:,} jobs after "
+                   f"{sizes.latency_warmup} warm-up sent to each side at {sizes.load_share:g} x "
+                   f"stock's drain rate of the round (prefork -c 2 starting "
+                   f"{sizes.load_rate_jobs:,} queued jobs) by one producer that does not "
+                   f"wait for them; {worker}",
         "many_queues": f"{sizes.many_jobs:,} jobs over {sizes.names} job names "
                        f"(+ one name over {sizes.one_name_queues} queues), prefork -c 2, "
                        f"acks early; {worker}",

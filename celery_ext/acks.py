@@ -1,11 +1,12 @@
-"""Acks without waiting for their replies: one ``ack`` script per job, written on a
+"""Acks without waiting for their replies: one ``ack`` script per batch of jobs, written on a
 connection of its own; the replies are read later, in order.
 
 A synchronous ack (send, wait, read, parse) was a quarter of a prefork pool's main
 process in the profile. Redis applies a command when it receives it, not when its
 reply is read, so the worker writes the script and goes on. Replies are read when they
-are already there (at the next ack), when more than ``MAX_UNREAD`` are pending, and at
-``close()``. An error reply (``NOSCRIPT`` after a server restart) or a lost connection
+are already there (``poll()``, about once a second from the worker's event loop), half
+of them once ``MAX_UNREAD`` are pending (one read, no probe of the socket per ack), and
+at ``close()``. An error reply (``NOSCRIPT`` after a server restart) or a lost connection
 hands the tags concerned to the synchronous path (``fallback``); acks are idempotent
 (a tag no longer in the in-flight record is ignored), so resending is safe. Each reply
 read without error confirms its tags (``on_confirmed``).
@@ -58,7 +59,8 @@ class AckSender:
         with self._lock:
             try:
                 conn = self._connection()
-                self._read(conn, MAX_UNREAD - 1, resend, confirmed)
+                if len(self._unread) >= MAX_UNREAD:
+                    self._read(conn, MAX_UNREAD // 2, resend, confirmed, probe=False)
                 conn.send_command("EVALSHA", _scripts.sha("ack"), len(keys), *keys, *args)
                 self._unread.append(tags)
             except CONNECTION_ERRORS:
@@ -118,10 +120,11 @@ class AckSender:
         return self._conn
 
     def _read(self, conn: Any, keep: int, resend: list[str], confirmed: list[str],
-              timeout: float | None = None) -> None:
-        """Read replies while more than ``keep`` are unread or one is already there."""
+              timeout: float | None = None, probe: bool = True) -> None:
+        """Read replies while more than ``keep`` are unread or (``probe``) one is
+        already there."""
         unread = self._unread
-        while unread and (len(unread) > keep or conn.can_read(timeout=0)):
+        while unread and (len(unread) > keep or (probe and conn.can_read(timeout=0))):
             tags = unread[0]
             try:
                 if timeout is None:

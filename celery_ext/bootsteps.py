@@ -238,7 +238,8 @@ class Sets(bootsteps.StartStopStep):
     """Consumer step: the job options of the scheduled, retry and dead sets (backoff,
     unique, max_concurrency, stall_after), checked when the worker is built so a bad
     option stops it with a clear message, and the concurrency limits written once
-    the consumer is connected. (The requeuer belongs to the worker pool.)"""
+    the consumer is connected. (The requeuer belongs to the worker pool.) It also
+    tells the channel the worker's concurrency (``Channel.fetch_min``)."""
 
     name = "celery_ext.Sets"
     requires = ("celery.worker.consumer.tasks:Tasks",)
@@ -265,6 +266,8 @@ class Sets(bootsteps.StartStopStep):
 
     def start(self, c: Any) -> None:
         channel = c.connection.default_channel
+        if hasattr(channel, "fetch_min"):  # fetch in batches of the pool's size
+            channel.fetch_min = max(1, int(getattr(c.controller, "concurrency", 1) or 1))
         if self.written or not hasattr(channel, "worker_pool"):
             return  # already written by this worker, or not our transport
         pool = channel.worker_pool

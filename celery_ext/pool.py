@@ -63,6 +63,8 @@ logger = logging.getLogger("celery_ext.pool")
 RECONCILE_RETRY_INTERVAL = 0.5
 #: On a cluster, seconds between two reconciles when nothing asked for one.
 CLUSTER_RECONCILE_INTERVAL = 30.0
+#: Most tags one coalesced ``ack`` call carries (more go in the next call).
+MAX_ACKS_PER_CALL = 256
 
 
 class Holdings:
@@ -155,6 +157,14 @@ class WorkerPool:
         self._last_tick = 0.0
         self._fetches_on_wire = 0
         self._wire_lock = threading.Lock()
+        #: Acks not yet written, coalesced into one ``ack`` call (``ack``/``flush_acks``).
+        self._pending_acks: list[str] = []
+        self._acks_lock = threading.Lock()
+        self._acks_writing = False
+        #: Notified when a thread stops writing acks (``flush_acks(wait=True)``).
+        self._acks_idle = threading.Condition(self._acks_lock)
+        #: The event loop's thread while its ticks flush the pending acks (else None).
+        self._loop_thread: int | None = None
         self.state = "new"
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -200,6 +210,7 @@ class WorkerPool:
 
     def _return_everything(self) -> None:
         """Shutdown: nothing of this process runs anymore; return what is left."""
+        self.event_loop_gone()
         self.acks.flush()
         self._replay_acks()
         left = set(self.record.tags())
@@ -259,6 +270,7 @@ class WorkerPool:
         if now - self._last_tick < self.settings.idle_refresh_interval * 0.9:
             return
         self._last_tick = now
+        self.flush_acks()
         self.acks.poll()
         if self.keys.cluster and now >= self._next_cluster_reconcile:
             # A fetch that redis-py's cluster client retried after a lost reply (MOVED,
@@ -289,6 +301,7 @@ class WorkerPool:
         longer holds to the front of their queues. Returns the tags returned."""
         self._needs_reconcile = False
         try:
+            self.flush_acks()
             self.acks.flush()
             self._replay_acks()
             gc.collect()  # requests Celery dropped may sit in reference cycles
@@ -307,10 +320,66 @@ class WorkerPool:
     # -- moves out of the record -----------------------------------------------------------
     def ack(self, tags: list[str]) -> None:
         """Ack without waiting for the reply (``acks.AckSender``); never raises: an ack
-        that cannot be sent now is applied by the next reconcile."""
+        that cannot be sent now is applied by the next reconcile.
+
+        Acks are coalesced: one ``ack`` call carries every tag pending when it is
+        written. In the event loop's thread (a prefork pool's results, a solo pool's
+        jobs) the write waits for the loop's next tick, which comes before the loop
+        polls again, so all the jobs finished in one turn of the loop go in one call.
+        Any other thread (a threads pool's) writes at once, unless another thread is
+        writing: that one writes these too before it returns. The tags are "acking"
+        from here on, so a reconcile never returns them."""
         self.holdings.acking(tags)
-        keys, args = self.record.ack_call(tags)
-        self.acks.ack(keys, args, tags)
+        with self._acks_lock:
+            self._pending_acks += tags
+            if self._acks_writing or threading.get_ident() == self._loop_thread:
+                return
+            self._acks_writing = True
+        self._write_acks()
+
+    def flush_acks(self, wait: bool = False) -> None:
+        """Write the pending acks now, unless a thread is writing them already; with
+        ``wait``, also wait for that thread: the caller then knows every ack made
+        before the call was written (shutdown returns what is left in the record)."""
+        with self._acks_lock:
+            while wait and self._acks_writing:
+                self._acks_idle.wait()
+            if self._acks_writing or not self._pending_acks:
+                return
+            self._acks_writing = True
+        self._write_acks()
+
+    def on_loop_tick(self) -> None:
+        """From the event loop, each turn before it polls: acks of its thread wait for
+        this call from now on, which writes them."""
+        self._loop_thread = threading.get_ident()
+        if self._pending_acks:
+            self.flush_acks()
+
+    def event_loop_gone(self) -> None:
+        """The event loop closed (or the pool stops): no tick will come, write acks at
+        once again and write those pending, after any other thread's write under way."""
+        self._loop_thread = None
+        self.flush_acks(wait=True)
+
+    def _write_acks(self) -> None:
+        """Write pending acks until none is left (the caller set ``_acks_writing``)."""
+        try:
+            while True:
+                with self._acks_lock:
+                    tags = self._pending_acks[:MAX_ACKS_PER_CALL]
+                    del self._pending_acks[:MAX_ACKS_PER_CALL]
+                    if not tags:
+                        self._acks_writing = False
+                        self._acks_idle.notify_all()
+                        return
+                keys, args = self.record.ack_call(tags)
+                self.acks.ack(keys, args, tags)
+        except BaseException:
+            with self._acks_lock:
+                self._acks_writing = False
+                self._acks_idle.notify_all()
+            raise
 
     def _ack_now(self, tags: list[str]) -> None:
         """The AckSender's fallback: apply acks synchronously, or keep them for replay."""
@@ -389,6 +458,18 @@ def pool_for(client_factory: Callable[[], redis.Redis], settings: Settings,
             pool = _pools[key] = WorkerPool(client_factory, settings, server_id)
     pool.start()
     return pool
+
+
+def on_loop_tick() -> None:
+    """Each turn of the worker's event loop: the pools write the acks it made."""
+    for pool in list(_pools.values()):
+        pool.on_loop_tick()
+
+
+def on_loop_close(*_: Any) -> None:
+    """The event loop closed: the pools write acks at once again."""
+    for pool in list(_pools.values()):
+        pool.event_loop_gone()
 
 
 def live_pools() -> list[WorkerPool]:

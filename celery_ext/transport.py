@@ -58,7 +58,7 @@ from .errors import CLUSTER_ERRORS, CONNECTION_ERRORS, BrokerOutOfMemory, job_na
 from .fair import connect as connect_fair_keys
 from .heartbeater import current_pool_id
 from .keys import LEVEL_SEP, Keys
-from .pool import WorkerPool, pool_for
+from .pool import WorkerPool, on_loop_close, on_loop_tick, pool_for
 from .producer import Enqueuer, ReplicatedPublishBatch
 from .readiness import ReadyQueues
 from .weights import weight_of
@@ -72,6 +72,14 @@ CLUSTER_RECHECK_INTERVAL = 300.0
 # A process that publishes through this transport computes the fair keys of its jobs
 # (fair.py); this module is imported before its first publish, in drop-in mode too.
 connect_fair_keys()
+
+
+def fetch_waits(free: int, held: int, concurrency: int, batch: int) -> bool:
+    """Whether a fetch for ``free`` prefetch slots waits: every execution slot has a job
+    (``held`` >= ``concurrency``) and fewer than a pool's worth (at most ``batch``) are
+    free. Fetching a few at once rather than one per finished job costs fewer round trips
+    and fetch scripts per job; a slot that may be idle never waits for it."""
+    return free < min(concurrency, batch) and held >= concurrency
 
 
 class QoS(virtual.QoS):
@@ -209,6 +217,9 @@ class Channel(kredis.Channel):
         self._worker_pool: WorkerPool | None = None
         #: A tracked fetch was sent and its reply not read yet.
         self._fetch_pending = False
+        #: The worker's concurrency (set by its consumer step): while the process holds
+        #: at least this many jobs, a fetch waits until it can take this many.
+        self.fetch_min = 1
         #: The event-loop timer that wakes rate-limited queues, and when it fires.
         self._throttle_timer: Any = None
         self._throttle_timer_at: float | None = None
@@ -684,6 +695,8 @@ class Channel(kredis.Channel):
         """Send one fetch (instead of BRPOP) for up to the free prefetch slots; first
         make the pool's in-flight record match what the process holds, if needed."""
         if self._worker_pool is not None:
+            # Acks this turn made are written before the fetch they make room for.
+            self._worker_pool.flush_acks()
             try:
                 self._worker_pool.maybe_reconcile()
             except CONNECTION_ERRORS as exc:
@@ -697,6 +710,11 @@ class Channel(kredis.Channel):
         credit = self.qos.can_consume_max_estimate()
         n = self.settings.fetch_batch if credit is None else min(credit, self.settings.fetch_batch)
         if n <= 0:
+            return
+        # Held: delivered and not acked (Kombu keeps an acked tag in ``_delivered``, as
+        # "dirty", until the next delivery).
+        held = len(self.qos._delivered) - len(self.qos._dirty)
+        if fetch_waits(n, held, self.fetch_min, self.settings.fetch_batch):
             return
         picks = ready.take(n)
         no_ack = self._no_ack_queues
@@ -1099,6 +1117,9 @@ class Transport(kredis.Transport):
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)
         self.event_loop = loop
+        # Acks made in the loop's thread are written once per turn (WorkerPool.ack).
+        loop.on_tick.add(on_loop_tick)
+        loop.on_close.add(on_loop_close)
         cycle = self.cycle
         old = getattr(cycle, "_ready_refresh_tref", None)
         if old is not None:

@@ -1,12 +1,18 @@
-"""AckSender: acks written without waiting for their replies, resent when they failed."""
+"""AckSender: acks written without waiting for their replies, resent when they failed;
+WorkerPool: acks coalesced per turn of the event loop."""
 
 from __future__ import annotations
+
+import threading
 
 import redis
 
 from celery_ext import scripts
 from celery_ext.acks import MAX_UNREAD, AckSender
+from celery_ext.config import Settings
 from celery_ext.keys import Keys
+from celery_ext.pool import WorkerPool
+from celery_ext.server import RedisServer
 
 K = Keys("celery_ext")
 POOL = "pool-acks"
@@ -56,3 +62,74 @@ def test_failed_acks_go_to_the_fallback(redis_client: redis.Redis) -> None:
     sender.close()
     # "b" may or may not have been applied: it is resent with "c" (acks are idempotent).
     assert sorted(resent) == ["a", "b", "c"]
+
+
+def _evalsha_calls(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_acks_of_the_event_loop_thread_go_in_one_call_at_its_next_tick(
+        redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    scripts.Scripts(redis_client).load_all()
+    pool = WorkerPool(redis_server.client, Settings(), "server")
+    tags = ["a", "b", "c", "d", "e"]
+    for tag in tags:
+        redis_client.hset(K.inflight(pool.pool_id), tag, "q\n{}")
+    try:
+        pool.on_loop_tick()  # this thread is now the event loop's
+        before = _evalsha_calls(redis_client)
+        pool.ack(["a"])
+        pool.ack(["b", "c"])
+        assert _evalsha_calls(redis_client) == before  # nothing written yet...
+        assert pool.holdings.held() == {"a", "b", "c"}  # ...but held, never returned
+        pool.on_loop_tick()
+        pool.acks.flush()
+        assert _evalsha_calls(redis_client) == before + 1  # one call for the turn
+        assert redis_client.hkeys(K.inflight(pool.pool_id)) == [b"d", b"e"]
+        assert pool.holdings.held() == set()
+
+        other = threading.Thread(target=pool.ack, args=(["d"],))  # a pool thread's ack
+        other.start()
+        other.join()
+        pool.acks.flush()
+        assert redis_client.hkeys(K.inflight(pool.pool_id)) == [b"e"]  # written at once
+
+        pool.ack(["e"])
+        pool.event_loop_gone()  # the loop closed: what it left pending is written
+        pool.acks.flush()
+        assert redis_client.hlen(K.inflight(pool.pool_id)) == 0
+        assert pool.holdings.held() == set()
+    finally:
+        pool.acks.close()
+
+
+def test_stopping_waits_for_an_ack_write_under_way_in_another_thread(
+        redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """An ack made while another thread writes goes in that thread's next call; a pool
+    that stops (and then returns what is left in its record) waits for it."""
+    scripts.Scripts(redis_client).load_all()
+    pool = WorkerPool(redis_server.client, Settings(), "server")
+    for tag in ("a", "b"):
+        redis_client.hset(K.inflight(pool.pool_id), tag, "q\n{}")
+    writing, release = threading.Event(), threading.Event()
+    send = pool.acks.ack
+
+    def slow_send(keys: list[str], args: list[object], tags: list[str]) -> None:
+        writing.set()
+        release.wait(10)
+        send(keys, args, tags)
+
+    pool.acks.ack = slow_send  # type: ignore[method-assign]
+    writer = threading.Thread(target=pool.ack, args=(["a"],))
+    writer.start()
+    try:
+        assert writing.wait(10)
+        pool.ack(["b"])  # the writer thread is busy: "b" goes in its next call
+        threading.Timer(0.3, release.set).start()
+        pool.event_loop_gone()  # what stopping does before it returns what is left
+        pool.acks.flush()
+        assert redis_client.hlen(K.inflight(pool.pool_id)) == 0
+    finally:
+        release.set()
+        writer.join(10)
+        pool.acks.close()

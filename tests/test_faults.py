@@ -47,18 +47,12 @@ POOL_LIVES = ("fetch_reply_lost", "threads_cut", "ack_lost")
 #: run; stock runs jobs twice there too). Such a job was owned by the hit pool, which
 #: the general checks assert.
 NOTHING_TWICE = ("threads_cut", "ack_lost")
-#: The ack_lost fault needs an ack of the proxied pool to drop; on a loaded machine
-#: the pool sometimes acks nothing for over 2 s after the first dropped ack (cause not
-#: found), so its faults are spaced wider.
-SPACED = {"ack_lost": 4.5}
 
 
 def run(name: str, mode: str, tmp_path: Path) -> Result:
     # Where jobs are lost by design (early acks), settling waits out `settle` after the
     # last job finished: a shorter wait still outlasts dead_after + reap_interval.
     options = SHORT if SCENARIOS[name].promise_no_loss else replace(SHORT, settle=6.0)
-    if name in SPACED:
-        options = replace(options, interval=SPACED[name])
     result = Run(SCENARIOS[name], mode, options, tmp_path).run()
     print(f"{name}/{mode}: {result.as_dict()}")
     return result

@@ -33,6 +33,7 @@ from kombu.transport.virtual import Empty
 from celery_ext import scripts
 from celery_ext.keys import Keys
 from celery_ext.server import RedisServer, ServerError, find_server_binary
+from celery_ext.transport import fetch_waits
 from tests import proj
 from tests.debian_redis import debian_redis_server
 from tests.helpers import celery_cli, free_port, inflight, node_name, only_pool, wait_for
@@ -455,6 +456,42 @@ def test_prefetch_limit_caps_jobs_in_flight(
     assert max(f for f, _ in seen) == limit, Counter(seen)
     # It mattered: jobs were waiting in the queue while the pool held its limit.
     assert any(f == limit and q > 0 for f, q in seen)
+
+
+def test_a_busy_pool_fetches_a_pools_worth_at_once_and_never_leaves_a_slot_waiting() -> None:
+    """Pure rule (the prefetch test above and the pools tests cover it in workers)."""
+    # -c 2, prefetch 8: 7 held and 1 free slot -> wait; 2 free -> fetch.
+    assert fetch_waits(free=1, held=7, concurrency=2, batch=16)
+    assert not fetch_waits(free=2, held=6, concurrency=2, batch=16)
+    # Fewer jobs held than slots: fetch whatever is free (idle pool, latency).
+    assert not fetch_waits(free=1, held=1, concurrency=2, batch=16)
+    assert not fetch_waits(free=8, held=0, concurrency=8, batch=16)
+    # A pool larger than fetch_batch waits for at most a batch's worth.
+    assert fetch_waits(free=15, held=40, concurrency=32, batch=16)
+    assert not fetch_waits(free=16, held=40, concurrency=32, batch=16)
+    # Solo (-c 1) never waits.
+    assert not fetch_waits(free=1, held=3, concurrency=1, batch=16)
+
+
+def test_a_busy_pool_with_a_free_slot_fetches_at_once(
+    app: Celery, rec: redis.Redis, worker_factory: Factory,
+) -> None:
+    """prefork -c 2, prefetch multiplier 1: while one slot runs a long job, the other
+    slot's jobs are fetched one by one as it frees (an acked tag stays in Kombu's
+    delivered map until the next delivery: it must not count as a job held, or the
+    fetch would wait for the long job)."""
+    proj.record.apply_async(("long", 1, 3.0), ignore_result=True)
+    shorts = [f"short{i}" for i in range(4)]
+    for key in shorts:
+        proj.record.apply_async((key,), ignore_result=True)
+    worker_factory("tests.proj", pool="prefork", concurrency=2,
+                   extra_args=["--prefetch-multiplier=1"]).start()
+    wait_for(lambda: all(rec.llen(f"runs:{k}") for k in ["long", *shorts]), 30, "every job")
+
+    def ended(key: str) -> float:
+        return float(rec.lindex(f"runs:{key}", 0).decode().split(":")[1])
+
+    assert max(ended(k) for k in shorts) < ended("long")  # none waited for the long job
 
 
 def test_queue_length_matches_llen(app: Celery, redis_client: redis.Redis) -> None:
