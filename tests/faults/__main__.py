@@ -101,8 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{result.seconds} s"
                   + "".join(f"\n  note: {n}" for n in result.notes)
                   + "".join(f"\n  failover: master with {f['job_queues']} job queues killed, "
-                            f"replica promoted after {f['promoted_s']} s, its queues' first "
-                            f"job accepted after the kill done after {f['flowing_s']} s"
+                            f"replica promoted after {f['promoted_s']} s, the first job of its "
+                            f"queues fetched after the kill done after {f['flowing_s']} s"
                             for f in result.failovers), flush=True)
     text = table(results)
     print()

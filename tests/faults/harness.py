@@ -224,8 +224,8 @@ class Result:
     #: Why this run did not run (stock on a cluster); its figures mean nothing then.
     not_run: str = ""
     #: cluster_failover: per fault, the killed master's job queues, seconds until a
-    #: replica was promoted, and until a job of those queues accepted after the kill was
-    #: done (its queues flow again through the promoted master).
+    #: replica was promoted, and until a job of those queues fetched after the kill (no
+    #: pool held it then) was done: its queues flow again through the promoted master.
     failovers: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
