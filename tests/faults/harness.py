@@ -188,6 +188,19 @@ class Fault:
 
 
 @dataclass
+class Kill:
+    """cluster_failover: one master killed. ``read_at``: when the pools' in-flight records
+    were read, just before ``at``, the kill; ``names``: its job queues; ``promoted_s``:
+    seconds from the kill until a replica was promoted."""
+
+    read_at: float
+    at: float
+    names: list[str]
+    promoted_s: float
+    fault: Fault
+
+
+@dataclass
 class Result:
     scenario: str
     mode: str
@@ -293,9 +306,7 @@ class Run:
         #: Job id -> its job name, and when its apply_async returned (time.time()).
         self._name_of: dict[str, str] = {}
         self._accepted_at: dict[str, float] = {}
-        #: cluster_failover: (kill time, the killed master's job names, promoted after s,
-        #: the jobs the pools owned at the kill).
-        self._kills: list[tuple[float, list[str], float, set[str]]] = []
+        self._kills: list[Kill] = []
         self.proxy: Proxy | None = None
         self.producer_proxy: Proxy | None = None  # publish_cut only
         self.pools: list[WorkerProcess] = []
@@ -495,6 +506,8 @@ class Run:
         r.duplicates = len(starts) - len(set(starts))
         stored_twice = {job for job, n in rec.first_starts.items() if n > 1}
         r.publish_retry_duplicates = sum(rec.first_starts[job] - 1 for job in stored_twice)
+        for kill in self._kills:
+            self._add_fetched_before_kill(rec, kill)
         if self.mode == "ours":
             twice = {job for job, n in Counter(starts).items() if n > 1}
             owned = {job for f in r.faults for job in f.owned}
@@ -519,15 +532,30 @@ class Run:
             r.recovery_median = round(statistics.median(recoveries), 2)
             r.recovery_max = round(max(recoveries), 2)
         r.crashed_pools = sum(1 for w in self.pools if w.started and not w.alive)
-        for at, names, promoted, owned in self._kills:
+        for kill in self._kills:
             # A job of the killed master's queues that no pool held at the kill and that
             # started after it was fetched from the promoted master.
-            fetched_after = {job for kind, job, _, t in rec.lines if kind == "S" and t > at
-                             and self._name_of.get(job) in names and job not in owned}
+            owned = set(kill.fault.owned)
+            fetched_after = {job for kind, job, _, t in rec.lines if kind == "S"
+                             and t > kill.at and self._name_of.get(job) in kill.names
+                             and job not in owned}
             done_at = [t for kind, job, _, t in rec.lines
-                       if kind == "D" and t > at and job in fetched_after]
-            r.failovers.append({"job_queues": len(names), "promoted_s": round(promoted, 2),
-                                "flowing_s": round(min(done_at) - at, 2) if done_at else None})
+                       if kind == "D" and t > kill.at and job in fetched_after]
+            r.failovers.append({
+                "job_queues": len(kill.names), "promoted_s": round(kill.promoted_s, 2),
+                "flowing_s": round(min(done_at) - kill.at, 2) if done_at else None})
+
+    def _add_fetched_before_kill(self, rec: Record, kill: Kill) -> None:
+        """Jobs of the killed master's queues that started between the read of the
+        in-flight records and the promotion were fetched from it before the kill (no
+        other master holds those queues): the pools owned them at the kill too."""
+        until = kill.at + kill.promoted_s
+        owned = set(kill.fault.owned)
+        extra = sorted({job for kind, job, _, t in rec.lines
+                        if kind == "S" and kill.read_at <= t <= until
+                        and self._name_of.get(job) in kill.names and job not in owned})
+        kill.fault.owned += extra
+        kill.fault.in_flight += len(extra)
 
     def _dead_jobs(self) -> dict[str, str]:
         """Job id -> reason of every job in our dead set (every job queue's, on a cluster)."""
@@ -755,14 +783,17 @@ class Run:
             held.setdefault(cluster.master_of(copy.queue(name)), []).append(name)
         victim = max(held, key=lambda server: len(held[server]))
         pids = set().union(*(self._pids(w) for w in self.pools if w.alive))
-        # What the pools own is read the moment before the kill: a job fetched in between
-        # would count as run twice unexplained.
+        # What the pools own is read the moment before the kill (the master is gone
+        # after it); what they fetched from it in between is added in _count.
+        read_at = time.time()
         in_flight, owned = self._server_in_flight()
         killed_at = time.time()
         victim.kill()
         running = Record.read(self.record_path).running_at(killed_at, pids)
+        fault = Fault("cluster_failover", killed_at, None, in_flight, running, owned)
         cluster.wait_promoted(victim, timeout=30)
-        self._kills.append((killed_at, held[victim], time.time() - killed_at, set(owned)))
+        self._kills.append(Kill(read_at, killed_at, held[victim], time.time() - killed_at,
+                                fault))
         victim.start()  # from its nodes.conf: it rejoins as a replica of the promoted one
         deadline = time.monotonic() + 60
         while not (victim in cluster.replica_servers() and cluster.healthy()
@@ -770,7 +801,7 @@ class Run:
             if time.monotonic() > deadline:
                 raise RuntimeError("the killed master did not rejoin as a synced replica")
             time.sleep(0.1)
-        return Fault("cluster_failover", killed_at, None, in_flight, running, owned)
+        return fault
 
     def _fault_sentinel_failover(self) -> Fault:
         """SIGKILL the primary; the sentinels promote the replica (about 1-3 s), then
