@@ -70,6 +70,10 @@ NAMES = 30
 TOLERANCE = 0.15
 #: Commands the harness itself sends to the masters (not the worker's load).
 HARNESS_COMMANDS = ("info", "flushall", "cluster", "config")
+#: redis-py's cluster pipeline asks its default node for the keys of every script call
+#: it queues (``COMMAND GETKEYS``), one round trip each: counted apart from the spread,
+#: which is about where the transport's own commands land.
+GETKEYS = "command|getkeys"
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,8 @@ def spread(before: dict[str, dict[str, Any]],
         start = before[port]
         by_command = counts_delta(start["commands"], end["commands"], skip=HARNESS_COMMANDS)
         per[port] = {
-            "commands": sum(by_command.values()),
+            "commands": sum(n for name, n in by_command.items() if name != GETKEYS),
+            "getkeys": by_command.get(GETKEYS, 0),
             "cpu_s": round(end["cpu"] - start["cpu"], 3),
             "by_command": dict(sorted(by_command.items(), key=lambda kv: -kv[1])),
         }
@@ -193,8 +198,10 @@ def drain_once(bench: Bench, side: str, url: str, brokers: list[RedisServer],
     t0 = time.perf_counter()
     worker.start()
     try:
-        first, t1 = bench.wait_count(worker, sizes.jobs, timeout=120 + sizes.jobs / 20,
-                                     on_first=lambda done: at_first.update(done=done))
+        first, t1 = bench.wait_count(
+            worker, sizes.jobs, timeout=120 + sizes.jobs / 20,
+            on_first=lambda done: at_first.update(done=done, usage=worker.usage()))
+        usage = worker.usage()
         stats1 = master_stats(brokers)
     finally:
         worker.stop()
@@ -209,6 +216,12 @@ def drain_once(bench: Bench, side: str, url: str, brokers: list[RedisServer],
         "redis_cpu_us_per_job": round(sum(p["cpu_s"] for p in per.values())
                                       / sizes.jobs * 1e6, 1),
         "commands_per_job": round(sum(p["commands"] for p in per.values()) / sizes.jobs, 2),
+        "getkeys_per_job": round(sum(p["getkeys"] for p in per.values()) / sizes.jobs, 2),
+        # From the first completion on (start-up excluded), as the drain workload does.
+        "worker_cpu_us_per_job": round((usage["cpu_tree"] - at_first["usage"]["cpu_tree"])
+                                       / steady * 1e6, 1),
+        "worker_main_cpu_us_per_job": round((usage["cpu_main"] - at_first["usage"]["cpu_main"])
+                                            / steady * 1e6, 1),
         "masters": per,  # one entry on one node
     }
 
@@ -245,7 +258,8 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     runs = result["runs"]
     med = {side: {k: median([r[k] for r in runs[side]])
                   for k in ("jobs_per_s", "steady_jobs_per_s", "redis_cpu_us_per_job",
-                            "commands_per_job")} for side in SIDES}
+                            "commands_per_job", "getkeys_per_job", "worker_cpu_us_per_job",
+                            "worker_main_cpu_us_per_job")} for side in SIDES}
     ratio = med["cluster"]["jobs_per_s"] / med["one_node"]["jobs_per_s"]
     ports = list(runs["cluster"][0]["masters"])
     queues = result["placement"]["queues_per_master"]
@@ -258,34 +272,45 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
             share = median([r["masters"][port][metric] for r in runs["cluster"]])
             m[metric] = round(share, 4)
             m[metric.replace("share", "within")] = abs(share - even) <= TOLERANCE * even
+        # Commands per job queue against the mean: how even the load is once the slot
+        # split (how many queues a master holds) is taken out.
+        if m["job_queues"]:
+            m["commands_per_queue_vs_mean"] = round(m["commands_share"] / m["queue_share"], 3)
+        m["getkeys"] = median([r["masters"][port]["getkeys"] for r in runs["cluster"]])
         masters[port] = m
     return {"median": med, "cluster_over_one_node": round(ratio, 3), "masters": masters}
 
 
 def table(result: dict[str, Any], summ: dict[str, Any]) -> str:
     med = summ["median"]
-    lines = ["| side | drain jobs/s (median) | steady jobs/s | Redis CPU us/job (all masters) "
-             "| commands/job | rounds |", "|---|---:|---:|---:|---:|---|"]
+    lines = ["| side | drain jobs/s (median) | steady jobs/s | worker CPU us/job (main) "
+             "| Redis CPU us/job (all masters) | commands/job (+ COMMAND GETKEYS) | rounds |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for side in SIDES:
         rounds = ", ".join(f"{r['jobs_per_s']:.0f}" for r in result["runs"][side])
         lines.append(f"| {side.replace('_', ' ')} | {med[side]['jobs_per_s']:.0f} | "
                      f"{med[side]['steady_jobs_per_s']:.0f} | "
+                     f"{med[side]['worker_cpu_us_per_job']:.0f} "
+                     f"({med[side]['worker_main_cpu_us_per_job']:.0f}) | "
                      f"{med[side]['redis_cpu_us_per_job']:.0f} | "
-                     f"{med[side]['commands_per_job']:.1f} | {rounds} |")
+                     f"{med[side]['commands_per_job']:.1f} "
+                     f"(+{med[side]['getkeys_per_job']:.2f}) | {rounds} |")
     lines.append(f"\ncluster / one node: {summ['cluster_over_one_node']:.2f}")
     home = result["placement"]["home_copy_on"]
     lines += ["", f"spread over the masters during the cluster drains (even share "
                   f"{100 / len(summ['masters']):.1f} %, target within +-{TOLERANCE:.0%} of it; "
                   f"medians of the rounds):", "",
               "| master (port) | job queues (share) | commands executed | CPU "
-              "| within +-15 % (commands / CPU) |", "|---|---:|---:|---:|---|"]
+              "| within +-15 % (commands / CPU) | commands per queue vs mean "
+              "| COMMAND GETKEYS |", "|---|---:|---:|---:|---|---:|---:|"]
     for port, m in summ["masters"].items():
         mark = " (home copy)" if port == home else ""
         lines.append(f"| {port}{mark} | {m['job_queues']} of {NAMES} "
                      f"({m['queue_share']:.1%}) | "
                      f"{m['commands_share']:.1%} | {m['cpu_s_share']:.1%} | "
                      f"{'yes' if m['commands_within'] else 'no'} / "
-                     f"{'yes' if m['cpu_s_within'] else 'no'} |")
+                     f"{'yes' if m['cpu_s_within'] else 'no'} | "
+                     f"{m.get('commands_per_queue_vs_mean', 0):.2f} | {m['getkeys']:,.0f} |")
     return "\n".join(lines)
 
 
