@@ -18,6 +18,10 @@ and every workload (the harness sets them for each subprocess):
 - ``BENCH_QUEUES``      one job name spread over this many queues ``bench.q_0000``...
   (many_queues' "1 job name over N queues": the queues' cost without Celery's
   per-task-name cost); the client enqueues round-robin over them
+- ``BENCH_CLUSTER``     ``1``: the broker URL is a seed node of a Redis Cluster (ours, with
+  the transport option ``cluster``; ``bench.cluster``)
+- ``BENCH_COUNTER_URL`` where the jobs count their completions, if not db 2 of the
+  broker's server (a cluster has no db 2: ``bench.cluster`` counts on a one-node server)
 
 Jobs count their completions with one ``INCR`` on db 2 of the same server (the
 same cost for both transports); no task events, no result stored.
@@ -47,6 +51,8 @@ COUNT_LIMIT = int(os.environ.get("BENCH_COUNT_LIMIT", "0"))
 QUEUES = int(os.environ.get("BENCH_QUEUES", "0"))
 INSTALL = MODE == "ours" and os.environ.get("BENCH_INSTALL", "1") == "1"
 BACKEND = os.environ.get("BENCH_BACKEND") == "1"
+CLUSTER = os.environ.get("BENCH_CLUSTER") == "1"
+COUNTER_URL = os.environ.get("BENCH_COUNTER_URL", "")
 #: The queues one job name is spread over (empty unless BENCH_QUEUES is set).
 QUEUE_NAMES = [f"bench.q_{i:04d}" for i in range(QUEUES)]
 
@@ -65,7 +71,10 @@ if MODE == "ours":
 
 
 def counter_url(broker_url: str = BROKER_URL, db: int = COUNTER_DB) -> str:
-    """Plain ``redis://`` URL of another db on the broker's server."""
+    """Plain ``redis://`` URL of another db on the broker's server (the counter's URL
+    when ``BENCH_COUNTER_URL`` names one)."""
+    if COUNTER_URL and db == COUNTER_DB:
+        return COUNTER_URL
     parts = urlsplit(broker_url)
     return urlunsplit(("redis", parts.netloc, f"/{db}", parts.query, ""))
 
@@ -80,6 +89,8 @@ app.conf.update(
     worker_send_task_events=False,
     task_send_sent_event=False,
 )
+if CLUSTER:
+    app.conf.broker_transport_options = {"cluster": True}
 
 _counter: redis.Redis | None = None
 _share_script: Any = None

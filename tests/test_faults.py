@@ -58,8 +58,10 @@ def run(name: str, mode: str, tmp_path: Path) -> Result:
     return result
 
 
-# sentinel_failover: its own test (tests/test_sentinel.py) covers what it shows.
-@pytest.mark.parametrize("name", [n for n in SCENARIOS if n not in ("soak", "sentinel_failover")])
+# sentinel_failover and cluster_failover: their own tests (tests/test_sentinel.py,
+# tests/test_cluster_workers.py) cover what they show.
+@pytest.mark.parametrize("name", [n for n in SCENARIOS
+                                  if n not in ("soak", "sentinel_failover", "cluster_failover")])
 def test_ours_loses_nothing_and_duplicates_at_most_what_was_in_flight(
         name: str, tmp_path: Path) -> None:
     r = run(name, "ours", tmp_path)

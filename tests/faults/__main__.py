@@ -44,6 +44,9 @@ def table(results: list[Result]) -> str:
             if r is None:
                 cells += ["-", "-", "-", "-"]
                 continue
+            if r.not_run:
+                cells += [f"not run: {r.not_run}", "-", "-", "-"]
+                continue
             dead = f" (+{r.dead} dead)" if r.dead else ""
             cells.append(f"{r.lost}/{r.accepted}{dead}")
             cells.append(f"{r.duplicates} ({r.in_flight_at_faults})" if ours else str(r.duplicates))
@@ -85,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name} / {mode}: {SCENARIOS[name].title}", flush=True)
             result = Run(SCENARIOS[name], mode, opts, args.out).run()
             results.append(result)
+            if result.not_run:
+                print(f"  not run: {result.not_run}", flush=True)
+                continue
             print(f"  lost {result.lost}/{result.accepted}, dead {result.dead} "
                   f"{result.dead_reasons or ''}, duplicates {result.duplicates}, "
                   f"in flight at faults {result.in_flight_at_faults}, refused {result.refused}, "
@@ -93,7 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{result.unexplained_duplicates}, "
                   f"pools reaped {result.pools_reaped}, crashed pools {result.crashed_pools}, "
                   f"{result.seconds} s"
-                  + "".join(f"\n  note: {n}" for n in result.notes), flush=True)
+                  + "".join(f"\n  note: {n}" for n in result.notes)
+                  + "".join(f"\n  failover: master with {f['job_queues']} job queues killed, "
+                            f"replica promoted after {f['promoted_s']} s, the first job of its "
+                            f"queues fetched after the kill done after {f['flowing_s']} s"
+                            for f in result.failovers), flush=True)
     text = table(results)
     print()
     print(text)

@@ -13,6 +13,10 @@ One module for both contenders, chosen by environment variables the harness sets
 - ``FAULTS_MASTER_NAME``     the Sentinel master's name, for a sentinel broker URL
   (``sentinel://`` stock, ``celery-ext+sentinel://`` ours)
 - ``FAULTS_WAIT_REPLICAS``   ours: the ``wait_replicas`` transport option
+- ``FAULTS_CLUSTER``         ``1``: the broker URL is a seed node of a Redis Cluster (ours,
+  with the ``cluster`` transport option)
+- ``FAULTS_NAMES``           how many job names (each its own job queue with
+  ``install``): ``faults.job`` alone by default, else ``faults.job.0`` ... ``.N-1``
 
 Every execution appends ``S <job> <pid> <time> <first|again>`` when it starts
 (``again``: the message was redelivered, e.g. requeued from a dead pool) and
@@ -32,12 +36,19 @@ from celery import Celery
 
 import celery_ext
 
-#: Job name of the one task the harness enqueues.
+#: Job name of the one task the harness enqueues (the prefix of several, see job_names).
 JOB = "faults.job"
 
 
+def job_names(n: int) -> list[str]:
+    """The job names of an app with ``n`` of them: on a cluster, job queues (one per job
+    name) spread over the masters."""
+    return [JOB] if n <= 1 else [f"{JOB}.{i}" for i in range(n)]
+
+
 def make_app(mode: str, broker_url: str, *, install: bool = True,
-             acks_late: bool = True, transport_options: dict[str, Any] | None = None) -> Celery:
+             acks_late: bool = True, transport_options: dict[str, Any] | None = None,
+             names: int = 1) -> Celery:
     """The app for ``mode``: by default stock gets ``acks_late`` and
     ``reject_on_worker_lost`` (its best settings against crashes), ours gets
     ``install()`` (same defaults). ``install=False`` is ours in drop-in mode;
@@ -57,7 +68,8 @@ def make_app(mode: str, broker_url: str, *, install: bool = True,
     )
     if mode not in ("stock", "ours"):
         raise ValueError(f"FAULTS_MODE must be stock or ours, got {mode!r}")
-    app.task(name=JOB, bind=True)(job)
+    for name in job_names(names):
+        app.task(name=name, bind=True)(job)
     if mode == "ours" and install:
         celery_ext.install(app)
     return app
@@ -89,5 +101,7 @@ if "FAULTS_MODE" in os.environ:
                    acks_late=os.environ.get("FAULTS_ACKS_LATE") != "0",
                    transport_options={k: v for k, v in (
                        ("master_name", os.environ.get("FAULTS_MASTER_NAME")),
-                       ("wait_replicas", int(os.environ.get("FAULTS_WAIT_REPLICAS") or 0)))
-                       if v})
+                       ("wait_replicas", int(os.environ.get("FAULTS_WAIT_REPLICAS") or 0)),
+                       ("cluster", os.environ.get("FAULTS_CLUSTER") == "1"))
+                       if v},
+                   names=int(os.environ.get("FAULTS_NAMES") or 1))

@@ -44,16 +44,18 @@ import redis
 
 from celery_ext import scripts as _scripts
 from celery_ext.config import DEFAULT_NAMESPACE
+from celery_ext.connections import cluster_client, cluster_config
 from celery_ext.dead import split_record
 from celery_ext.keys import Keys
-from celery_ext.server import RedisServer, SentinelGroup
+from celery_ext.server import ClusterGroup, RedisServer, SentinelGroup
 from celery_ext.state import State
-from tests.faults.app import JOB, make_app
+from tests.faults.app import job_names, make_app
 from tests.faults.proxy import Proxy
 from tests.workers import WorkerProcess
 
 MODES = ("stock", "ours")
 KEYS = Keys(DEFAULT_NAMESPACE)
+CLUSTER_KEYS = Keys(DEFAULT_NAMESPACE, cluster=True)
 SCHEMES = {"stock": "redis", "ours": "celery-ext"}
 
 #: Celery's worker_prefetch_multiplier (the faults app keeps the default).
@@ -62,7 +64,7 @@ PREFETCH_MULTIPLIER = 4
 #: Fault kinds; a scenario is a list of them, injected in turn.
 POOL_FAULTS = ("kill_main", "kill_child", "sigterm", "sigstop", "partition",
                "fetch_reply_lost", "cut", "ack_lost")
-SERVER_FAULTS = ("redis_kill", "debug_sleep", "client_pause", "oom")
+SERVER_FAULTS = ("redis_kill", "debug_sleep", "client_pause", "oom", "cluster_failover")
 #: Faults of the producer's connection (it reaches Redis through a proxy of its own).
 PRODUCER_FAULTS = ("publish_cut",)
 #: What the producer's enqueue request contains: the command (stock) or the script.
@@ -89,6 +91,19 @@ class Scenario:
     #: the producer use the sentinel URL (stock ``sentinel://``, ours
     #: ``celery-ext+sentinel://`` with ``wait_replicas=1``). No proxy.
     sentinel: bool = False
+    #: A local Redis Cluster of 3 masters with one replica each instead of one server
+    #: (ours with the ``cluster`` option; no proxy), and this many job names, each its
+    #: own job queue, spread over the masters by their hash slots.
+    cluster: bool = False
+    names: int = 1
+    #: Jobs sent with a countdown (``Options.countdown_share``); off where the scheduled
+    #: set is not what the scenario is about.
+    countdowns: bool = True
+    #: Why stock cannot run the scenario at all: its column says so instead of a figure.
+    stock_not_run: str = ""
+    #: Seconds from one fault to the next at least (a fault that takes longer than
+    #: ``Options.interval`` would otherwise outlast the producer's window).
+    min_interval: float = 0.0
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
@@ -126,6 +141,12 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              ("ack_lost",)),
     Scenario("sentinel_failover", "SIGKILL the primary under Sentinel; a replica takes over",
              ("sentinel_failover",), sentinel=True),
+    # Countdowns off: promoting the scheduled sets of every queue's copy on a cluster is
+    # the requeuer's (tests/test_cluster_*.py); this scenario is about the job queues.
+    Scenario("cluster_failover", "SIGKILL the cluster master holding the most job queues; "
+             "its replica takes over", ("cluster_failover",), cluster=True, names=30,
+             countdowns=False, min_interval=8.0,
+             stock_not_run="Kombu's redis transport has no cluster support (celery#2852)"),
 )}
 
 #: The Sentinel master name of sentinel scenarios, and ours' replicas to WAIT for.
@@ -170,6 +191,19 @@ class Fault:
 
 
 @dataclass
+class Kill:
+    """cluster_failover: one master killed. ``read_at``: when the pools' in-flight records
+    were read, just before ``at``, the kill; ``names``: its job queues; ``promoted_s``:
+    seconds from the kill until a replica was promoted."""
+
+    read_at: float
+    at: float
+    names: list[str]
+    promoted_s: float
+    fault: Fault
+
+
+@dataclass
 class Result:
     scenario: str
     mode: str
@@ -203,6 +237,12 @@ class Result:
     crashed_pools: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    #: Why this run did not run (stock on a cluster); its figures mean nothing then.
+    not_run: str = ""
+    #: cluster_failover: per fault, the killed master's job queues, seconds until a
+    #: replica was promoted, and until a job of those queues fetched after the kill (no
+    #: pool held it then) was done: its queues flow again through the promoted master.
+    failovers: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -264,6 +304,12 @@ class Run:
                                   appendfsync=scenario.appendfsync,
                                   extra_args=["--enable-debug-command", "yes"])
         self.group = SentinelGroup(master_name=MASTER_NAME) if scenario.sentinel else None
+        self.cluster = ClusterGroup(masters=3, replicas=1) if scenario.cluster else None
+        self.names = job_names(scenario.names)
+        #: Job id -> its job name, and when its apply_async returned (time.time()).
+        self._name_of: dict[str, str] = {}
+        self._accepted_at: dict[str, float] = {}
+        self._kills: list[Kill] = []
         self.proxy: Proxy | None = None
         self.producer_proxy: Proxy | None = None  # publish_cut only
         self.pools: list[WorkerProcess] = []
@@ -278,6 +324,8 @@ class Run:
 
     # -- set-up -----------------------------------------------------------------------
     def _url(self, via_proxy: bool, proxy: Proxy | None = None) -> str:
+        if self.cluster is not None:  # a seed node; the cluster option does the rest
+            return self.cluster.url(scheme=SCHEMES[self.mode])
         if self.group is not None:
             return self.group.url(scheme="sentinel" if self.mode == "stock" else
                                   "celery-ext+sentinel")
@@ -298,9 +346,13 @@ class Run:
             **({"FAULTS_MASTER_NAME": MASTER_NAME} if self.group is not None else {}),
             **({"FAULTS_WAIT_REPLICAS": str(WAIT_REPLICAS)}
                if self.group is not None and self.mode == "ours" else {}),
+            **({"FAULTS_CLUSTER": "1"} if self.cluster is not None else {}),
+            "FAULTS_NAMES": str(len(self.names)),
         }
 
     def _transport_options(self) -> dict[str, Any] | None:
+        if self.cluster is not None:
+            return {"cluster": True}
         if self.group is None:
             return None
         if self.mode == "stock":
@@ -330,7 +382,13 @@ class Run:
         shutil.rmtree(self.dir, ignore_errors=True)  # no AOF or record of an earlier run
         self.dir.mkdir(parents=True)
         started = time.monotonic()
-        if self.group is not None:
+        if self.mode == "stock" and self.scenario.stock_not_run:
+            self.result.not_run = self.scenario.stock_not_run
+            self.result.notes.append(f"not run: {self.scenario.stock_not_run}")
+            return self.result
+        if self.cluster is not None:
+            self.cluster.start()
+        elif self.group is not None:
             self.group.start()
         else:
             self.server.start()
@@ -353,6 +411,10 @@ class Run:
         self.result.seconds = round(time.monotonic() - started, 1)
         return self.result
 
+    @property
+    def _interval(self) -> float:
+        return max(self.opt.interval, self.scenario.min_interval)
+
     def _fault_plan(self) -> list[str]:
         kinds = list(self.scenario.kinds)
         plan: list[str] = []
@@ -370,9 +432,10 @@ class Run:
         app = make_app(self.mode, self._url(self.producer_proxy is not None,
                                             self.producer_proxy),
                        install=not self.scenario.dropin, acks_late=self.scenario.acks_late,
-                       transport_options=self._transport_options())
-        task = app.tasks[JOB]
-        window = self.opt.warmup + len(self._fault_plan()) * self.opt.interval
+                       transport_options=self._transport_options(), names=len(self.names))
+        tasks = [app.tasks[name] for name in self.names]
+        countdowns = self.opt.countdown_share if self.scenario.countdowns else 0.0
+        window = self.opt.warmup + len(self._fault_plan()) * self._interval
         burst = int(self.opt.jobs * self.opt.backlog)
         gap = window / max(1, self.opt.jobs - burst)
         t0 = time.monotonic()
@@ -384,14 +447,17 @@ class Run:
             else:
                 seconds = self.rng.uniform(*self.opt.short_seconds)
             options: dict[str, Any] = {"task_id": job_id}
-            if self.rng.random() < self.opt.countdown_share:
+            if self.rng.random() < countdowns:
                 options["countdown"] = round(self.rng.uniform(0, self.opt.countdown_max), 3)
+            task = tasks[i % len(tasks)]
             try:
                 task.apply_async((job_id, round(seconds, 4)), **options)
             except Exception as exc:  # the caller learns: this job was never accepted
                 self._errors.append(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
             else:
                 self._accepted.append(job_id)
+                self._name_of[job_id] = task.name
+                self._accepted_at[job_id] = time.time()
             delay = t0 + (i + 1 - burst) * gap - time.monotonic()
             if ahead:
                 ahead -= 1
@@ -406,7 +472,7 @@ class Run:
 
     def _inject_faults(self) -> None:
         for kind in self._fault_plan():
-            t_next = time.monotonic() + self.opt.interval
+            t_next = time.monotonic() + self._interval
             try:
                 fault = getattr(self, f"_fault_{kind}")()
             except Exception as exc:
@@ -453,6 +519,8 @@ class Run:
         r.duplicates = len(starts) - len(set(starts))
         stored_twice = {job for job, n in rec.first_starts.items() if n > 1}
         r.publish_retry_duplicates = sum(rec.first_starts[job] - 1 for job in stored_twice)
+        for kill in self._kills:
+            self._add_fetched_before_kill(rec, kill)
         if self.mode == "ours":
             twice = {job for job, n in Counter(starts).items() if n > 1}
             owned = {job for f in r.faults for job in f.owned}
@@ -477,11 +545,42 @@ class Run:
             r.recovery_median = round(statistics.median(recoveries), 2)
             r.recovery_max = round(max(recoveries), 2)
         r.crashed_pools = sum(1 for w in self.pools if w.started and not w.alive)
+        for kill in self._kills:
+            # A job of the killed master's queues that no pool held at the kill and that
+            # started after it was fetched from the promoted master.
+            owned = set(kill.fault.owned)
+            fetched_after = {job for kind, job, _, t in rec.lines if kind == "S"
+                             and t > kill.at and self._name_of.get(job) in kill.names
+                             and job not in owned}
+            done_at = [t for kind, job, _, t in rec.lines
+                       if kind == "D" and t > kill.at and job in fetched_after]
+            r.failovers.append({
+                "job_queues": len(kill.names), "promoted_s": round(kill.promoted_s, 2),
+                "flowing_s": round(min(done_at) - kill.at, 2) if done_at else None})
+
+    def _add_fetched_before_kill(self, rec: Record, kill: Kill) -> None:
+        """Jobs of the killed master's queues that started between the read of the
+        in-flight records and the promotion were fetched from it before the kill (no
+        other master holds those queues): the pools owned them at the kill too."""
+        until = kill.at + kill.promoted_s
+        owned = set(kill.fault.owned)
+        extra = sorted({job for kind, job, _, t in rec.lines
+                        if kind == "S" and kill.read_at <= t <= until
+                        and self._name_of.get(job) in kill.names and job not in owned})
+        kill.fault.owned += extra
+        kill.fault.in_flight += len(extra)
 
     def _dead_jobs(self) -> dict[str, str]:
-        """Job id -> reason of every job in our dead set."""
+        """Job id -> reason of every job in our dead set (every job queue's, on a cluster)."""
         out: dict[str, str] = {}
-        for raw in self._admin().hvals(KEYS.dead_jobs):
+        if self.cluster is not None:
+            with self._cluster_client() as rc, rc.pipeline() as pipe:
+                for name in self.names:
+                    pipe.hvals(CLUSTER_KEYS.of(name).dead_jobs)
+                raws = [raw for values in pipe.execute() for raw in values]
+        else:
+            raws = self._admin().hvals(KEYS.dead_jobs)
+        for raw in raws:
             meta, _queue, payload = split_record(raw)
             try:
                 out[json.loads(payload)["headers"]["id"]] = str(meta.get("reason", ""))
@@ -508,6 +607,8 @@ class Run:
         self.server.stop()
         if self.group is not None:
             self.group.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
 
     # -- fault helpers --------------------------------------------------------------
     def _admin(self) -> redis.Redis:
@@ -529,9 +630,33 @@ class Run:
         except psutil.NoSuchProcess:
             return {worker.pid}
 
+    def _cluster_client(self) -> Any:
+        """A RedisCluster client of the cluster (seeded by every running node)."""
+        assert self.cluster is not None
+        config = cluster_config([self.cluster.url()], {"cluster": True})
+        assert config is not None
+        return cluster_client(config, {"socket_timeout": 30.0})
+
+    def _owned_on_cluster(self, pid: int | None) -> list[str]:
+        """``_owned`` on a cluster: a pool's in-flight record is one per job queue, in
+        that queue's copy; the pools' registrations are in the home copy."""
+        home = CLUSTER_KEYS.home
+        with self._cluster_client() as rc:
+            pools = [p.decode() for p in rc.zrange(home.pools, 0, -1)]
+            pids = [int(rc.hget(home.pool(p), "pid") or 0) for p in pools]
+            pools = [p for p, n in zip(pools, pids, strict=True) if pid is None or n == pid]
+            with rc.pipeline() as pipe:
+                for name in self.names:
+                    for pool in pools:
+                        pipe.hvals(CLUSTER_KEYS.of(name).inflight(pool))
+                raws = [raw for values in pipe.execute() for raw in values]
+        return [job for job in map(_job_id, raws) if job]
+
     def _owned(self, pid: int | None) -> list[str]:
         """Ours: ids of the jobs in the in-flight record of the pool whose main process
         is ``pid`` (every pool's if None)."""
+        if self.cluster is not None:
+            return self._owned_on_cluster(pid)
         owned: list[str] = []
         with self._admin() as client:
             for info in State(client).worker_pools():
@@ -656,6 +781,39 @@ class Run:
         self.server.kill()
         time.sleep(0.5)
         self.server.start()
+        return fault
+
+    def _fault_cluster_failover(self) -> Fault:
+        """SIGKILL the master holding the most job queues (a queue's copy is one hash
+        slot); its replica is promoted (about 2-3 s with the group's 1 s node timeout).
+        The killed node then comes back as a replica of the promoted one and has synced
+        before the next fault, so every master has a replica again."""
+        cluster = self.cluster
+        assert cluster is not None
+        held: dict[RedisServer, list[str]] = {}
+        for name in self.names:
+            copy = CLUSTER_KEYS.of(name)
+            held.setdefault(cluster.master_of(copy.queue(name)), []).append(name)
+        victim = max(held, key=lambda server: len(held[server]))
+        pids = set().union(*(self._pids(w) for w in self.pools if w.alive))
+        # What the pools own is read the moment before the kill (the master is gone
+        # after it); what they fetched from it in between is added in _count.
+        read_at = time.time()
+        in_flight, owned = self._server_in_flight()
+        killed_at = time.time()
+        victim.kill()
+        running = Record.read(self.record_path).running_at(killed_at, pids)
+        fault = Fault("cluster_failover", killed_at, None, in_flight, running, owned)
+        cluster.wait_promoted(victim, timeout=30)
+        self._kills.append(Kill(read_at, killed_at, held[victim], time.time() - killed_at,
+                                fault))
+        victim.start()  # from its nodes.conf: it rejoins as a replica of the promoted one
+        deadline = time.monotonic() + 60
+        while not (victim in cluster.replica_servers() and cluster.healthy()
+                   and _link_up(victim)):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the killed master did not rejoin as a synced replica")
+            time.sleep(0.1)
         return fault
 
     def _fault_sentinel_failover(self) -> Fault:
@@ -790,3 +948,21 @@ class Run:
             self.result.notes.append(f"pools returned {returned} job(s) to their queues after "
                                      f"a lost reply or connection; {acks} ack(s) applied at "
                                      "reconnect")
+
+
+def _job_id(raw: bytes) -> str:
+    """The task id of an in-flight record's value ("<queue>\n<payload>"), or ""."""
+    payload = raw.decode("utf-8", "replace").split("\n", 1)[-1]
+    try:
+        return str(json.loads(payload)["headers"]["id"])
+    except (ValueError, KeyError, TypeError):
+        return ""
+
+
+def _link_up(replica: RedisServer) -> bool:
+    """The replica's link to its master is up (it has synced)."""
+    try:
+        with replica.client(socket_timeout=1.0) as c:
+            return bool(c.info("replication").get("master_link_status") == "up")
+    except redis.RedisError:
+        return False
