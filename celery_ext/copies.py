@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 from kombu.utils.encoding import bytes_to_str
+from redis.cluster import RedisCluster
 
 from .keys import Keys
 from .scripts import SCRIPT_NAMES, Scripts, sha, source
@@ -86,23 +87,72 @@ def set_counts(client: Any, keys: Keys) -> tuple[int, int, int]:
 def run_scripts(client: Any, scripts: Scripts, calls: Sequence[tuple[str, list[str], list[Any]]]
                 ) -> list[Any]:
     """Run several script calls (name, KEYS, ARGV), each on the keys of one copy, in
-    one pipeline (by master on a cluster); a server that lost its scripts gets them
-    loaded (on every master) and the pipeline is sent once more. (redis-py's cluster
-    pipeline refuses its ``evalsha`` method but routes the command itself by its key.)"""
+    one pipeline per master (:func:`evalsha_by_master`); a server that lost its scripts
+    gets them loaded (on every master) and those calls are sent once more. An error
+    reply of a script is raised, as a single call would raise it."""
     if not calls:
         return []
     if len(calls) == 1:
         return [scripts(*calls[0])]
-    for attempt in (1, 2):
+    replies = evalsha_by_master(client, calls)
+    again = [i for i, r in enumerate(replies) if isinstance(r, redis.exceptions.NoScriptError)]
+    if again:
+        load_everywhere(client)
+        for i, reply in zip(again, evalsha_by_master(client, [calls[i] for i in again]),
+                            strict=True):
+            replies[i] = reply
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+def load_everywhere(client: Any) -> None:
+    """Load every script (``SCRIPT LOAD`` goes to every master of a cluster)."""
+    for name in SCRIPT_NAMES:
+        client.script_load(source(name))
+
+
+#: Replies saying a call did not run because its slot moved or is moving.
+_REDIRECTED = (redis.exceptions.MovedError, redis.exceptions.AskError,
+               redis.exceptions.TryAgainError)
+
+
+def evalsha_by_master(client: Any, calls: Sequence[tuple[str, list[str], list[Any]]]
+                      ) -> list[Any]:
+    """Each call (script name, KEYS, ARGV) on the master of its keys' slot, in one plain
+    pipeline per master: one round trip per master. (redis-py's cluster pipeline first
+    asks a node for the keys of every ``EVALSHA`` it carries, ``COMMAND GETKEYS``: one
+    more round trip per call.) Replies in call order, an error reply in its place. A
+    call refused because its slot moved (MOVED, ASK) or is moving (TRYAGAIN) did not
+    run: it is sent again through the cluster client, which follows the redirection
+    and refreshes its slot map. On one node: one pipeline."""
+    if not calls:
+        return []
+    if not isinstance(client, RedisCluster):
         with client.pipeline(transaction=False) as pipe:
             for name, keys, args in calls:
                 pipe.execute_command("EVALSHA", sha(name), len(keys), *keys, *args)
+            return list(pipe.execute(raise_on_error=False))
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    for i, (_, keys, _) in enumerate(calls):
+        node = client.get_node_from_key(keys[0])
+        by_node.setdefault(node.name, (node, []))[1].append(i)
+    replies: list[Any] = [None] * len(calls)
+    for node, indexes in by_node.values():
+        with client.get_redis_connection(node).pipeline(transaction=False) as pipe:
+            for i in indexes:
+                name, keys, args = calls[i]
+                pipe.execute_command("EVALSHA", sha(name), len(keys), *keys, *args)
+            for i, reply in zip(indexes, pipe.execute(raise_on_error=False), strict=True):
+                replies[i] = reply
+    for i, reply in enumerate(replies):
+        if isinstance(reply, _REDIRECTED):
+            name, keys, args = calls[i]
             try:
-                return list(pipe.execute())
-            except redis.exceptions.NoScriptError:
-                if attempt == 2:
-                    raise
-                for name in SCRIPT_NAMES:  # SCRIPT LOAD goes to every master
-                    client.script_load(source(name))
-    raise AssertionError("unreachable")
+                replies[i] = client.execute_command("EVALSHA", sha(name), len(keys), *keys,
+                                                    *args)
+            except redis.exceptions.ResponseError as exc:
+                replies[i] = exc
+    return replies
 

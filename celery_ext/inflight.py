@@ -17,6 +17,7 @@ import redis
 from kombu.utils.encoding import bytes_to_str
 
 from .config import DEFAULT_PRIORITY_STEPS, Settings
+from .copies import run_scripts
 from .job_index import index_keys, index_ttl_ms
 from .keys import STAT_POISON_PILLS, STAT_RECOVERED, Keys
 from .priority import level, payload_priority
@@ -140,8 +141,14 @@ class InflightRecord:
 
     def ack(self, tags: list[str]) -> int:
         """Drop finished jobs from the record; tags no longer in it are ignored."""
+        located = self.locate(tags)
+        if len(located) > 1:  # cluster: one pipeline per master (copies.run_scripts)
+            replies = run_scripts(self.client, self.scripts,
+                                  [("ack", *self.ack_call(some, k)) for k, some in located.items()])
+            self.finished(tags)
+            return sum(int(r) for r in replies)
         done = 0
-        for k, some in self.locate(tags).items():
+        for k, some in located.items():
             keys, args = self.ack_call(some, k)
             done += int(self.scripts("ack", keys, args))
         self.finished(tags)

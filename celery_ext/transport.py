@@ -52,6 +52,7 @@ from . import connections
 from . import scripts as _scripts
 from .clock import now_s
 from .config import TLS_SCHEME, TLS_SENTINEL_SCHEME, ConfigError, Settings
+from .copies import evalsha_by_master
 from .dead import dead_letter, one_line
 from .envelope import envelope_problem
 from .errors import CLUSTER_ERRORS, CONNECTION_ERRORS, BrokerOutOfMemory, job_name
@@ -639,16 +640,11 @@ class Channel(kredis.Channel):
         if pool_id != "-":
             self.worker_pool.join(list(groups))
         steps, max_payload = self.settings.priority_steps, self.settings.max_payload_bytes
-        sha = _scripts.sha("fetch")
-        with client.pipeline(transaction=False) as pipe:
-            for k, queues in groups.items():
-                keys = k.fetch(pool_id, queues, steps)
-                # (execute_command: redis-py's cluster pipeline refuses its evalsha method,
-                # but routes an EVALSHA by its keys' slot like any keyed command.)
-                pipe.execute_command("EVALSHA", sha, len(keys), *keys, pool_id,
-                                     "".join(flag_of[q] for q in queues), *queues, max_payload,
-                                     int(self.settings.job_index))
-            replies = pipe.execute(raise_on_error=False)
+        replies = evalsha_by_master(client, [
+            ("fetch", k.fetch(pool_id, queues, steps),
+             [pool_id, "".join(flag_of[q] for q in queues), *queues, max_payload,
+              int(self.settings.job_index)])
+            for k, queues in groups.items()])
         status, jobs, empties, blocked, waits = 1, [], [], [], []
         for reply in replies:
             if isinstance(reply, redis.exceptions.NoScriptError):
