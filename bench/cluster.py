@@ -226,7 +226,34 @@ def drain_once(bench: Bench, side: str, url: str, brokers: list[RedisServer],
     }
 
 
-def run(sizes: Sizes, rounds: int, log_dir: Path) -> dict[str, Any]:
+def rebalance_queues(cluster: ClusterGroup) -> int:
+    """Move whole (empty) hash slots of job queues from the masters holding more than
+    an even share of the 30 job queues to those holding fewer, as an operator's
+    rebalance would (``ClusterGroup.move_empty_slot``). Returns the slots moved."""
+    keys = Keys(DEFAULT_NAMESPACE, cluster=True)
+    masters = cluster.master_servers()
+    by_port = {s.port: s for s in masters}
+    owners = slot_owners(cluster)
+    held: dict[int, list[int]] = {s.port: [] for s in masters}
+    for i in range(NAMES):
+        name = bench_app.job_name(i)
+        slot = key_slot(keys.of(name).queue(name).encode())
+        held[owners[slot]].append(slot)
+    share = NAMES // len(masters)
+    moved = 0
+    for port in sorted(held, key=lambda p: -len(held[p])):
+        while len(held[port]) > share + (1 if NAMES % len(masters) else 0):
+            target = min(held, key=lambda p: len(held[p]))
+            if len(held[target]) >= share:
+                break
+            slot = held[port].pop()
+            cluster.move_empty_slot(slot, by_port[target])
+            held[target].append(slot)
+            moved += 1
+    return moved
+
+
+def run(sizes: Sizes, rounds: int, log_dir: Path, rebalance: bool = False) -> dict[str, Any]:
     """Every round of both sides; returns the runs and the placement of the queues."""
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
     with ExitStack() as stack:
@@ -234,6 +261,10 @@ def run(sizes: Sizes, rounds: int, log_dir: Path) -> dict[str, Any]:
         one = stack.enter_context(RedisServer(appendonly=False))
         cluster = stack.enter_context(ClusterGroup(masters=sizes.masters))
         masters = cluster.master_servers()
+        if rebalance:
+            moved = rebalance_queues(cluster)
+            log(f"rebalanced: moved {moved} job queue slot(s) so each master holds an even "
+                "share of the job queues")
         where = placement(cluster)
         log(f"job queues per master (port: queues): {where['queues_per_master']}, "
             f"home copy on {where['home_copy_on']}")
@@ -331,6 +362,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=None,
                    help="default 2 (prefork), 8 (threads), 1 (solo)")
     p.add_argument("--acks", default=FULL.acks, choices=("early", "late"))
+    p.add_argument("--rebalance", action="store_true",
+                   help="first move whole (empty) hash slots so each master holds an even "
+                        "share of the 30 job queues, as an operator's rebalance would")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p.parse_args(argv)
 
@@ -350,14 +384,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "argv": list(argv if argv is not None else sys.argv[1:]), "rounds": rounds,
-        "sizes": asdict(sizes), "settings": settings_text(sizes), "cpus": os.cpu_count(),
+        "sizes": asdict(sizes), "cpus": os.cpu_count(), "rebalanced": args.rebalance,
+        "settings": settings_text(sizes) + ("; job queue slots rebalanced over the masters "
+                                            "(--rebalance)" if args.rebalance else ""),
         "loadavg_before": os.getloadavg(), "python": platform.python_version(),
         "versions": {p: version(p) for p in ("celery", "kombu", "redis", "celery-ext")},
     }
     log(f"settings: {meta['settings']}")
     t0 = time.monotonic()
     try:
-        result = run(sizes, rounds, out / "logs-cluster")
+        result = run(sizes, rounds, out / "logs-cluster", rebalance=args.rebalance)
     except BenchError as exc:
         print(f"bench failed: {exc}", file=sys.stderr)
         return 1

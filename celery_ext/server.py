@@ -536,6 +536,28 @@ class ClusterGroup:
             raise
         return self
 
+    def move_empty_slot(self, slot: int, target: RedisServer) -> None:
+        """Give an empty hash slot to the master ``target``: an operator's move of a
+        whole slot (the resharding steps without keys to migrate), e.g. to balance
+        job queues over the masters."""
+        source = next(s for s in self.master_servers() if slot in _slots_of(s))
+        if source is target:
+            return
+        target_id, source_id = self.node_ids[target], self.node_ids[source]
+        with target.client(socket_timeout=2.0) as t, source.client(socket_timeout=2.0) as src:
+            t.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+            if src.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot):
+                raise ValueError(f"slot {slot} holds keys: move them first")
+            t.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+            src.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        for other in self.master_servers():
+            if other not in (source, target):
+                with other.client(socket_timeout=2.0) as c:
+                    c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        self._wait(lambda: slot in _slots_of(target) and self.healthy(), 10.0,
+                   f"slot {slot} did not move")
+
     def _start_node(self, i: int, server: RedisServer) -> None:
         """Start one node; its cluster bus port, picked free beforehand, can be taken
         by the time it binds (a busy machine): then it gets another."""
@@ -664,6 +686,11 @@ def _role(server: RedisServer) -> str | None:
 def _master_id(server: RedisServer) -> str | None:
     fields = _myself(server)
     return fields[3] if len(fields) > 3 and fields[3] != "-" else None
+
+
+def _slots_of(server: RedisServer) -> set[int]:
+    with server.client(socket_timeout=2.0) as c:
+        return _own_slots(c)
 
 
 def _own_slots(client: redis.Redis) -> set[int]:

@@ -10,11 +10,13 @@ import os
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 import pytest
 import redis
 from celery import Celery
 from redis.cluster import RedisCluster
+from redis.crc import key_slot
 
 from celery_ext.client import Client
 from celery_ext.config import ConfigError
@@ -198,3 +200,27 @@ def test_cli_says_in_one_line_that_no_seed_answers() -> None:
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: cannot reach Redis"), out.stderr
     assert "s3cret" not in out.stderr
+
+
+def test_an_empty_slot_moves_to_another_master(cluster: ClusterGroup) -> None:
+    """The operator's move bench.cluster --rebalance makes: a whole empty slot changes
+    master, and clients follow (MOVED)."""
+    key = "{move-me-7f3a}:k"
+    source = cluster.master_of(key)
+    target = next(m for m in cluster.master_servers() if m is not source)
+    slot = key_slot(key.encode())
+    rc = cluster_client(cluster_config([cluster.url()], {"cluster": True}) or _no_config(),
+                        {"socket_timeout": 2.0})
+    try:
+        cluster.move_empty_slot(slot, target)
+        assert cluster.master_of(key) is target
+        rc.set(key, "v")  # redis-py follows the MOVED to the new owner
+        assert cluster.master_of(key).client().get(key) == b"v"
+        rc.delete(key)
+    finally:
+        cluster.move_empty_slot(slot, source)
+        rc.close()
+
+
+def _no_config() -> Any:
+    raise AssertionError("the cluster option was not read")
