@@ -747,8 +747,8 @@ class Channel(kredis.Channel):
         try:
             try:
                 if self.cluster_setup is not None:
-                    self.client.parse_response(conn, "PING", **options)
                     reply, self._cluster_reply = self._cluster_reply, None
+                    self.client.parse_response(conn, "PING", **options)
                 else:
                     reply = self.client.parse_response(conn, "EVALSHA", **options)
             except self.connection_errors:

@@ -10,7 +10,10 @@ its own. Tasks record their runs on the one-node test server (a cluster has no d
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -316,3 +319,53 @@ def test_periodic_jobs_run_once_per_due_time_on_a_cluster(
     wait_for(lambda: int(rec.get("tick_runs") or 0) >= 4, 30, "four periodic runs")
     runs_seen, ids = int(rec.get("tick_runs") or 0), rec.scard("tick_ids")
     assert runs_seen == ids, f"{runs_seen} runs of {ids} due times"
+
+
+def test_a_fetch_whose_reply_is_lost_on_a_cluster_is_returned(
+        cluster: ClusterGroup, namespace: str) -> None:
+    """The fetch ran on the masters holding the queues (its jobs are in the pool's
+    records), but the reply that brings it to the event loop never comes: the home
+    master, which carries it, is stopped (SIGSTOP, shorter than the cluster's node
+    timeout). After ``reply_timeout`` the channel gives the fetch up as lost (a
+    connection error: the consumer reconnects), and the pool's reconcile returns every
+    job it never delivered to its queue."""
+    url = cluster.url()
+    app = producer(url, namespace, install=True)
+    app.conf.broker_transport_options = {**app.conf.broker_transport_options,
+                                         "reply_timeout": 0.3}
+    k = Keys(namespace, cluster=True)
+    home = cluster.master_of(k.home.pools)
+    queues = [q for q in (f"{APP}.job{n}" for n in range(NAMES))
+              if cluster.master_of(k.of(q).queue(q)) is not home][:6]
+    for q in queues:
+        app.send_task(q, (0,))
+    rc = cluster_rc(url)
+    conn = app.connection_for_read()
+    try:
+        channel = conn.default_channel
+        for q in queues:
+            channel.basic_consume(q, False, lambda message: None, f"tag-{q}")
+        pool = channel.worker_pool
+        assert home.pid is not None
+        os.kill(home.pid, signal.SIGSTOP)
+        try:
+            # As the event loop does: register the channel's socket, which sends the
+            # fetch (one pipeline per master) and then a PING for its reply.
+            conn.transport.cycle._register_BRPOP(channel)
+            time.sleep(0.4)
+            with pytest.raises(channel.connection_errors):
+                channel.check_fetch_reply()
+        finally:
+            os.kill(home.pid, signal.SIGCONT)
+
+        def in_records() -> int:
+            return sum(rc.hlen(k.of(q).inflight(pool.pool_id)) for q in queues)
+
+        moved = in_records()
+        assert moved >= 1  # the fetch ran: its jobs wait in the records
+        pool.maybe_reconcile()  # (it runs only when something asked for it: the lost fetch)
+        assert in_records() == 0  # the pool returned what it never delivered
+        assert sum(rc.llen(k.of(q).queue(q)) for q in queues) == len(queues)
+    finally:
+        conn.release()
+        rc.close()
