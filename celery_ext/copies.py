@@ -23,7 +23,7 @@ from kombu.utils.encoding import bytes_to_str
 from redis.cluster import RedisCluster
 
 from .keys import Keys
-from .scripts import SCRIPT_NAMES, Scripts, sha, source
+from .scripts import Scripts, sha
 
 
 def known_queues(client: Any, keys: Keys) -> list[str]:
@@ -97,7 +97,7 @@ def run_scripts(client: Any, scripts: Scripts, calls: Sequence[tuple[str, list[s
     replies = evalsha_by_master(client, calls)
     again = [i for i, r in enumerate(replies) if isinstance(r, redis.exceptions.NoScriptError)]
     if again:
-        load_everywhere(client)
+        scripts.load_all(client)  # (on every master of a cluster)
         for i, reply in zip(again, evalsha_by_master(client, [calls[i] for i in again]),
                             strict=True):
             replies[i] = reply
@@ -105,12 +105,6 @@ def run_scripts(client: Any, scripts: Scripts, calls: Sequence[tuple[str, list[s
         if isinstance(reply, Exception):
             raise reply
     return replies
-
-
-def load_everywhere(client: Any) -> None:
-    """Load every script (``SCRIPT LOAD`` goes to every master of a cluster)."""
-    for name in SCRIPT_NAMES:
-        client.script_load(source(name))
 
 
 #: Replies saying a call did not run because its slot moved or is moving.

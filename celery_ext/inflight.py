@@ -141,18 +141,13 @@ class InflightRecord:
 
     def ack(self, tags: list[str]) -> int:
         """Drop finished jobs from the record; tags no longer in it are ignored."""
-        located = self.locate(tags)
-        if len(located) > 1:  # cluster: one pipeline per master (copies.run_scripts)
-            replies = run_scripts(self.client, self.scripts,
-                                  [("ack", *self.ack_call(some, k)) for k, some in located.items()])
-            self.finished(tags)
-            return sum(int(r) for r in replies)
-        done = 0
-        for k, some in located.items():
-            keys, args = self.ack_call(some, k)
-            done += int(self.scripts("ack", keys, args))
+        # One call per copy holding some of them (one on one node), one pipeline per
+        # master on a cluster.
+        replies = run_scripts(self.client, self.scripts,
+                              [("ack", *self.ack_call(some, k))
+                               for k, some in self.locate(tags).items()])
         self.finished(tags)
-        return done
+        return sum(int(r) for r in replies)
 
     def tags(self) -> list[str]:
         """Every tag in the record. On a cluster the record is read in the copies it

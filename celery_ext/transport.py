@@ -52,7 +52,7 @@ from . import connections
 from . import scripts as _scripts
 from .clock import now_s
 from .config import TLS_SCHEME, TLS_SENTINEL_SCHEME, ConfigError, Settings
-from .copies import evalsha_by_master
+from .copies import run_scripts
 from .dead import dead_letter, one_line
 from .envelope import envelope_problem
 from .errors import CLUSTER_ERRORS, CONNECTION_ERRORS, BrokerOutOfMemory, job_name
@@ -609,12 +609,16 @@ class Channel(kredis.Channel):
     def pool_id(self) -> str:
         return self.worker_pool.pool_id
 
-    def copy_of(self, tag: str) -> Keys:
+    def copy_of(self, tag: str, queue: str | None = None) -> Keys:
         """The copy of the layout whose records hold the tracked job ``tag``: its job
-        queue's on a cluster, the one copy on one node."""
+        queue's on a cluster (``queue``'s when the job is no longer in a record), the
+        one copy on one node."""
         if self.cluster_setup is None:
             return self.keys
-        return next(iter(self.worker_pool.record.locate([tag])), self.keys)
+        found = next(iter(self.worker_pool.record.locate([tag])), None)
+        if found is not None:
+            return found
+        return self.keys.of(queue) if queue else self.keys
 
     def _fetch_sent(self) -> None:
         self._fetch_pending = True
@@ -640,18 +644,14 @@ class Channel(kredis.Channel):
         if pool_id != "-":
             self.worker_pool.join(list(groups))
         steps, max_payload = self.settings.priority_steps, self.settings.max_payload_bytes
-        replies = evalsha_by_master(client, [
+        # (A promoted replica's script cache is empty: run_scripts loads and resends.)
+        replies = run_scripts(client, self._scripts, [
             ("fetch", k.fetch(pool_id, queues, steps),
              [pool_id, "".join(flag_of[q] for q in queues), *queues, max_payload,
               int(self.settings.job_index)])
             for k, queues in groups.items()])
         status, jobs, empties, blocked, waits = 1, [], [], [], []
         for reply in replies:
-            if isinstance(reply, redis.exceptions.NoScriptError):
-                self._scripts.load_all(client)  # a promoted replica: its script cache is empty
-                continue
-            if isinstance(reply, Exception):
-                raise reply
             status = min(status, int(reply[0]))
             jobs += reply[1]
             empties += reply[2]
@@ -1017,12 +1017,12 @@ class Channel(kredis.Channel):
                      **meta: Any) -> bool:
         """Move one in-flight job of this pool to the dead set (see ``dead.dead_letter``)."""
         pool = self.worker_pool
-        copy = self.copy_of(tag)  # (before the release: the record still knows its queue)
+        # Acked at start (acks_late off), the job is out of the record: its queue is the
+        # fallback's. (Looked up before the release, while the record knows its queue.)
         fallback = meta.get("fallback")
-        if copy.is_home and self.cluster_setup is not None and isinstance(fallback, str) \
-                and "\n" in fallback:
-            # Acked at start (acks_late off): out of the record; its queue is the fallback's.
-            copy = self.keys.of(fallback.partition("\n")[0])
+        queue = fallback.partition("\n")[0] if isinstance(fallback, str) and "\n" in fallback \
+            else None
+        copy = self.copy_of(tag, queue)
         pool.holdings.released([tag])
         try:
             return dead_letter(pool.client, self.settings, pool.pool_id, tag,
