@@ -48,7 +48,7 @@ from kombu.utils.json import loads
 
 from .dead import one_line
 from .keys import Keys
-from .limits import job_limits
+from .limits import job_limits, write_limits
 
 logger = logging.getLogger("celery_ext.fair")
 
@@ -189,33 +189,10 @@ def job_fair_limits(app: Any) -> dict[str, int]:
 
 def write_fair_limits(client: Any, keys: Keys, limits: Mapping[str, int],
                       consumed: Iterable[str]) -> list[str]:
-    """Set the per-key limits of the consumed queues (fields ``"<queue>\\n"`` of
+    """Set the per-key limits of the consumed queues (fields ``"<queue>\n"`` of
     ``{ns}:limits``), removing undeclared ones, and wake pools for each change.
     Returns the queues whose per-key limit changed."""
-    queues = sorted(set(consumed) | set(limits))
-    if not queues:
-        return []
-    with client.pipeline(transaction=False) as pipe:  # each in its queue's copy (cluster)
-        for q in queues:
-            pipe.hget(keys.of(q).limits, q + "\n")
-        current = pipe.execute()
-    changed = [q for q, cur in zip(queues, current, strict=True)
-               if (bytes_to_str(cur) if cur is not None else None)
-               != (str(limits[q]) if q in limits else None)]
-    if changed:
-        with client.pipeline() as pipe:
-            for queue in changed:
-                if queue in limits:
-                    pipe.hset(keys.of(queue).limits, queue + "\n", limits[queue])
-                else:
-                    pipe.hdel(keys.of(queue).limits, queue + "\n")
-                if not keys.cluster:
-                    pipe.publish(keys.wake_channel, queue)
-            pipe.execute()
-        if keys.cluster:  # a cluster's pipeline cannot carry a PUBLISH
-            for queue in changed:
-                client.publish(keys.wake_channel, queue)
-    return changed
+    return write_limits(client, keys, limits, consumed, suffix="\n")
 
 
 def fair_info(client: Any, keys: Keys, queues: list[str],

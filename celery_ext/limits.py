@@ -43,13 +43,14 @@ def job_limits(app: Any, option: str = "max_concurrency") -> dict[str, int]:
 
 def write_limits(client: Any, keys: Keys, limits: Mapping[str, int],
                  consumed: Iterable[str], hash_name: str = "limits",
-                 reset_name: str | None = None) -> list[str]:
+                 reset_name: str | None = None, suffix: str = "") -> list[str]:
     """Set the limits of the consumed queues (removing undeclared ones) and wake
     pools that may have been waiting on a queue whose limit changed. ``hash_name``:
     the Keys attribute of another hash of limits than ``limits`` (``rate_limits``);
     ``reset_name``: of a hash whose field of each changed queue is deleted with it (a
-    rate limit's state). Each queue's limit is written in its own copy (on a cluster,
-    ``Keys.of``: fetch reads it there).
+    rate limit's state); ``suffix``: after the queue name in its field (``"\n"``: the
+    per-key limit of a fair queue). Each queue's limit is written in its own copy (on
+    a cluster, ``Keys.of``: fetch reads it there).
 
     Only the changes are written and published (one read first): a pool consuming
     1,000 job queues would otherwise send 2,000 commands at every start and wake
@@ -62,8 +63,9 @@ def write_limits(client: Any, keys: Keys, limits: Mapping[str, int],
     current: dict[str, str] = {}
     for copy, (found,) in zip(parts, per_copy(
             client, parts, lambda p, c: p.hgetall(getattr(c, hash_name))), strict=True):
-        current.update((bytes_to_str(k), bytes_to_str(v)) for k, v in found.items()
-                       if bytes_to_str(k) in groups[copy])
+        fields = {queue + suffix: queue for queue in groups[copy]}
+        current.update((fields[bytes_to_str(k)], bytes_to_str(v)) for k, v in found.items()
+                       if bytes_to_str(k) in fields)
     changed = [queue for queue in sorted(consumed)
                if current.get(queue) != (str(limits[queue]) if queue in limits else None)]
     if not changed:
@@ -72,9 +74,9 @@ def write_limits(client: Any, keys: Keys, limits: Mapping[str, int],
         for queue in changed:
             copy = keys.of(queue)
             if queue in limits:
-                pipe.hset(getattr(copy, hash_name), queue, limits[queue])
+                pipe.hset(getattr(copy, hash_name), queue + suffix, limits[queue])
             else:
-                pipe.hdel(getattr(copy, hash_name), queue)
+                pipe.hdel(getattr(copy, hash_name), queue + suffix)
             if reset_name:
                 pipe.hdel(getattr(copy, reset_name), queue)
             if not keys.cluster:
