@@ -21,18 +21,12 @@ local queueKey, readyKey, queuesKey, markerKey = KEYS[1], KEYS[2], KEYS[3], KEYS
 local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]
 local expiresMs, indexTtl, markerTtlMs = tonumber(ARGV[4]), tonumber(ARGV[5] or 0) or 0, ARGV[6]
 -- @include job_index
+-- @include announce
 if markerKey and not redis.call('SET', markerKey, '1', 'NX', 'PX', markerTtlMs) then
   return -1
 end
 local n = push_back(queueKey, payload)
--- SADD on every push keeps the ready set self-healing; only a queue that just
--- became non-empty is announced, so busy systems publish almost nothing.
-if redis.call('SADD', readyKey, queueName) == 1 then
-  if string.sub(queueName, -7) ~= '.pidbox' then
-    redis.call('SADD', queuesKey, queueName)
-  end
-  redis.call('PUBLISH', wakeChannel, queueName)
-end
+announce(readyKey, queuesKey, wakeChannel, queueName)
 if indexTtl > 0 and string.sub(queueName, -7) ~= '.pidbox' then
   jix_set(KEYS[4], jix_task_id(payload), 'queued', queueName, jix_level(queueKey))
 end

@@ -27,6 +27,7 @@ local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]
 local expiresMs, indexTtl, taskId, lockTtlMs, force = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], ARGV[7], ARGV[8]
 local markerTtlMs = ARGV[9]
 -- @include job_index
+-- @include announce
 if markerKey then
   local pushed = redis.call('GET', markerKey)
   if pushed then
@@ -41,10 +42,7 @@ if not holder or holder == taskId then
   redis.call('SET', lockKey, taskId, 'PX', lockTtlMs)
 end
 push_back(queueKey, payload)
-if redis.call('SADD', readyKey, queueName) == 1 then
-  redis.call('SADD', queuesKey, queueName)
-  redis.call('PUBLISH', wakeChannel, queueName)
-end
+announce(readyKey, queuesKey, wakeChannel, queueName)
 if indexTtl > 0 then
   jix_set(KEYS[5], taskId, 'queued', queueName, jix_level(queueKey))
 end

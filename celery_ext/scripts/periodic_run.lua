@@ -34,6 +34,7 @@ local err = ARGV[10] or ''
 local pushedByCaller = payload == '' and ARGV[12] == '1'
 local indexTtl = tonumber(ARGV[11] or 0) or 0
 -- @include job_index
+-- @include announce
 
 if (payload ~= '' or pushedByCaller) and redis.call('HGET', stateKey, 'last_job_id') == jobId then
   return 2
@@ -52,13 +53,8 @@ if (payload == '' and not pushedByCaller) or (payload ~= '' and paused and sched
 end
 
 if not pushedByCaller then
-  local n = push_back(queueKey, payload)
-  if redis.call('SADD', readyKey, queueName) == 1 then
-    if string.sub(queueName, -7) ~= '.pidbox' then
-      redis.call('SADD', queuesKey, queueName)
-    end
-    redis.call('PUBLISH', wakeChannel, queueName)
-  end
+  push_back(queueKey, payload)
+  announce(readyKey, queuesKey, wakeChannel, queueName)
   if indexTtl > 0 then
     jix_set(KEYS[5], jobId, 'queued', queueName, jix_level(queueKey))
   end
