@@ -182,3 +182,19 @@ def push(client: redis.Redis, queue: str, payload: bytes | str) -> None:
     set, wake-up)."""
     Scripts(client)("enqueue", [K.queue(queue), K.ready, K.queues],
                     [payload, queue, K.wake_channel, 0])
+
+
+def run_bench(*args: str, timeout: float, what: str) -> subprocess.CompletedProcess[str]:
+    """``python -m <args>`` (a bench harness) from the repository root; an overrun is
+    terminated, not killed (the bench stops the servers and workers it started) and
+    fails the test naming ``what``."""
+    argv = [sys.executable, "-m", *args]
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate(timeout=60)
+        pytest.fail(f"{what} ran over {timeout:g} s: {err[-3000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)

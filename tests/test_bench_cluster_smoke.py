@@ -9,28 +9,19 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import run_bench
 
 
 @pytest.mark.timeout(200)
 def test_bench_cluster_quick_writes_both_sides_and_the_spread(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "bench.cluster", "--quick", "--jobs", "90",
-            "--pool", "solo", "--out", str(tmp_path)]
-    proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=170)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the bench stops the servers and workers it started
-        out, err = proc.communicate(timeout=30)
-        pytest.fail(f"the quick cluster bench ran over 170 s: {err[-3000:]}")
-    assert proc.returncode == 0, err[-3000:]
+    done = run_bench("bench.cluster", "--quick", "--jobs", "90", "--pool", "solo",
+                     "--out", str(tmp_path), timeout=170, what="the quick cluster bench")
+    out = done.stdout
+    assert done.returncode == 0, done.stderr[-3000:]
     assert "cluster / one node:" in out
     assert "-P solo -c 1, acks late, prefetch multiplier 4" in out  # the settings line
     assert "install(app)" in out and "share this machine's" in out  # the cores note

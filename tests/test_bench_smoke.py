@@ -8,30 +8,21 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import run_bench
+
 WORKLOADS = ("drain", "enqueue", "latency", "many_queues", "idle", "memory", "fairness")
 
 
 @pytest.mark.timeout(330)
 def test_bench_quick_writes_every_workload(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "bench", "--quick", "--rounds", "1", "--jobs", "150",
-            "--pools", "solo", "--acks", "early", "--names", "1,10", "--one-name-queues", "10",
-            "--idle-seconds", "1", "--no-chart", "--out", str(tmp_path)]
-    proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the bench stops the servers and workers it started
-        out, err = proc.communicate(timeout=60)
-        pytest.fail(f"the quick bench ran over 300 s: {err[-3000:]}")
-    done = subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    done = run_bench("bench", "--quick", "--rounds", "1", "--jobs", "150", "--pools", "solo",
+                     "--acks", "early", "--names", "1,10", "--one-name-queues", "10",
+                     "--idle-seconds", "1", "--no-chart", "--out", str(tmp_path),
+                     timeout=300, what="the quick bench")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ours/stock" in done.stdout  # the table was printed
     # ...with every workload's settings: install or not, acks, backend, prefetch, sizes.
