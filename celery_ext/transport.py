@@ -298,10 +298,8 @@ class Channel(kredis.Channel):
 
     def _cluster_params(self) -> dict[str, Any]:
         """Connection keywords of this channel (timeouts, TLS), for every node."""
-        params = super()._connparams(asynchronous=False)
+        params = self._connparams(asynchronous=False)
         params.pop("retry_on_timeout", None)  # redis-py's cluster retries timeouts itself
-        if params.get("socket_timeout") is None:
-            params["socket_timeout"] = self.settings.reply_timeout
         return params
 
     def _create_client(self, asynchronous: bool = False) -> Any:
