@@ -16,6 +16,7 @@ prints their enqueue-to-start latencies.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import random
 import sys
@@ -99,48 +100,99 @@ def profile(n: int, top: int) -> dict[str, object]:
             "profiled_cpu_us_per_job": total / n * 1e6, "rows": rows[:top]}
 
 
-def layers(batches: int, size: int) -> dict[str, float]:
-    """CPU µs per ``apply_async`` in this process, layer by layer: batches of ``size``
-    calls of each variant in turn, the minimum over ``batches`` (the least disturbed
-    by other processes). Variants: ``full``; ``celery_only`` (Celery's
-    ``send_task_message`` replaced by a no-op: what Celery costs before the publish);
-    for ours also ``no_round_trip`` (the script call on the kept connection replaced by
-    a constant reply: everything but the round trip)."""
+def layers(batches: int, size: int) -> dict[str, dict[str, float]]:
+    """CPU and wall µs per ``apply_async`` in this process, layer by layer: batches of
+    ``size`` calls of each variant in turn, the minimum over ``batches`` (the least
+    disturbed by other processes). Variants, each replacing one layer:
+
+    - ``full``: nothing replaced;
+    - ``celery_only``: Celery's ``send_task_message`` is a no-op: what Celery costs
+      before the publish (routing, the message, signals, the result object);
+    - ``no_transport``: the transport's ``Channel._put`` is a no-op: Celery and Kombu's
+      producer, without the transport's write;
+    - ``floor``: ``Channel._put`` is the message's JSON (Kombu's ``dumps``, as every
+      Redis transport stores it) and one ``LPUSH`` of it on a kept connection, packed
+      by hiredis: the least a transport's write can cost, the same on both sides;
+    - ``direct_floor``: Kombu's ``Producer.publish`` is the body's serialization (Kombu's
+      registry), a message dict, its JSON and that one ``LPUSH``: the least any publish
+      path below Celery's ``send_task_message`` can cost, Kombu's producer included;
+    - ours only, ``no_round_trip``: the script call on the kept connection returns a
+      constant: everything but the round trip."""
+    import hiredis
+    import redis
+    from kombu import messaging, serialization
+    from kombu.utils.encoding import str_to_bytes
+    from kombu.utils.json import dumps
+    from kombu.utils.uuid import uuid
+
     task = bench_app.TASKS[0]
     amqp = bench_app.app.amqp
     for _ in range(WARMUP):
         task.apply_async()
-    sender = amqp.send_task_message
+    with bench_app.app.connection_for_write() as conn:
+        channel_cls = type(conn.default_channel)
+    sender, put, publish = amqp.send_task_message, channel_cls._put, messaging.Producer.publish
+    line = redis.Redis.from_url(bench_app.counter_url(db=0)).connection_pool.get_connection()
 
     def no_publish(*args: object, **kwargs: object) -> None:
         return None
 
-    variants: dict[str, tuple[object, object]] = {"full": (sender, None),
-                                                   "celery_only": (no_publish, None)}
+    def no_put(self: object, queue: str, message: object, **kwargs: object) -> None:
+        return None
+
+    def floor_put(self: object, queue: str, message: object, **kwargs: object) -> None:
+        line.send_packed_command(
+            [hiredis.pack_command(("LPUSH", "bench:floor", dumps(message)))],
+            check_health=False)
+        line.read_response()
+
+    def direct_publish(self: object, body: object, routing_key: str | None = None,
+                       headers: object = None, **kwargs: object) -> None:
+        content_type, content_encoding, data = serialization.dumps(body, "json")
+        message = {"body": base64.b64encode(str_to_bytes(data)).decode(),
+                   "content-encoding": content_encoding, "content-type": content_type,
+                   "headers": headers or {},
+                   "properties": {"correlation_id": kwargs.get("correlation_id"),
+                                  "delivery_info": {"exchange": "", "routing_key": routing_key},
+                                  "body_encoding": "base64", "delivery_tag": uuid()}}
+        floor_put(self, str(routing_key), message)
+
+    variants: dict[str, dict[str, object]] = {
+        "full": {}, "celery_only": {"send": no_publish}, "no_transport": {"put": no_put},
+        "floor": {"put": floor_put}, "direct_floor": {"publish": direct_publish}}
     if bench_app.MODE == "ours":
         from celery_ext import producer
 
         def constant(self: object, script: str, keys: object, args: object) -> int:
             return 1
 
-        variants["no_round_trip"] = (sender, constant)
+        variants["no_round_trip"] = {"call": constant}
         call = producer.PublishConnection.call
-    best = dict.fromkeys(variants, float("inf"))
+    cpu_best = dict.fromkeys(variants, float("inf"))
+    wall_best = dict.fromkeys(variants, float("inf"))
     try:
         for _ in range(batches):
-            for name, (send, replace_call) in variants.items():
-                amqp.__dict__["send_task_message"] = send
+            for name, replace in variants.items():
+                amqp.__dict__["send_task_message"] = replace.get("send", sender)
+                channel_cls._put = replace.get("put", put)  # type: ignore[method-assign]
+                messaging.Producer.publish = replace.get(  # type: ignore[method-assign]
+                    "publish", publish)
                 if bench_app.MODE == "ours":
-                    producer.PublishConnection.call = replace_call or call  # type: ignore
-                cpu = time.process_time()
+                    producer.PublishConnection.call = replace.get(  # type: ignore
+                        "call", call)
+                cpu, wall = time.process_time(), time.perf_counter()
                 for _ in range(size):
                     task.apply_async()
-                best[name] = min(best[name], (time.process_time() - cpu) / size * 1e6)
+                cpu_best[name] = min(cpu_best[name], (time.process_time() - cpu) / size * 1e6)
+                wall_best[name] = min(wall_best[name], (time.perf_counter() - wall) / size * 1e6)
     finally:
         amqp.__dict__["send_task_message"] = sender
+        channel_cls._put = put  # type: ignore[method-assign]
+        messaging.Producer.publish = publish  # type: ignore[method-assign]
         if bench_app.MODE == "ours":
             producer.PublishConnection.call = call  # type: ignore[method-assign]
-    return best
+        line.disconnect()
+    return {"cpu_us": cpu_best, "wall_us": wall_best}
 
 
 def latency(n: int, warmup: int, gap: float) -> dict[str, list[float]]:

@@ -230,8 +230,9 @@ def profile_enqueue(bench: Bench, jobs: int, backend: bool, top: int) -> str:
                      f"{res['profiled_cpu_us_per_job']:.0f} under cProfile ({jobs} calls)")
         lay = bench.run_client(mode, ["layers"], timeout=300, backend=int(backend),
                                acks_late=1, **extra)
-        lines.append("  CPU us per apply_async by layer (min of 15 batches of 500): " + ", ".join(
-            f"{k.replace('_', ' ')} {v:.0f}" for k, v in lay.items()))
+        lines.append("  us per apply_async by layer (min of 15 batches of 500), CPU / wall: "
+                     + ", ".join(f"{k.replace('_', ' ')} {v:.0f} / {lay['wall_us'][k]:.0f}"
+                                 for k, v in lay["cpu_us"].items()))
         lines.append("   incl%  self%  calls/job  function")
         lines += [f"  {incl:6.1f} {own:6.1f} {calls:9.1f}  {where}"
                   for incl, own, calls, where in res["rows"]]

@@ -63,3 +63,23 @@ def test_bench_quick_writes_every_workload(tmp_path: Path) -> None:
                          "1 job name over 10 queues, prefork -c 2"}
     assert all(len(v["rounds"]) == 1 and v["median"] > 0 for v in many.values())
     assert (tmp_path / "table.md").is_file()
+
+
+@pytest.mark.timeout(150)
+def test_bench_layers_accounts_for_every_layer_of_every_side(tmp_path: Path) -> None:
+    done = run_bench("bench.layers", "--rounds", "1", "--batches", "1", "--size", "30",
+                     "--out", str(tmp_path), timeout=120, what="bench.layers")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "stock/floor" in done.stdout and "load average" in done.stdout
+    data = json.loads((tmp_path / "layers.json").read_text())
+    assert set(data) == {"0", "1"}  # without and with a result backend
+    for sides in data.values():
+        assert set(sides) == {"stock", "ours, install(app)", "ours, drop-in"}
+        for label, clocks in sides.items():
+            layers = {"full", "no_transport", "floor", "direct_floor", "celery_only"}
+            if label != "stock":
+                layers.add("no_round_trip")
+            for clock in ("cpu_us", "wall_us"):
+                assert set(clocks[clock]) == layers, (label, clock)
+                for values in clocks[clock].values():
+                    assert len(values) == 1 and math.isfinite(values[0]) and values[0] > 0

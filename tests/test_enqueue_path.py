@@ -33,14 +33,14 @@ def test_pack_evalsha_matches_redis_py(args: list[Any]) -> None:
     keys = ["{celery_ext}:queue:a", "{celery_ext}:ready"]
     conn = redis.Connection()
     expected = b"".join(conn.pack_command("EVALSHA", "f" * 40, len(keys), *keys, *args))
-    assert pack_evalsha("f" * 40, keys, args, "utf-8") == expected
+    assert pack_evalsha("f" * 40, keys, args) == expected
 
 
 def test_pack_evalsha_refuses_what_redis_py_refuses() -> None:
     with pytest.raises(redis.exceptions.DataError):
-        pack_evalsha("f" * 40, [], [None], "utf-8")
+        pack_evalsha("f" * 40, [], [None])
     with pytest.raises(redis.exceptions.DataError):
-        pack_evalsha("f" * 40, [], [True], "utf-8")
+        pack_evalsha("f" * 40, [], [True])
 
 
 def _stored(client: redis.Redis, queue: str) -> list[dict[str, Any]]:
