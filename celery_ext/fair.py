@@ -145,7 +145,14 @@ def _declaring_task(name: str) -> Any:
     finalize an app that may not want it)."""
     from celery._state import _get_active_apps, get_current_app
 
-    for app in (get_current_app(), *_get_active_apps()):
+    current = get_current_app()
+    task = current._tasks.get(name)
+    if task is not None and getattr(task, "fair_by", None) is not None:
+        return task
+    others = _get_active_apps()
+    if not others or (len(others) == 1 and current in others):  # one app: looked already
+        return None
+    for app in others:
         task = app._tasks.get(name)
         if task is not None and getattr(task, "fair_by", None) is not None:
             return task
@@ -164,6 +171,9 @@ def _on_before_publish(sender: Any = None, body: Any = None, headers: Any = None
         key = key_for(task, *_args_of(body))
     else:
         # A retry of a job given its key per call: the request being retried has it.
+        # (Celery's retry counts up the retries header; a first publish has none.)
+        if not isinstance(headers, dict) or not headers.get("retries"):
+            return
         request = getattr(current_task, "request", None)
         req_props = getattr(request, "properties", None)
         if (not isinstance(headers, dict) or not isinstance(req_props, dict)
