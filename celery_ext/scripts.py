@@ -15,10 +15,14 @@ Redis 7.0+ / Valkey.
 
 A line ``-- @include <fragment>`` in a script is replaced by ``scripts/_<fragment>.lua``:
 the job index's helpers (``_job_index.lua``) are shared by every script that moves a job.
+Only the helpers a script calls are pasted (:func:`used_helpers`): Lua creates every
+``local function`` of a script at each call, and the unused ones of a fragment cost a
+script like ``enqueue`` about a fifth of its time inside Redis.
 """
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -41,12 +45,45 @@ SCRIPT_NAMES = (
 INCLUDE = "-- @include "
 
 
+#: A helper in a fragment: ``local function <name>(`` at the start of a line, through the
+#: first line that is ``end`` alone (the fragments' layout; nested blocks are indented).
+_HELPER = re.compile(r"^local function (\w+)\(.*?^end$\n?", re.MULTILINE | re.DOTALL)
+#: A line that is only a comment (names in comments keep nothing).
+_COMMENT = re.compile(r"^\s*--.*$", re.MULTILINE)
+
+
+def used_helpers(fragment: str, script: str) -> str:
+    """``fragment`` without the helpers that neither ``script`` (the rest of the script's
+    text) nor a kept helper names; what is kept keeps its order, so each helper is still
+    defined before the helpers that call it."""
+    helpers = {m.group(1): _COMMENT.sub("", m.group(0)) for m in _HELPER.finditer(fragment)}
+    rest = _HELPER.sub("", fragment)
+    wanted: set[str] = set()
+    todo = [_COMMENT.sub("", script), _COMMENT.sub("", rest)]
+    while todo:
+        text = todo.pop()
+        for name, body in helpers.items():
+            if name not in wanted and re.search(rf"\b{name}\b", text):
+                wanted.add(name)
+                todo.append(body)
+    return _HELPER.sub(lambda m: m.group(0) if m.group(1) in wanted else "", fragment)
+
+
+def _file(name: str) -> str:
+    return resources.files("celery_ext").joinpath("scripts", f"{name}.lua").read_text("utf-8")
+
+
 @cache
 def source(name: str) -> str:
-    """The text of ``scripts/<name>.lua`` shipped with the package, its includes pasted."""
-    text = resources.files("celery_ext").joinpath("scripts", f"{name}.lua").read_text("utf-8")
-    return "".join(source("_" + line[len(INCLUDE):].strip()) if line.startswith(INCLUDE)
-                   else line for line in text.splitlines(keepends=True))
+    """The text of ``scripts/<name>.lua`` shipped with the package, its includes pasted
+    (the helpers the script uses, :func:`used_helpers`)."""
+    lines = _file(name).splitlines(keepends=True)
+    fragments = [_file("_" + line[len(INCLUDE):].strip()) for line in lines
+                 if line.startswith(INCLUDE)]
+    body = "".join(line for line in lines if not line.startswith(INCLUDE))
+    every = "".join(fragments)
+    pasted = iter([used_helpers(f, body + every.replace(f, "", 1)) for f in fragments])
+    return "".join(next(pasted) if line.startswith(INCLUDE) else line for line in lines)
 
 
 @cache
