@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +209,19 @@ def _owns(client: redis.Redis, keys: Keys, pool_id: str, task: Any) -> bool:
                for rec in client.hvals(keys.inflight(pool_id)))
 
 
+def job_label(name: str, job_id: str) -> str:
+    """A job as the demo's output names it: ``<last part of the job name>[<id>]``.
+
+    A Celery UUID is cut to its first 8 hex digits (enough to tell apart the few jobs a
+    pool owns); any other id, such as the unique jobs' ``refresh-<n>-<attempt>``, is
+    shown whole, since its first characters are shared by every job of its kind."""
+    try:
+        short = str(uuid.UUID(job_id))[:8]
+    except ValueError:
+        short = job_id
+    return f"{name.split('.')[-1]}[{short}]"
+
+
 def _summary(state: State) -> str:
     k = state.keys
     with state.client.pipeline(transaction=False) as pipe:
@@ -348,8 +362,8 @@ class Recovery:
                     and result.date_done != self.before.get(job_id):
                 worker = str(result.worker or "?").split("@")[0]
                 self.finished[tag] = worker
-                out.event(f"recovered job {name.split('.')[-1]}[{job_id[:8]}] ran on "
-                          f"{worker}: {result.state}")
+                out.event(f"recovered job {job_label(name, job_id)} ran on {worker}: "
+                          f"{result.state}")
         if len(self.finished) == len(self.jobs) and self.reaped_after is not None:
             self.done = True
             by = sorted(set(self.finished.values()))
@@ -494,8 +508,7 @@ def _run(args: argparse.Namespace, broker_url: str, env: dict[str, str], log_dir
                 recovery.note_results(app)
                 out.event(f"SIGKILLed pool {victim.name} (process group {victim.pid}): it owned "
                           f"{len(recovery.jobs)} job(s) in flight: "
-                          + ", ".join(f"{n.split('.')[-1]}[{j[:8]}]"
-                                      for j, n in recovery.jobs.values()))
+                          + ", ".join(job_label(n, j) for j, n in recovery.jobs.values()))
         if recovery is not None and not recovery.done and now - last_poll >= 0.3:
             last_poll = now
             recovery.poll(app, out)
