@@ -33,18 +33,17 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import redis
 from kombu.utils.encoding import bytes_to_str
 
 from .clock import now_ms
 from .config import Settings
 from .connections import client_from_url
-from .keys import Keys
 from .server import RedisServer
 from .state import State
 
@@ -62,8 +61,8 @@ STOP_TIMEOUT = 20.0
 #: Seconds the processes get to start (two Celery workers, Flower and the dashboard
 #: start at once on what may be a small machine).
 START_TIMEOUT = 90.0
-#: Most seconds the kill waits for ``demo-b`` to own a job (there is nothing to show
-#: recovering otherwise).
+#: Most seconds the kill waits for ``demo-b`` to run a long job with half of it still to
+#: go (there is nothing to show recovering otherwise).
 KILL_WAIT = 15.0
 #: Signals that stop the demo (its children, in their own sessions, get none of them).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -201,11 +200,26 @@ def _status_lines(state: State) -> list[str]:
     return lines
 
 
-def _owns(client: redis.Redis, keys: Keys, pool_id: str, task: Any) -> bool:
-    """Does the pool own a job of ``task`` (a long one is there to show running on)?"""
-    queue = getattr(task, "queue", None) or task.name
-    return any(bytes_to_str(rec).split("\n", 1)[0] == queue
-               for rec in client.hvals(keys.inflight(pool_id)))
+def _runs_long_job(state: State, pool_id: str, task: Any) -> bool:
+    """Does the pool run a job of ``task`` (a long one, there to show running on) with
+    half of it or more still to go? One near its end can finish and be acked between
+    this read and the kill, which then finds the pool owning nothing to recover."""
+    return any(b["pool_id"] == pool_id and b["job_name"] == task.name
+               and (b["progress"] is None or b["progress"] < 0.5)
+               for b in state.busy_workers())
+
+
+def job_label(name: str, job_id: str) -> str:
+    """A job as the demo's output names it: ``<last part of the job name>[<id>]``.
+
+    A Celery UUID is cut to its first 8 hex digits (enough to tell apart the few jobs a
+    pool owns); any other id, such as the unique jobs' ``refresh-<n>-<attempt>``, is
+    shown whole, since its first characters are shared by every job of its kind."""
+    try:
+        short = str(uuid.UUID(job_id))[:8]
+    except ValueError:
+        short = job_id
+    return f"{name.split('.')[-1]}[{short}]"
 
 
 def _summary(state: State) -> str:
@@ -348,8 +362,8 @@ class Recovery:
                     and result.date_done != self.before.get(job_id):
                 worker = str(result.worker or "?").split("@")[0]
                 self.finished[tag] = worker
-                out.event(f"recovered job {name.split('.')[-1]}[{job_id[:8]}] ran on "
-                          f"{worker}: {result.state}")
+                out.event(f"recovered job {job_label(name, job_id)} ran on {worker}: "
+                          f"{result.state}")
         if len(self.finished) == len(self.jobs) and self.reaped_after is not None:
             self.done = True
             by = sorted(set(self.finished.values()))
@@ -430,7 +444,6 @@ def _run(args: argparse.Namespace, broker_url: str, env: dict[str, str], log_dir
     settings = Settings.load()
     client = client_from_url(broker_url)
     state = State(client, settings)
-    keys = Keys.for_settings(settings)
     started = time.monotonic()
     print(f"starting the server, worker pools {' and '.join(NODES)}, the dashboard and "
           f"Flower (logs in {log_dir})", flush=True)
@@ -486,7 +499,7 @@ def _run(args: argparse.Namespace, broker_url: str, env: dict[str, str], log_dir
                                    f"\n{child.log_tail()}")
         if recovery is None and now - produce_start >= args.kill_after:
             kill_asked = kill_asked or now
-            if _owns(client, keys, pool_of[victim.name], producer.tasks.build_report) \
+            if _runs_long_job(state, pool_of[victim.name], producer.tasks.build_report) \
                     or now - kill_asked > KILL_WAIT:
                 victim.kill_group()
                 victim.proc.wait()
@@ -494,8 +507,7 @@ def _run(args: argparse.Namespace, broker_url: str, env: dict[str, str], log_dir
                 recovery.note_results(app)
                 out.event(f"SIGKILLed pool {victim.name} (process group {victim.pid}): it owned "
                           f"{len(recovery.jobs)} job(s) in flight: "
-                          + ", ".join(f"{n.split('.')[-1]}[{j[:8]}]"
-                                      for j, n in recovery.jobs.values()))
+                          + ", ".join(job_label(n, j) for j, n in recovery.jobs.values()))
         if recovery is not None and not recovery.done and now - last_poll >= 0.3:
             last_poll = now
             recovery.poll(app, out)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+from celery_ext.demo import job_label
 from tests.helpers import wait_for
 from tests.workers import REPO_ROOT
 
@@ -117,14 +118,21 @@ def test_demo_shows_everything_and_stops_cleanly(demo: Demo) -> None:
     assert "demo-a@" in status.stdout and "demo-b@" in status.stdout
 
     # The kill, and the recovery as read from Redis and the result backend.
-    killed = demo.line(r"SIGKILLed pool demo-b \(process group \d+\): it owned (\d+) job", 60)
+    # Each job is named <job name>[<id>]; an id need not be a UUID (the unique jobs'
+    # are refresh-<n>-<attempt>), so the names are matched as the kill line lists them.
+    killed = demo.line(r"SIGKILLed pool demo-b \(process group \d+\): it owned (\d+) "
+                       r"job\(s\) in flight: (.+)$", 60)
     owned = int(killed.group(1))
     assert owned >= 1  # it waits for demo-b to run a long job
+    jobs = killed.group(2).split(", ")
+    assert len(set(jobs)) == len(jobs) == owned, jobs  # each job named apart from the others
     demo.line(rf"reaper: pool demo-b declared dead [\d.]+s after the kill; .* its {owned} "
               r"job\(s\) are back", 30)
     demo.line(rf"recovery complete: all {owned} job\(s\) pool demo-b owned when it was "
               r"killed ran again on demo-a; none lost", 60)
-    assert len(re.findall(r"recovered job \w+\[\w+\] ran on demo-a", demo.output)) == owned
+    # Every job it owned reported run, once each, before the recovery is complete.
+    ran = re.findall(r"recovered job (\S+) ran on demo-a: ", demo.output)
+    assert sorted(ran) == sorted(jobs), demo.output
     demo.line(r"started a new pool demo-b \(pid \d+\)", 5)
     assert re.search(r"\d+ unique duplicates dropped", demo.output)
 
@@ -142,3 +150,14 @@ def test_demo_shows_everything_and_stops_cleanly(demo: Demo) -> None:
     assert not set(_ps_groups()) & groups, demo.output
     assert not [p.pid for p in tree[1:] if p.is_running()
                 and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_job_label_tells_apart_jobs_whose_ids_are_not_uuids() -> None:
+    """A UUID is cut to 8 hex digits; the unique jobs' ids (refresh-<n>-<attempt>) are
+    kept whole, since cut to 8 characters every one of them reads "refresh-"."""
+    job_id = "72918137-0de8-46d1-942e-76d1edd47ee4"
+    assert job_label("tasks.jobs.build_report", job_id) == "build_report[72918137]"
+    labels = {job_label("tasks.jobs.refresh_cache", f"refresh-{n}-{attempt}")
+              for n in (1, 15) for attempt in (0, 1)}
+    assert labels == {"refresh_cache[refresh-1-0]", "refresh_cache[refresh-1-1]",
+                      "refresh_cache[refresh-15-0]", "refresh_cache[refresh-15-1]"}
