@@ -25,12 +25,9 @@ local expiresMs, indexTtl, markerTtlMs = tonumber(ARGV[4]), tonumber(ARGV[5] or 
 if markerKey and not redis.call('SET', markerKey, '1', 'NX', 'PX', markerTtlMs) then
   return -1
 end
-local n = push_back(queueKey, payload)
-announce(readyKey, queuesKey, wakeChannel, queueName)
+local jobId = nil  -- (a remote-control reply is not a job: not indexed)
 if indexTtl > 0 and string.sub(queueName, -7) ~= '.pidbox' then
-  jix_set(KEYS[4], jix_task_id(payload), 'queued', queueName, jix_level(queueKey))
+  jobId = jix_task_id(payload)
 end
-if expiresMs > 0 then
-  redis.call('PEXPIRE', queueKey, expiresMs)
-end
-return n
+return push_new(queueKey, payload, readyKey, queuesKey, wakeChannel, queueName, KEYS[4],
+                jobId, indexTtl, expiresMs)

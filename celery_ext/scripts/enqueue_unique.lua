@@ -41,14 +41,8 @@ end
 if not holder or holder == taskId then
   redis.call('SET', lockKey, taskId, 'PX', lockTtlMs)
 end
-push_back(queueKey, payload)
-announce(readyKey, queuesKey, wakeChannel, queueName)
-if indexTtl > 0 then
-  jix_set(KEYS[5], taskId, 'queued', queueName, jix_level(queueKey))
-end
-if expiresMs > 0 then
-  redis.call('PEXPIRE', queueKey, expiresMs)
-end
+push_new(queueKey, payload, readyKey, queuesKey, wakeChannel, queueName, KEYS[5], taskId,
+         indexTtl, expiresMs)
 if markerKey then
   redis.call('SET', markerKey, taskId, 'PX', markerTtlMs)
 end

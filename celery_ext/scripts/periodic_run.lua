@@ -53,14 +53,8 @@ if (payload == '' and not pushedByCaller) or (payload ~= '' and paused and sched
 end
 
 if not pushedByCaller then
-  push_back(queueKey, payload)
-  announce(readyKey, queuesKey, wakeChannel, queueName)
-  if indexTtl > 0 then
-    jix_set(KEYS[5], jobId, 'queued', queueName, jix_level(queueKey))
-  end
-  if expiresMs > 0 then
-    redis.call('PEXPIRE', queueKey, expiresMs)
-  end
+  push_new(queueKey, payload, readyKey, queuesKey, wakeChannel, queueName, KEYS[5], jobId,
+           indexTtl, expiresMs)
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
