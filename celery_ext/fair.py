@@ -176,8 +176,7 @@ def _on_before_publish(sender: Any = None, body: Any = None, headers: Any = None
             return
         request = getattr(current_task, "request", None)
         req_props = getattr(request, "properties", None)
-        if (not isinstance(headers, dict) or not isinstance(req_props, dict)
-                or getattr(request, "id", None) != headers.get("id")):
+        if not isinstance(req_props, dict) or getattr(request, "id", None) != headers.get("id"):
             return
         key = clean_key(req_props.get(PROPERTY))
     if key is not None:
