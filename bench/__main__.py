@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "table.md").write_text(markdown(rows) + "\n\n" + settings_text(meta) + "\n")
     print(table(rows))
     print("\n" + settings_text(meta))
-    print("\ntargets (ours vs stock, this run):\n" + targets_text(checks))
+    print("\ntargets (ours vs stock and Dramatiq, this run):\n" + targets_text(checks))
     print(f"\nresults: {json_path} (table.md beside it); {meta['seconds']}s, "
           f"load {meta['loadavg_before'][0]:.2f} -> {meta['loadavg_after'][0]:.2f}")
     if not args.no_chart:

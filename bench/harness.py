@@ -138,6 +138,43 @@ class Proc:
 _RUNNING: set[Proc] = set()
 
 
+@dataclass(eq=False)
+class ProcGroup:
+    """Several workers started, measured and stopped as one: a pool "sized to match"
+    Dramatiq's processes runs one ``celery worker`` per process. Usage sums the trees;
+    ``cpu_main``/``rss_main`` sum the main processes."""
+
+    procs: list[Proc]
+
+    def start(self) -> ProcGroup:
+        for proc in self.procs:
+            proc.start()
+        return self
+
+    def alive(self) -> bool:
+        return all(proc.alive() for proc in self.procs)
+
+    def usage(self) -> dict[str, float]:
+        out = {"cpu_main": 0.0, "cpu_tree": 0.0, "rss_main": 0.0, "rss_tree": 0.0}
+        for proc in self.procs:
+            for key, value in proc.usage().items():
+                out[key] += value
+        return out
+
+    def stop(self, graceful: bool = False, timeout: float = 20.0) -> None:
+        for proc in self.procs:
+            proc.stop(graceful, timeout)
+
+    @property
+    def log_path(self) -> Path:
+        """The log of the first worker that died, else of the first one."""
+        return next((p.log_path for p in self.procs if not p.alive()), self.procs[0].log_path)
+
+    def log_tail(self, lines: int = 30) -> str:
+        dead = [p for p in self.procs if not p.alive()] or self.procs[:1]
+        return dead[0].log_tail(lines)
+
+
 def stop_all() -> None:
     """Stop every process the harness started and has not stopped yet."""
     for proc in list(_RUNNING):
@@ -243,6 +280,14 @@ class Bench:
         return Proc(argv, self.env(mode, **extra),
                     self.log_dir / f"worker-{n:03d}-{mode}-{pool}.log")
 
+    def workers(self, mode: str, pool: str, concurrency: int, processes: int,
+                **extra: Any) -> Proc | ProcGroup:
+        """``processes`` workers of ``pool -c concurrency`` (not started); one is a Proc."""
+        if processes == 1:
+            return self.worker(mode, pool, concurrency, **extra)
+        return ProcGroup([self.worker(mode, pool, concurrency, **extra)
+                          for _ in range(processes)])
+
     def dramatiq_worker(self) -> Proc:
         """A ``dramatiq bench.dramatiq_app`` worker (not started): its processes x threads
         as stated in ``bench.dramatiq_app``."""
@@ -286,7 +331,7 @@ class Bench:
                                  f"\n{worker.log_tail()}")
             time.sleep(0.02)
 
-    def wait_count(self, worker: Proc, n: int, timeout: float, poll: float = 0.01,
+    def wait_count(self, worker: Proc | ProcGroup, n: int, timeout: float, poll: float = 0.01,
                    on_first: Callable[[int], None] | None = None) -> tuple[float, float]:
         """Wait until ``n`` jobs are counted; returns (first seen, all done) perf_counter
         stamps. ``on_first(done)`` runs when the first completions are seen."""

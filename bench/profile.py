@@ -245,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="ours,stock")
     p.add_argument("--jobs", type=int, default=20_000)
-    p.add_argument("--pool", choices=list(POOLS), default="prefork")
+    p.add_argument("--pool", choices=[k for k, v in POOLS.items() if v.processes == 1],
+                   default="prefork")
     p.add_argument("--acks", choices=("early", "late"), default="early")
     p.add_argument("--names", type=int, default=1, help="job names the jobs spread over")
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
@@ -273,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    pool, conc = POOLS[args.pool]
+    pool, conc, _ = POOLS[args.pool]
     reports: list[str] = []
     with Bench.open(out / "logs") as bench:
         fill(bench, args.jobs, names=args.names)

@@ -205,10 +205,17 @@ def targets(rows: list[Row]) -> list[dict[str, Any]]:
         if value is not None and ok is not None:
             out.append({"target": name, "value": round(value, 3), "met": ok})
 
+    dramatiq = next((r.dramatiq_median for r in rows if r.workload == "drain"
+                     and r.metric == "jobs/s" and r.dramatiq), None)
     for r in rows:
-        if r.workload == "drain" and r.metric == "jobs/s":
+        if r.workload == "drain" and r.metric == "jobs/s" and r.stock:
             check(f"drain {r.config}: ours/stock >= 1.0", r.ratio,
                   r.ratio is not None and r.ratio >= 1.0)
+            if dramatiq and r.ours_median is not None:
+                # Issue 16: >= 1.0x Dramatiq with threads and solo, >= 0.7x with prefork.
+                floor = 0.7 if r.config.split(" -c ")[0].endswith("prefork") else 1.0
+                v = r.ours_median / dramatiq
+                check(f"drain {r.config}: ours/Dramatiq >= {floor:g}", v, v >= floor)
         elif r.workload == "enqueue" and r.metric == "jobs/s" and r.stock:
             check(f"enqueue {r.config}: ours/stock >= 2.0", r.ratio,
                   r.ratio is not None and r.ratio >= 2.0)

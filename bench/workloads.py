@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench import app as bench_app
 from bench.harness import (
@@ -28,8 +28,25 @@ from bench.harness import (
 )
 from bench.report import Row
 
-#: (pool, concurrency) of the drain workload.
-POOLS = {"prefork": ("prefork", 2), "threads": ("threads", 8), "solo": ("solo", 1)}
+
+class PoolSize(NamedTuple):
+    """One drain configuration: ``processes`` workers of ``-P pool -c concurrency``."""
+
+    pool: str
+    concurrency: int
+    processes: int = 1
+
+    def __str__(self) -> str:
+        one = f"{self.pool} -c {self.concurrency}"
+        return one if self.processes == 1 else f"{self.processes} workers x {one}"
+
+
+#: The drain workload's configurations. One worker of each pool, and the threads and solo
+#: pools "sized to match" Dramatiq's 2 processes x 8 threads: one worker per process
+#: (prefork -c 2 is already two processes).
+POOLS = {"prefork": PoolSize("prefork", 2), "threads": PoolSize("threads", 8),
+         "solo": PoolSize("solo", 1), "threads-2x8": PoolSize("threads", 8, 2),
+         "solo-x2": PoolSize("solo", 1, 2)}
 ACKS = ("early", "late")
 
 
@@ -56,7 +73,7 @@ class Sizes:
     rss_jobs: int = 2_000
     fairness_fetches: int = 10_000
     weights: tuple[int, ...] = (1, 2, 3, 4)
-    pools: tuple[str, ...] = ("prefork", "threads", "solo")
+    pools: tuple[str, ...] = ("prefork", "threads", "solo", "threads-2x8", "solo-x2")
     acks: tuple[str, ...] = ACKS
 
 
@@ -90,12 +107,14 @@ def fill(bench: Bench, n: int, timeout_per_job: float = 0.02, tag: str = "",
 
 
 def drain_once(bench: Bench, mode: str, pool: str, concurrency: int, n: int,
-               acks_late: bool, tag: str = "", **extra: Any) -> dict[str, Any]:
-    """Restore the pre-filled queue, start a worker, time until ``n`` jobs are done."""
+               acks_late: bool, tag: str = "", processes: int = 1,
+               **extra: Any) -> dict[str, Any]:
+    """Restore the pre-filled queue, start the worker(s), time until ``n`` jobs are done."""
     bench.restore(mode + tag)
     stats0 = bench.commandstats()
     worker = (bench.dramatiq_worker() if mode == DRAMATIQ else
-              bench.worker(mode, pool, concurrency, acks_late=int(acks_late), **extra))
+              bench.workers(mode, pool, concurrency, processes, acks_late=int(acks_late),
+                            **extra))
     at_first: dict[str, Any] = {}
 
     def on_first(done: int) -> None:
@@ -150,14 +169,15 @@ def drain(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) -> l
     fill(bench, n, modes=(*MODES, DRAMATIQ))
     rows: list[Row] = []
     for pool_name in sizes.pools:
-        pool, conc = POOLS[pool_name]
+        size = POOLS[pool_name]
         for acks in sizes.acks:
-            config = f"{pool} -c {conc}, acks {acks}"
+            config = f"{size}, acks {acks}"
             triple = drain_rows(config)
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
             for rnd in range(rounds):
                 for mode in order(rnd):
-                    res = drain_once(bench, mode, pool, conc, n, acks == "late")
+                    res = drain_once(bench, mode, size.pool, size.concurrency, n,
+                                     acks == "late", processes=size.processes)
                     runs[mode].append(res)
                     record_drain(triple, mode, res, f"{config} round {rnd + 1} {mode}")
             details.setdefault("drain", {})[config] = runs

@@ -19,7 +19,7 @@ WORKLOADS = ("drain", "enqueue", "latency", "many_queues", "idle", "memory", "fa
 
 @pytest.mark.timeout(330)
 def test_bench_quick_writes_every_workload(tmp_path: Path) -> None:
-    done = run_bench("bench", "--quick", "--rounds", "1", "--jobs", "150", "--pools", "solo",
+    done = run_bench("bench", "--quick", "--rounds", "1", "--jobs", "150", "--pools", "solo-x2",
                      "--acks", "early", "--names", "1,10", "--one-name-queues", "10",
                      "--idle-seconds", "1", "--no-chart", "--out", str(tmp_path),
                      timeout=300, what="the quick bench")
@@ -50,6 +50,9 @@ def test_bench_quick_writes_every_workload(tmp_path: Path) -> None:
                 assert math.isfinite(value) and value > 0, (row, side)
         if "stock" in sides or "ours" in sides:
             assert row["ratio"] is not None and math.isfinite(row["ratio"]) and row["ratio"] > 0
+    # The drain ran two solo workers as one side (sized to match Dramatiq's processes).
+    assert {r["config"] for r in rows if r["workload"] == "drain"} == {
+        "2 workers x solo -c 1, acks early", "dramatiq --processes 2 --threads 8"}
     # Enqueue: with and without a result backend, with and without install(app).
     assert {r["config"] for r in rows if r["workload"] == "enqueue"} == {
         f"1 process, result backend {b}, ours {i}"
