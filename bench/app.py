@@ -18,6 +18,8 @@ and every workload (the harness sets them for each subprocess):
 - ``BENCH_QUEUES``      one job name spread over this many queues ``bench.q_0000``...
   (many_queues' "1 job name over N queues": the queues' cost without Celery's
   per-task-name cost); the client enqueues round-robin over them
+- ``BENCH_FLOOR``       ``1``: tasks use ``bench.floor.strategy`` (the drain's floor: no
+  Celery Request or tracer; see ``bench.floor``)
 - ``BENCH_CLUSTER``     ``1``: the broker URL is a seed node of a Redis Cluster (ours, with
   the transport option ``cluster``; ``bench.cluster``)
 - ``BENCH_COUNTER_URL`` where the jobs count their completions, if not db 2 of the
@@ -52,6 +54,7 @@ QUEUES = int(os.environ.get("BENCH_QUEUES", "0"))
 INSTALL = MODE == "ours" and os.environ.get("BENCH_INSTALL", "1") == "1"
 BACKEND = os.environ.get("BENCH_BACKEND") == "1"
 CLUSTER = os.environ.get("BENCH_CLUSTER") == "1"
+FLOOR = os.environ.get("BENCH_FLOOR") == "1"
 COUNTER_URL = os.environ.get("BENCH_COUNTER_URL", "")
 #: The queues one job name is spread over (empty unless BENCH_QUEUES is set).
 QUEUE_NAMES = [f"bench.q_{i:04d}" for i in range(QUEUES)]
@@ -159,6 +162,8 @@ elif not QUEUE_NAMES:
     names = [t.name for t in TASKS]
     app.conf.task_queues = [Queue(n, routing_key=n) for n in names]
     app.conf.task_routes = {n: {"queue": n} for n in names}
+if FLOOR:
+    app.Task.Strategy = "bench.floor:strategy"
 
 
 @worker_ready.connect

@@ -66,13 +66,54 @@ def parse_stacks(path: Path, main_pid: int) -> dict[str, dict[str, Counter[str]]
         if not frames:
             continue
         bucket = out.setdefault(who, {"total": Counter(), "self": Counter(), "incl": Counter(),
-                                      "package": Counter()})
+                                      "package": Counter(), "layer": Counter()})
         bucket["total"]["samples"] += count
+        bucket["layer"][layer_of(frames)] += count
         bucket["self"][frames[-1]] += count
         bucket["package"][_package(frames[-1])] += count
         for frame in set(frames):
             bucket["incl"][frame] += count
     return out
+
+
+#: The worker's per-job path in layers, for ``layer_of``: (layer, frame-name prefixes; a
+#: prefix ending in "/" matches a file path instead). Stock's and ours' functions share
+#: these names where the layer is Kombu's or Celery's.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("job body (the task's code: one INCRBY)", ("bench/",)),
+    ("acks", ("Request.acknowledge", "Consumer.call_soon_ack", "WorkerPool.flush_acks",
+              "WorkerPool._write_acks", "WorkerPool.ack", "AckSender.", "Message.ack",
+              "Channel.basic_ack", "QoS.ack", "on_loop_tick")),
+    ("Celery tracer (signals, request stack, state)", ("build_tracer.<locals>.trace_task",
+                                                        "fast_trace_task", "apply_target")),
+    ("pool hand-off (billiard's pipes and results; a thread pool's queue)", (
+        "BasePool.apply_async", "TaskPool.", "AsynPool.", "ResultHandler.", "ApplyResult.",
+        "Pool.apply_async", "ThreadPoolExecutor.submit", "billiard/")),
+    ("Celery strategy and Request", ("default.<locals>.task_message_handler",
+                                     "create_request_cls.<locals>.Request", "Request.",
+                                     "WorkController._process_task",
+                                     "Consumer.create_task_handler")),
+    ("Kombu message and consumer callback", ("Transport._deliver", "Consumer._receive_callback",
+                                             "Channel.basic_consume.<locals>._callback",
+                                             "Message.__init__")),
+    ("fetch: reply read and decoded", ("Channel._brpop_read",)),
+    ("fetch: request sent", ("Channel._brpop_start",)),
+    ("background threads (heartbeat, observer, reaper)", ("Thread._bootstrap",)),
+)
+EVENT_LOOP = "event loop and the rest"
+
+
+def layer_of(frames: Sequence[str]) -> str:
+    """The layer of one sampled stack (root first): the innermost frame that names one.
+    Acks made inside the tracer count as acks, the job inside it as the job."""
+    for frame in reversed(frames):
+        name, _, where = frame.partition(" (")
+        where = _short(f"x ({where}")[3:] if where else ""
+        for layer, marks in LAYERS:
+            if any(where.startswith(m) if m.endswith("/") else name.startswith(m)
+                   for m in marks):
+                return layer
+    return EVENT_LOOP
 
 
 def _package(frame: str) -> str:
@@ -88,9 +129,15 @@ def _short(frame: str) -> str:
     return re.sub(r"\((?:.*/site-packages/|.*/work/main/)?([^)]*)\)", r"(\1)", frame)
 
 
-def report_stacks(stacks: dict[str, dict[str, Counter[str]]], top: int) -> str:
+def report_stacks(stacks: dict[str, dict[str, Counter[str]]], top: int,
+                  cpu_us: dict[str, float] | None = None,
+                  us_per_sample: float | None = None) -> str:
     """Top functions per process kind; inclusive leaves out frames on >= 90 % of samples
-    (the event loop and everything above it)."""
+    (the event loop and everything above it). First the samples by layer, in µs per job
+    when ``cpu_us`` gives the CPU per job of the "main" process and of the "children":
+    each layer's share of that CPU; or, for samples taken only while holding the GIL,
+    ``us_per_sample`` (sampling interval / jobs) times its samples, and the rest of the
+    CPU is time spent not holding it (system calls: sends, reads, polls)."""
     lines = []
     for who in ("main", "children"):
         bucket = stacks.get(who)
@@ -98,6 +145,17 @@ def report_stacks(stacks: dict[str, dict[str, Counter[str]]], top: int) -> str:
             continue
         total = bucket["total"]["samples"]
         lines.append(f"  {who} process{'es' if who == 'children' else ''}: {total} samples")
+        per_job = (cpu_us or {}).get(who)
+        lines.append("    by layer" + (f" (of {per_job:.0f} us CPU per job):" if per_job else ":"))
+        for layer, n in bucket["layer"].most_common():
+            share = n / total
+            us = (n * us_per_sample if us_per_sample else
+                  share * per_job if per_job else None)
+            lines.append(f"      {100.0 * share:5.1f}%  "
+                         + (f"{us:6.0f} us  " if us is not None else "") + layer)
+        if us_per_sample and per_job:
+            lines.append(f"              {per_job - total * us_per_sample:6.0f} us  CPU not "
+                         "holding the GIL (system calls: sends, reads, polls)")
         pkgs = ", ".join(f"{k} {100.0 * n / total:.0f}%"
                          for k, n in bucket["package"].most_common(8))
         lines.append(f"    self time by package: {pkgs}")
@@ -112,7 +170,7 @@ def report_stacks(stacks: dict[str, dict[str, Counter[str]]], top: int) -> str:
 
 def profile_mode(bench: Bench, mode: str, pool: str, conc: int, n: int, acks_late: bool,
                  out: Path, rate: int, slowlog_us: int, pyspy: str | None,
-                 top: int, names: int = 1) -> str:
+                 top: int, names: int = 1, gil: bool = False) -> str:
     """Drain ``n`` pre-filled jobs once under the profilers; returns the report text."""
     bench.restore(mode)
     admin = bench.client()
@@ -125,16 +183,20 @@ def profile_mode(bench: Bench, mode: str, pool: str, conc: int, n: int, acks_lat
     spy: subprocess.Popen[bytes] | None = None
     t0 = time.perf_counter()
     worker.start()
+    at_first: dict[str, Any] = {}
     try:
         def on_first(done: int) -> None:
             nonlocal spy
+            at_first.update(done=done, usage=worker.usage())
             if pyspy:
                 spy = subprocess.Popen(
                     [pyspy, "record", "--pid", str(worker.pid), "--subprocesses",
                      "--nonblocking", "--function", "--format", "raw", "--rate", str(rate),
-                     "-o", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                     *(["--gil"] if gil else []), "-o", str(raw)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
         first, t1 = bench.wait_count(worker, n, timeout=120 + n / 20, on_first=on_first)
+        usage = worker.usage()
     finally:
         if spy is not None:
             spy.send_signal(signal.SIGINT)
@@ -153,8 +215,16 @@ def profile_mode(bench: Bench, mode: str, pool: str, conc: int, n: int, acks_lat
              f"{names} job name{'s' if names > 1 else ''}, "
              f"{n} jobs: {n / (t1 - t0):.0f} jobs/s from start "
              f"(steady {n / max(t1 - first, 1e-6):.0f}/s, under the profiler)"]
+    steady = max(1, n - at_first["done"])
+    cpu_us = {"main": (usage["cpu_main"] - at_first["usage"]["cpu_main"]) / steady * 1e6,
+              "children": (usage["cpu_tree"] - usage["cpu_main"] - at_first["usage"]["cpu_tree"]
+                           + at_first["usage"]["cpu_main"]) / steady * 1e6}
+    lines.append(f"  worker CPU per job from the first completion, under the profiler: main "
+                 f"process {cpu_us['main']:.0f} us"
+                 + (f", children {cpu_us['children']:.0f} us" if pool == "prefork" else ""))
     if pyspy and raw.exists():
-        lines.append(report_stacks(parse_stacks(raw, worker.pid), top))
+        lines.append(report_stacks(parse_stacks(raw, worker.pid), top, cpu_us,
+                                   1e6 / rate / steady if gil else None))
     calls = counts_delta({k: v["calls"] for k, v in stats0.items()},
                          {k: v["calls"] for k, v in stats1.items()},
                          skip=("cmdstat_info", "cmdstat_get", "cmdstat_config",
@@ -253,6 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--slowlog-us", type=int, default=0,
                    help="SLOWLOG threshold (0 = every command, to time each script)")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--gil", action="store_true",
+                   help="sample only threads holding the GIL: the account by layer is then "
+                        "in us of CPU per job, and the rest is time in system calls")
     p.add_argument("--no-pyspy", action="store_true")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--enqueue", action="store_true",
@@ -282,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"[profile] {mode}")
             reports.append(profile_mode(bench, mode, pool, conc, args.jobs, args.acks == "late",
                                         out, args.rate, args.slowlog_us, pyspy, args.top,
-                                        args.names))
+                                        args.names, args.gil))
     text = "\n\n".join(reports)
     (out / f"report-{args.pool}-{args.acks}-{args.names}.txt").write_text(text + "\n")
     print(text)
