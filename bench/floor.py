@@ -10,8 +10,8 @@ and retries. Kept: the transport (fetch, delivery, prefetch credit, acks), Kombu
 consumer and Message, the job's own code. It is a measurement device, never a way to run
 jobs: a job that raises is acked and forgotten here.
 
-``python -m bench.floor [--rounds 2] [--jobs 20000]`` drains the same pre-queued no-op
-jobs with two solo workers (Dramatiq's 2 processes) for stock and ours, each with
+``python -m bench.floor [--rounds 2] [--jobs 20000] [--processes 2]`` drains the same
+pre-queued no-op jobs with two solo workers (Dramatiq's 2 processes) for stock and ours, each with
 Celery's path and at the floor, and Dramatiq, in turning order; it prints jobs/s, worker
 and Redis CPU per job, and each side over Dramatiq.
 """
@@ -61,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--jobs", type=int, default=20_000)
     p.add_argument("--acks", choices=("early", "late"), default="late")
+    p.add_argument("--processes", type=int, default=2,
+                   help="solo workers per Celery side (default 2, Dramatiq's processes)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     late = args.acks == "late"
@@ -71,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for rnd in range(args.rounds):
             sides = SIDES if rnd % 2 == 0 else tuple(reversed(SIDES))
             for label, mode, floor in sides:
-                res = drain_once(bench, mode, "solo", 1, args.jobs, late, processes=2,
+                res = drain_once(bench, mode, "solo", 1, args.jobs, late,
+                                 processes=args.processes,
                                  floor=floor)
                 runs[label].append(res)
                 log(f"  round {rnd + 1} {label}: {res['jobs_per_s']:.0f} jobs/s (steady "
@@ -86,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    ("jobs_per_s", "steady_jobs_per_s", "worker_cpu_us", "redis_cpu_us")}
            for label, rs in runs.items()}
     dram = med["dramatiq"]["jobs_per_s"]
-    print(f"drain of {args.jobs:,} no-op jobs, acks {args.acks}, 2 solo workers (Dramatiq: "
+    print(f"drain of {args.jobs:,} no-op jobs, acks {args.acks}, {args.processes} solo "
+          f"worker(s) (Dramatiq: "
           f"2 processes x 8 threads), median of {args.rounds} rounds")
     print(f"{'side':<20} {'jobs/s':>8} {'steady':>8} {'worker us/job':>14} "
           f"{'Redis us/job':>13} {'x Dramatiq':>11}")
@@ -96,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{m['jobs_per_s'] / dram:11.2f}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
-        {"jobs": args.jobs, "rounds": args.rounds, "acks": args.acks, "runs": runs,
+        {"jobs": args.jobs, "rounds": args.rounds, "acks": args.acks,
+         "processes": args.processes, "runs": runs,
          "medians": med}, indent=1))
     return 0
 
