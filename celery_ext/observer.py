@@ -84,14 +84,22 @@ class _CheckinState:
 
 
 class _Running:
-    __slots__ = ("job_id", "record", "slot", "started", "written")
+    """A job running in this process. Its busy record is written only if it runs past
+    ``BUSY_RECORD_DELAY``, which most jobs never do, so the record's fields are kept as
+    they are (strings and numbers, taken at the start) and made JSON only then."""
 
-    def __init__(self, job_id: str, record: str, slot: str) -> None:
+    __slots__ = ("fields", "job_id", "slot", "started", "written")
+
+    def __init__(self, job_id: str, fields: dict[str, Any], slot: str) -> None:
         self.job_id = job_id
-        self.record = record
+        self.fields = fields
         self.slot = slot
         self.started = time.monotonic()
         self.written = False
+
+    @property
+    def record(self) -> str:
+        return json.dumps(self.fields, default=repr, separators=(",", ":"))
 
 
 class Observer:
@@ -143,14 +151,14 @@ class Observer:
                      [slot, mode, job_id, record, "", "", elapsed_ms])
 
     def job_started(self, task: Any, job_id: str, args: Any, kwargs: Any) -> None:
-        record = json.dumps({
+        fields = {
             "job_id": job_id,
             "job_name": task.name,
             "args": preview(args, kwargs),
             "stall_after": getattr(task, "stall_after", None),
             "pid": os.getpid(),
-        }, default=repr, separators=(",", ":"))
-        running = _Running(job_id, record, slot_id())
+        }
+        running = _Running(job_id, fields, slot_id())
         with self._lock:
             self._running[job_id] = running
             sleeping = self._sleep_until
