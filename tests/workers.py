@@ -58,6 +58,8 @@ class ManagedProcess:
         self.cwd = cwd
         self.env = dict(os.environ if env is None else env)
         self.ready_pattern = ready_pattern
+        #: ``stop()`` had to SIGKILL it: it did not exit within its timeout.
+        self.stop_timed_out = False
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -132,10 +134,15 @@ class ManagedProcess:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                self.stop_timed_out = True
+                self._before_kill()
                 proc.kill()
                 proc.wait()
         self._kill_group()
         return proc.returncode
+
+    def _before_kill(self) -> None:
+        """It did not stop in time and is about to be SIGKILLed: say where it hangs."""
 
     def kill(self) -> None:
         """SIGKILL the main process only, as a crash would; its children live on."""
@@ -243,3 +250,12 @@ class WorkerProcess(ManagedProcess):
             env=full_env,
             ready_pattern=READY_PATTERN,
         )
+
+    def _before_kill(self) -> None:
+        """Celery's SIGUSR1 handler writes every thread's stack to the log: a shutdown
+        that hangs leaves its reason there."""
+        try:
+            os.kill(self.pid, signal.SIGUSR1)
+            time.sleep(2.0)
+        except ProcessLookupError:
+            pass

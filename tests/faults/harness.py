@@ -739,7 +739,17 @@ class Run:
     def _fault_sigterm(self) -> Fault:
         worker = self._pick_pool()
         fault = self._pool_fault("sigterm", worker)
+        started = time.monotonic()
         worker.stop(signal.SIGTERM, timeout=30)
+        if worker.stop_timed_out:
+            # SIGKILLed after 30 s: the reaper then returns what it owned. Its log ends
+            # with every thread's stack (Celery's SIGUSR1 handler, sent before the kill).
+            self.result.notes.append(
+                f"sigterm: {worker.hostname} did not exit in 30 s and was SIGKILLed; "
+                f"its log {worker.log_path} ends:\n{worker.log_tail(80)}")
+        else:
+            self.log(f"  {self.scenario.name}/{self.mode}: {worker.hostname} exited "
+                     f"{time.monotonic() - started:.1f} s after SIGTERM")
         self._replace(worker)
         return fault
 
