@@ -94,19 +94,20 @@ def test_sigkill_main_process_jobs_rerun_elsewhere(app: Any, mode: Mode, worker_
     when they started: the drop-in app sets Celery's own ``task_acks_late`` (and
     ``task_reject_on_worker_lost``), as ``install(app)`` does by default."""
     env = mode.env(acks_late=True)
-    survivor = start_worker(worker_factory, pool="threads", concurrency=4, hostname="b@%h",
-                            env=env)
     victim = start_worker(worker_factory, pool="prefork", concurrency=2, hostname="a@%h",
                           env=env)
-    # Fill the victim only: pause the survivor's consumption by starting it first is not
-    # enough, so send jobs and wait until the victim runs at least one.
+    # The victim alone takes the jobs (8 = its prefetch, 12 s of work for its 2
+    # children); the survivor starts once it runs one, with nothing left to take, and
+    # is idle when the victim dies.
     keys = [f"k{i}" for i in range(8)]
     for k in keys:
-        mode.send(app.slow, k, 1.0)
+        mode.send(app.slow, k, 3.0)
     victim_pid = str(victim.pid)
     victim_children = set(map(str, victim.child_pids()))
     wait_for(lambda: any(s.split(":")[0] in victim_children
                          for k in keys for s in starts(rec, k)), 10, "victim running a job")
+    survivor = start_worker(worker_factory, pool="threads", concurrency=4, hostname="b@%h",
+                            env=env)
     kill_at = time.time()
     children = victim.child_pids()
     victim.kill()

@@ -1,7 +1,8 @@
 """Exactly-once enqueue across an outage (DESIGN.md promise 7: a fault inside a round trip).
 
 A producer reaches Redis through a TCP proxy that forwards one enqueue to Redis, which
-runs it, and then closes the connection instead of passing the reply on. Celery's
+runs it, and then closes the connection instead of passing the reply on; with
+``install(app)`` and drop-in (only the URL changed: Kombu's own producer). Celery's
 publish retry policy (``kombu.Connection.ensure``) reconnects and publishes again: the
 job must be stored once and run once.
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 from kombu import Connection, Exchange, Queue
 
 from celery_ext import scripts
@@ -66,19 +68,49 @@ CASES: dict[str, tuple[str, Callable[[], Any], str]] = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+def drop_in_app(url: str) -> Celery:
+    """A producer app as a drop-in user has it: only the URL is ours, no install(app);
+    the job name is routed to its own queue, where the worker below consumes it."""
+    app = Celery("dropin_producer", broker=url, set_as_current=False)
+    app.conf.task_routes = {"tests.proj.record": {"queue": "tests.proj.record"}}
+    return app
+
+
+#: Drop-in cases: (the script whose reply is lost, apply_async options beyond RETRY).
+DROP_IN_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "queued": ("enqueue", {}),
+    "scheduled": ("schedule", {"countdown": 1.0}),
+}
+
+
+@pytest.mark.parametrize(("mode", "case"), [("install", c) for c in CASES]
+                         + [("drop-in", c) for c in DROP_IN_CASES])
 def test_a_publish_retried_after_its_write_landed_stores_and_runs_one_job(
         proxy: Proxy, redis_client: redis.Redis, rec: redis.Redis,
-        worker_factory: Callable[..., WorkerProcess], case: str) -> None:
-    script, send, queue = CASES[case]
+        worker_factory: Callable[..., WorkerProcess], mode: str, case: str) -> None:
     url = f"celery-ext://127.0.0.1:{proxy.port}/0"
     proj.configure(url)
     rec.delete("runs:once")
     proj.record.delay("warm-up", 0)  # connected, scripts loaded
+    dropin = drop_in_app(url) if mode == "drop-in" else None
+    if dropin is None:
+        script, send, queue = CASES[case]
+    else:
+        script, options = DROP_IN_CASES[case]
+        queue = "tests.proj.record"
+        dropin.send_task(queue, ("warm-up", 0), **RETRY)  # its connection is made
+
+        def send() -> Any:
+            assert dropin is not None
+            return dropin.send_task(queue, ("once", 7), **options, **RETRY)
     redis_client.delete(K.queue("tests.proj.record"), *redis_client.scan_iter(K.published("*")))
 
     proxy.cut_on_reply(scripts.sha(script).encode())
-    result = send()
+    try:
+        result = send()
+    finally:
+        if dropin is not None:
+            dropin.close()
     assert proxy.replies_cut == 1  # the fault happened inside the round trip
 
     jobs = stored_payloads(redis_client, queue)
