@@ -788,9 +788,16 @@ class Run:
 
     def _fault_redis_kill(self) -> Fault:
         fault = self._server_fault("redis_kill")
+        killed = time.time()
         self.server.kill()
         time.sleep(0.5)
         self.server.start()
+        # A job that first started while the server was down was fetched before the kill,
+        # maybe after the in-flight records were read: it was owned at the fault too.
+        up = time.time()
+        late = {job for kind, job, _, at in Record.read(self.record_path).lines
+                if kind == "S" and killed <= at <= up}
+        fault.owned += sorted(late - set(fault.owned))
         return fault
 
     def _fault_cluster_failover(self) -> Fault:
