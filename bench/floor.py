@@ -11,8 +11,8 @@ consumer and Message, the job's own code. It is a measurement device, never a wa
 jobs: a job that raises is acked and forgotten here.
 
 ``python -m bench.floor [--rounds 2] [--jobs 20000] [--processes 2]`` drains the same
-pre-queued no-op jobs with two solo workers (Dramatiq's 2 processes) for stock and ours, each with
-Celery's path and at the floor, and Dramatiq, in turning order; it prints jobs/s, worker
+pre-queued no-op jobs with two solo workers (Dramatiq's 2 processes) for stock and ours,
+each with Celery's path and at the floor, and Dramatiq, in turning order; it prints jobs/s, worker
 and Redis CPU per job, and each side over Dramatiq.
 """
 
@@ -55,6 +55,12 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[...,
     return handle
 
 
+def _log_run(rnd: int, label: str, res: dict[str, Any]) -> None:
+    log(f"  round {rnd + 1} {label}: {res['jobs_per_s']:.0f} jobs/s (steady "
+        f"{res['steady_jobs_per_s']:.0f}), worker {res['worker_cpu_us']:.0f} us/job, "
+        f"redis {res['redis_cpu_us']:.0f}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.floor", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,24 +80,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             sides = SIDES if rnd % 2 == 0 else tuple(reversed(SIDES))
             for label, mode, floor in sides:
                 res = drain_once(bench, mode, "solo", 1, args.jobs, late,
-                                 processes=args.processes,
-                                 floor=floor)
+                                 processes=args.processes, floor=floor)
                 runs[label].append(res)
-                log(f"  round {rnd + 1} {label}: {res['jobs_per_s']:.0f} jobs/s (steady "
-                    f"{res['steady_jobs_per_s']:.0f}), worker {res['worker_cpu_us']:.0f} "
-                    f"us/job, redis {res['redis_cpu_us']:.0f}")
+                _log_run(rnd, label, res)
             res = drain_once(bench, DRAMATIQ, "", 0, args.jobs, True)
             runs["dramatiq"].append(res)
-            log(f"  round {rnd + 1} dramatiq: {res['jobs_per_s']:.0f} jobs/s (steady "
-                f"{res['steady_jobs_per_s']:.0f}), worker {res['worker_cpu_us']:.0f} us/job, "
-                f"redis {res['redis_cpu_us']:.0f}")
+            _log_run(rnd, "dramatiq", res)
     med = {label: {k: median([r[k] for r in rs]) for k in
                    ("jobs_per_s", "steady_jobs_per_s", "worker_cpu_us", "redis_cpu_us")}
            for label, rs in runs.items()}
     dram = med["dramatiq"]["jobs_per_s"]
     print(f"drain of {args.jobs:,} no-op jobs, acks {args.acks}, {args.processes} solo "
-          f"worker(s) (Dramatiq: "
-          f"2 processes x 8 threads), median of {args.rounds} rounds")
+          f"worker(s) (Dramatiq: 2 processes x 8 threads), median of {args.rounds} rounds")
     print(f"{'side':<20} {'jobs/s':>8} {'steady':>8} {'worker us/job':>14} "
           f"{'Redis us/job':>13} {'x Dramatiq':>11}")
     for label, m in med.items():

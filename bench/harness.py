@@ -165,14 +165,16 @@ class ProcGroup:
         for proc in self.procs:
             proc.stop(graceful, timeout)
 
+    def _telling(self) -> Proc:
+        """The worker whose log tells what went wrong: the first that died, else the first."""
+        return next((p for p in self.procs if not p.alive()), self.procs[0])
+
     @property
     def log_path(self) -> Path:
-        """The log of the first worker that died, else of the first one."""
-        return next((p.log_path for p in self.procs if not p.alive()), self.procs[0].log_path)
+        return self._telling().log_path
 
     def log_tail(self, lines: int = 30) -> str:
-        dead = [p for p in self.procs if not p.alive()] or self.procs[:1]
-        return dead[0].log_tail(lines)
+        return self._telling().log_tail(lines)
 
 
 def stop_all() -> None:

@@ -107,8 +107,7 @@ def layer_of(frames: Sequence[str]) -> str:
     """The layer of one sampled stack (root first): the innermost frame that names one.
     Acks made inside the tracer count as acks, the job inside it as the job."""
     for frame in reversed(frames):
-        name, _, where = frame.partition(" (")
-        where = _short(f"x ({where}")[3:] if where else ""
+        name, where = _split(frame)
         for layer, marks in LAYERS:
             if any(where.startswith(m) if m.endswith("/") else name.startswith(m)
                    for m in marks):
@@ -116,17 +115,26 @@ def layer_of(frames: Sequence[str]) -> str:
     return EVENT_LOOP
 
 
+#: A frame's file path up to its package: site-packages, or this checkout.
+_PATH_PREFIX = re.compile(r"^(?:.*/site-packages/|" + re.escape(f"{REPO_ROOT}/") + ")")
+
+
+def _split(frame: str) -> tuple[str, str]:
+    """A frame "name (path/to/pkg/mod.py:12)" -> ("name", "pkg/mod.py:12")."""
+    name, _, where = frame.partition(" (")
+    return name, _PATH_PREFIX.sub("", where.removesuffix(")"))
+
+
 def _package(frame: str) -> str:
     """Top-level package of a frame "name (pkg/mod.py:12)"; "stdlib" when it has no dir."""
-    m = re.search(r"\(([^)]*)\)$", frame)
-    path = m.group(1) if m else ""
-    path = re.sub(r"^.*/(site-packages|work/main)/", "", path)
+    path = _split(frame)[1]
     return path.split("/", 1)[0] if "/" in path else "stdlib"
 
 
 def _short(frame: str) -> str:
     # "name (path/to/site-packages/pkg/mod.py:12)" -> "name (pkg/mod.py:12)"
-    return re.sub(r"\((?:.*/site-packages/|.*/work/main/)?([^)]*)\)", r"(\1)", frame)
+    name, where = _split(frame)
+    return f"{name} ({where})" if where else name
 
 
 def report_stacks(stacks: dict[str, dict[str, Counter[str]]], top: int,
@@ -216,9 +224,8 @@ def profile_mode(bench: Bench, mode: str, pool: str, conc: int, n: int, acks_lat
              f"{n} jobs: {n / (t1 - t0):.0f} jobs/s from start "
              f"(steady {n / max(t1 - first, 1e-6):.0f}/s, under the profiler)"]
     steady = max(1, n - at_first["done"])
-    cpu_us = {"main": (usage["cpu_main"] - at_first["usage"]["cpu_main"]) / steady * 1e6,
-              "children": (usage["cpu_tree"] - usage["cpu_main"] - at_first["usage"]["cpu_tree"]
-                           + at_first["usage"]["cpu_main"]) / steady * 1e6}
+    used = {k: (usage[k] - at_first["usage"][k]) / steady * 1e6 for k in ("cpu_main", "cpu_tree")}
+    cpu_us = {"main": used["cpu_main"], "children": used["cpu_tree"] - used["cpu_main"]}
     lines.append(f"  worker CPU per job from the first completion, under the profiler: main "
                  f"process {cpu_us['main']:.0f} us"
                  + (f", children {cpu_us['children']:.0f} us" if pool == "prefork" else ""))
