@@ -278,8 +278,12 @@ def test_flower_and_unique_jobs_on_a_cluster(
             app.send_task(paused, (i,))
         # The producer's own declaration of the task carries its options (unique=True).
         unique = app.task(name=f"{APP}.unique", unique=True)(_declared)
+        # Paused while both are sent: the first cannot run and release its lock before
+        # the second arrives (a loaded CI run did that, and ran both).
+        client.pause(unique.name)
         unique.delay(1)
         unique.delay(1)
+        client.resume(unique.name)
         flower.start(timeout=30)
         wait_for(lambda: worker.hostname.split("@")[0] in str(_get_json(
             base, "/api/workers?refresh=1")), 30, "Flower to see the worker")
