@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from typing import Any
 
@@ -31,6 +32,7 @@ import redis
 from celery import bootsteps
 from celery.signals import celeryd_init, worker_ready, worker_shutdown, worker_shutting_down
 from kombu import Queue
+from kombu.asynchronous import get_event_loop
 
 from . import pool as _pool
 from .config import ConfigError, Settings, check_broker_url, uses_our_transport
@@ -217,11 +219,49 @@ celeryd_init.connect(validate_settings, weak=False)
 
 @worker_shutting_down.connect(weak=False)
 def _on_shutting_down(**kwargs: Any) -> None:
+    """Celery runs this inside its SIGTERM/SIGQUIT handler, in the event loop's thread,
+    wherever that thread was interrupted (perhaps holding a lock the pool or redis-py
+    would take): the work is done in a short-lived thread of its own."""
+    global _stopping
+    if _stopping is None:  # a second signal (warm, then cold) finds it started
+        _stopping = threading.Thread(target=begin_stopping, name="celery_ext-stopping",
+                                     daemon=True)
+        _stopping.start()
+
+
+#: The thread ``_on_shutting_down`` started; the pools stop only after it is done, so
+#: its "stopping" is never written over a pool that has already deregistered.
+_stopping: threading.Thread | None = None
+#: How long the worker's shutdown waits for that thread (seconds). Its one write takes
+#: milliseconds; against an unreachable Redis the shutdown goes on without it.
+STOPPING_JOIN_TIMEOUT = 10.0
+
+
+def begin_stopping() -> None:
+    """The worker is shutting down: the pools say "stopping" (checkins answer stop), then
+    the event loop is woken to read its shutdown flag.
+
+    Celery's signal handler only sets that flag; the loop reads it between turns. An idle
+    pool of ours sends no fetch (its WAKE listener and ready refresh take over), so the
+    loop's poll sleeps until its next timer: up to a second with Kombu's timers, where
+    stock's blocking BRPOP returns sooner. Called from the loop's own thread, Kombu's
+    ``call_soon`` would not wake the poll; called from this one, it does."""
     _pool.mark_all_stopping()
+    hub = get_event_loop()
+    if hub is not None:
+        hub.call_soon(_nothing)
+
+
+def _nothing() -> None:
+    """The callback whose only effect is to end the event loop's poll (``begin_stopping``)."""
 
 
 @worker_shutdown.connect(weak=False)
 def _on_shutdown(**kwargs: Any) -> None:
+    global _stopping
+    stopping, _stopping = _stopping, None
+    if stopping is not None:
+        stopping.join(STOPPING_JOIN_TIMEOUT)
     _pool.stop_all()
 
 

@@ -85,6 +85,9 @@ def test_pool_registers_and_heartbeats_with_redis_time(app: Any, mode: Mode, wor
     assert abs((t_s * 1000 + t_us // 1000) - second) < 2000  # stamped with Redis time
     w.stop()
     assert pools(redis_client) == {}  # warm shutdown deregisters
+    # ... after its "stopping" (written from a thread of its own: bootsteps.begin_stopping),
+    # which leaves no pool record behind
+    assert not redis_client.exists(KEYS.pool(pool_id))
 
 
 def test_sigkill_main_process_jobs_rerun_elsewhere(app: Any, mode: Mode, worker_factory: Any,
