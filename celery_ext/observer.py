@@ -61,11 +61,15 @@ _observers: dict[int, Observer] = {}
 _observers_lock = threading.Lock()
 
 
+#: This process's pid, as text (``os.getpid`` is a system call; a job asks twice).
+_pid = str(os.getpid())
+
+
 def slot_id() -> str:
     """This execution slot: the process, plus the thread for the threads pool."""
     if threading.current_thread() is threading.main_thread():
-        return str(os.getpid())
-    return f"{os.getpid()}-{threading.get_ident()}"
+        return _pid
+    return f"{_pid}-{threading.get_ident()}"
 
 
 def preview(args: Any, kwargs: Any) -> str:
@@ -85,21 +89,34 @@ class _CheckinState:
 
 class _Running:
     """A job running in this process. Its busy record is written only if it runs past
-    ``BUSY_RECORD_DELAY``, which most jobs never do, so the record's fields are kept as
-    they are (strings and numbers, taken at the start) and made JSON only then."""
+    ``BUSY_RECORD_DELAY``, which most jobs never do, so the start keeps references (the
+    task, its arguments) and the record is made only then: the arguments are previewed
+    as they are at that moment."""
 
-    __slots__ = ("fields", "job_id", "slot", "started", "written")
+    __slots__ = ("args", "job_id", "kwargs", "slot", "started", "task", "written")
 
-    def __init__(self, job_id: str, fields: dict[str, Any], slot: str) -> None:
+    def __init__(self, job_id: str, task: Any, args: Any, kwargs: Any, slot: str) -> None:
         self.job_id = job_id
-        self.fields = fields
+        self.task = task
+        self.args = args
+        self.kwargs = kwargs
         self.slot = slot
         self.started = time.monotonic()
         self.written = False
 
     @property
     def record(self) -> str:
-        return json.dumps(self.fields, default=repr, separators=(",", ":"))
+        try:
+            args = preview(self.args, self.kwargs)
+        except Exception as exc:  # the job's own __repr__, or a thread changing them
+            args = f"<arguments not shown: {type(exc).__name__}>"
+        return json.dumps({
+            "job_id": self.job_id,
+            "job_name": self.task.name,
+            "args": args,
+            "stall_after": getattr(self.task, "stall_after", None),
+            "pid": int(_pid),
+        }, default=repr, separators=(",", ":"))
 
 
 class Observer:
@@ -133,6 +150,9 @@ class Observer:
     def for_app(cls, app: Any) -> Observer | None:
         """The observer of this process, or None when the broker is not ours."""
         key = id(app)
+        obs = _observers.get(key)  # each job asks: the lock only when one is made
+        if obs is not None:
+            return obs
         with _observers_lock:
             obs = _observers.get(key)
             if obs is None:
@@ -151,14 +171,7 @@ class Observer:
                      [slot, mode, job_id, record, "", "", elapsed_ms])
 
     def job_started(self, task: Any, job_id: str, args: Any, kwargs: Any) -> None:
-        fields = {
-            "job_id": job_id,
-            "job_name": task.name,
-            "args": preview(args, kwargs),
-            "stall_after": getattr(task, "stall_after", None),
-            "pid": os.getpid(),
-        }
-        running = _Running(job_id, fields, slot_id())
+        running = _Running(job_id, task, args, kwargs, slot_id())
         with self._lock:
             self._running[job_id] = running
             sleeping = self._sleep_until
@@ -365,9 +378,10 @@ def _on_failure(sender: Any = None, task_id: str | None = None, exception: Any =
 def _forget_observers_after_fork() -> None:
     """A child forked from a process that built an observer (the main process, after a
     lost job) builds its own: the parent's lock and thread are not its."""
-    global _observers_lock
+    global _observers_lock, _pid
     _observers.clear()
     _observers_lock = threading.Lock()
+    _pid = str(os.getpid())
 
 
 os.register_at_fork(after_in_child=_forget_observers_after_fork)

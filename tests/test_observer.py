@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import redis
 
 from celery_ext.config import Settings
 from celery_ext.keys import Keys
-from celery_ext.observer import Observer
+from celery_ext.observer import BUSY_RECORD_DELAY, Observer
 from celery_ext.state import State
 
 K = Keys("celery_ext")
@@ -32,3 +34,37 @@ def test_counters_of_many_job_names_are_summed_and_written_exactly(
     assert len(stats) == 3 + 1000 + 100 + 1
     # What the dashboard and CLI read back.
     assert State(redis_client).totals() == {"processed": 2000, "failed": 200, "retried": 2}
+
+
+class _Task:
+    name = "obs.long"
+    stall_after = 30
+
+
+class _Unprintable:
+    def __repr__(self) -> str:
+        raise ValueError("no repr")
+
+
+def test_busy_record_is_made_when_written_and_survives_a_bad_repr(
+        redis_client: redis.Redis) -> None:
+    """A job's busy record is built past the delay, from the arguments it started with;
+    an argument whose repr() raises costs its preview, not the record (nor the others)."""
+    obs = Observer(redis_client, Settings(), "pool-obs")
+    state = State(redis_client)
+    redis_client.zadd(K.pools, {"pool-obs": 0})  # busy_workers lists registered pools
+    obs.job_started(_Task(), "job-ok", ("long", 3), {"k": 1})
+    obs.job_started(_Task(), "job-bad", (_Unprintable(),), {})
+    assert state.busy_workers() == []  # nothing written before the delay
+    obs._running["job-bad"].slot = "other-slot"  # two slots, as two threads would have
+    obs.flush()
+    assert state.busy_workers() == []
+    time.sleep(BUSY_RECORD_DELAY)
+    obs.flush()
+    busy = {b["job_id"]: b for b in state.busy_workers()}
+    assert busy["job-ok"]["args"] == "'long', 3, k=1" and busy["job-ok"]["stall_after"] == 30
+    assert busy["job-ok"]["job_name"] == "obs.long"
+    assert busy["job-bad"]["args"] == "<arguments not shown: ValueError>"
+    obs.job_finished("job-ok", "obs.long", "processed")
+    obs.job_finished("job-bad", "obs.long", "failed")
+    assert state.busy_workers() == []  # written records are cleared with their jobs
