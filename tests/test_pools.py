@@ -218,6 +218,31 @@ def test_long_job_checks_in_and_is_never_duplicated(app: Any, mode: Mode, worker
              "the checkin record to be cleared when the job ends")
 
 
+@pytest.mark.parametrize("pool", ["threads", "solo"])
+def test_busy_record_and_checkin_from_threads_and_solo(app: Any, mode: Mode, pool: str,
+                                                      worker_factory: Any,
+                                                      redis_client: redis.Redis,
+                                                      rec: redis.Redis) -> None:
+    """The busy record and checkin are written by the process that runs the job: here
+    the worker's main process (solo) or one of its threads, whose slot names it."""
+    w = start_worker(worker_factory, pool=pool, concurrency=2, env=mode.env())
+    (pool_id,) = wait_for(lambda: list(pools(redis_client)), 10, "pool registration")
+    state = State(redis_client, SETTINGS)
+    result = mode.send(app.long_checkin, "slot", 2)
+    (busy,) = wait_for(lambda: [b for b in state.busy_workers()
+                                if b["job_id"] == result.id and b["checkin_message"]],
+                       10, "the busy record with a checkin")
+    assert busy["pool_id"] == pool_id and busy["job_name"] == "tests.proj_pools.long_checkin"
+    assert busy["args"] == "'slot', 2" and busy["stall_after"] == 60
+    pid, _, thread = busy["slot"].partition("-")
+    assert pid == str(w.pid) and bool(thread) == (pool == "threads")
+    assert result.get(timeout=20) == "slot"
+    wait_for(lambda: not state.busy_workers() and
+             redis_client.hget(KEYS.checkins, result.id) is None, 5,
+             "the busy record and checkin cleared when the job ends")
+    assert len(starts(rec, "slot")) == 1
+
+
 def test_checkin_says_stop_on_warm_shutdown(app: Any, mode: Mode, worker_factory: Any,
                                             redis_client: redis.Redis,
                                             rec: redis.Redis) -> None:
