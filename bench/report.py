@@ -205,17 +205,22 @@ def targets(rows: list[Row]) -> list[dict[str, Any]]:
         if value is not None and ok is not None:
             out.append({"target": name, "value": round(value, 3), "met": ok})
 
-    dramatiq = next((r.dramatiq_median for r in rows if r.workload == "drain"
-                     and r.metric == "jobs/s" and r.dramatiq), None)
+    dramatiq = {r.metric: r.dramatiq_median for r in rows if r.workload == "drain"
+                and r.metric.endswith("jobs/s") and r.dramatiq}
     for r in rows:
-        if r.workload == "drain" and r.metric == "jobs/s" and r.stock:
-            check(f"drain {r.config}: ours/stock >= 1.0", r.ratio,
-                  r.ratio is not None and r.ratio >= 1.0)
-            if dramatiq and r.ours_median is not None:
+        if r.workload == "drain" and r.metric.endswith("jobs/s") and r.stock:
+            # The issue's figure is the rate from the workers' start; the steady rate (from
+            # the first completion on) is checked beside it, named as such.
+            steady = ", startup left out" if r.metric != "jobs/s" else ""
+            if not steady:
+                check(f"drain {r.config}: ours/stock >= 1.0", r.ratio,
+                      r.ratio is not None and r.ratio >= 1.0)
+            theirs = dramatiq.get(r.metric)
+            if theirs and r.ours_median is not None:
                 # Issue 16: >= 1.0x Dramatiq with threads and solo, >= 0.7x with prefork.
                 least = 0.7 if r.config.split(" -c ")[0].endswith("prefork") else 1.0
-                v = r.ours_median / dramatiq
-                check(f"drain {r.config}: ours/Dramatiq >= {least:g}", v, v >= least)
+                v = r.ours_median / theirs
+                check(f"drain {r.config}{steady}: ours/Dramatiq >= {least:g}", v, v >= least)
         elif r.workload == "enqueue" and r.metric == "jobs/s" and r.stock:
             check(f"enqueue {r.config}: ours/stock >= 2.0", r.ratio,
                   r.ratio is not None and r.ratio >= 2.0)
@@ -224,8 +229,8 @@ def targets(rows: list[Row]) -> list[dict[str, Any]]:
             check(f"latency {r.config} {r.metric.split()[0]}: ours/stock <= 1.0", r.ratio,
                   r.ratio is not None and r.ratio <= 1)
         elif r.workload == "idle" and r.metric == "commands sent/s":
-            v = r.ours_median
-            check("idle pool: ours <= 2 commands sent/s", v, v is not None and v <= 2.0)
+            sent = r.ours_median
+            check("idle pool: ours <= 2 commands sent/s", sent, sent is not None and sent <= 2.0)
         elif r.workload == "memory" and r.metric == "Redis bytes/job":
             check("memory per queued job: ours/stock <= 1.2", r.ratio,
                   r.ratio is not None and r.ratio <= 1.2)
