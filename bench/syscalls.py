@@ -100,7 +100,9 @@ def roles_of(worker: Proc | ProcGroup) -> tuple[Role, Role]:
 def measure(bench: Bench, side: str, worker: Proc | ProcGroup, n: int, window: float,
             strace: str, out: Path) -> dict[str, Any]:
     """Start ``worker`` on the restored queue and measure both windows (see the module)."""
-    done = lambda: int(bench.counter.get("bench:done") or 0)  # noqa: E731
+    def done() -> int:
+        return int(bench.counter.get("bench:done") or 0)
+
     worker.start()
     try:
         deadline = time.monotonic() + 60
@@ -134,6 +136,9 @@ def measure(bench: Bench, side: str, worker: Proc | ProcGroup, n: int, window: f
             tracer.send_signal(signal.SIGINT)
         for role, path, tracer in tracers:
             tracer.wait(30)
+            if not path.exists():
+                raise RuntimeError(f"{side}: strace wrote no summary (exit {tracer.returncode}); "
+                                   "it needs ptrace permission over the workers")
             traced = max(1, d3 - d2)
             role.calls = {k: v / traced for k, v in
                           parse_strace_summary(path.read_text(errors="replace")).items()}
