@@ -146,8 +146,9 @@ def report_stacks(stacks: dict[str, dict[str, Counter[str]]], top: int,
     each layer's share of that CPU; or, for samples taken only while holding the GIL,
     ``us_per_sample`` (sampling interval / jobs) times its samples. The rest of the CPU is
     not in the samples: the kernel's time in system calls, and the samples py-spy did not
-    take (on 2 busy cores it falls behind its rate). ``bench.syscalls`` measures the
-    kernel's share alone (psutil's system time): 40-65 µs per job for ours."""
+    take (in a solo drain on 2 cores it took about half as many as its rate asks).
+    ``bench.syscalls`` measures the kernel's share alone (psutil's system time): 40-65 µs
+    per job for ours."""
     lines = []
     for who in ("main", "children"):
         bucket = stacks.get(who)
