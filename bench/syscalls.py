@@ -1,8 +1,9 @@
 """The drain's kernel side: system calls and kernel CPU per job, stock, ours and Dramatiq.
 
-``bench.profile --gil`` counts the worker's Python by layer and leaves one bucket, "CPU
-not holding the GIL": the kernel's work in system calls (loopback sends and reads,
-polls, pipes to prefork children). This module opens that bucket.
+``bench.profile --gil`` counts the worker's sampled Python by layer and leaves the rest
+of its CPU unexplained: the kernel's work in system calls (loopback sends and reads,
+polls, pipes to prefork children) and the samples py-spy did not take. This module
+measures the kernel's part on its own.
 
 ``python -m bench.syscalls [--pools prefork,solo-x2,threads-2x8] [--modes stock,ours,dramatiq]
 [--jobs 20000] [--window 1.5]`` drains the same pre-queued no-op jobs as ``python -m bench``
@@ -32,6 +33,7 @@ from typing import Any
 
 import psutil
 
+from bench import app as bench_app
 from bench.harness import DRAMATIQ, MODES, REPO_ROOT, Bench, Proc, ProcGroup
 from bench.workloads import POOLS, fill, log
 
@@ -101,15 +103,11 @@ def measure(bench: Bench, side: str, worker: Proc | ProcGroup, n: int, window: f
             strace: str, out: Path) -> dict[str, Any]:
     """Start ``worker`` on the restored queue and measure both windows (see the module)."""
     def done() -> int:
-        return int(bench.counter.get("bench:done") or 0)
+        return int(bench.counter.get(bench_app.COUNTER_KEY) or 0)
 
     worker.start()
     try:
-        deadline = time.monotonic() + 60
-        while done() < n * WARMUP_SHARE:
-            if time.monotonic() > deadline or not worker.alive():
-                raise RuntimeError(f"{side}: worker did not drain; log {worker.log_path}")
-            time.sleep(0.01)
+        bench.wait_count(worker, int(n * WARMUP_SHARE), timeout=60)
         roles = roles_of(worker)
         before = [r.cpu() for r in roles]
         d0, t0 = done(), time.perf_counter()
@@ -134,12 +132,12 @@ def measure(bench: Bench, side: str, worker: Proc | ProcGroup, n: int, window: f
         d3 = done()
         for _, _, tracer in tracers:
             tracer.send_signal(signal.SIGINT)
+        traced = max(1, d3 - d2)
         for role, path, tracer in tracers:
             tracer.wait(30)
             if not path.exists():
                 raise RuntimeError(f"{side}: strace wrote no summary (exit {tracer.returncode}); "
                                    "it needs ptrace permission over the workers")
-            traced = max(1, d3 - d2)
             role.calls = {k: v / traced for k, v in
                           parse_strace_summary(path.read_text(errors="replace")).items()}
         if d3 >= n:

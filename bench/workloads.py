@@ -44,8 +44,8 @@ class PoolSize(NamedTuple):
 #: The drain workload's configurations. One worker of each pool, and the threads and solo
 #: pools "sized to match" Dramatiq's 2 processes x 8 threads: one worker per process
 #: (prefork -c 2 is already two processes). A solo worker runs one job at a time and
-#: idles while that job waits on its own round trip (two keep about 1.3 of the 2 cores busy), so
-#: ``solo-x4`` also sizes the solo pool to fill the cores.
+#: idles while that job waits on its own round trip (two keep about 1.3 of the 2 cores
+#: busy), so ``solo-x4`` also sizes the solo pool to fill the cores.
 POOLS = {"prefork": PoolSize("prefork", 2), "threads": PoolSize("threads", 8),
          "solo": PoolSize("solo", 1), "threads-2x8": PoolSize("threads", 8, 2),
          "solo-x2": PoolSize("solo", 1, 2), "solo-x4": PoolSize("solo", 1, 4)}
