@@ -19,7 +19,8 @@ and every workload (the harness sets them for each subprocess):
   (many_queues' "1 job name over N queues": the queues' cost without Celery's
   per-task-name cost); the client enqueues round-robin over them
 - ``BENCH_FLOOR``       ``1``: tasks use ``bench.floor.strategy`` (the drain's floor: no
-  Celery Request or tracer; see ``bench.floor``)
+  Celery Request or tracer); ``2``: ``bench.floor.kept_strategy`` (the floor plus the
+  least a request path keeping Celery's semantics does); see ``bench.floor``
 - ``BENCH_CLUSTER``     ``1``: the broker URL is a seed node of a Redis Cluster (ours, with
   the transport option ``cluster``; ``bench.cluster``)
 - ``BENCH_COUNTER_URL`` where the jobs count their completions, if not db 2 of the
@@ -54,7 +55,8 @@ QUEUES = int(os.environ.get("BENCH_QUEUES", "0"))
 INSTALL = MODE == "ours" and os.environ.get("BENCH_INSTALL", "1") == "1"
 BACKEND = os.environ.get("BENCH_BACKEND") == "1"
 CLUSTER = os.environ.get("BENCH_CLUSTER") == "1"
-FLOOR = os.environ.get("BENCH_FLOOR") == "1"
+FLOOR = {"1": "bench.floor:strategy", "2": "bench.floor:kept_strategy"}.get(
+    os.environ.get("BENCH_FLOOR", ""), "")
 COUNTER_URL = os.environ.get("BENCH_COUNTER_URL", "")
 #: The queues one job name is spread over (empty unless BENCH_QUEUES is set).
 QUEUE_NAMES = [f"bench.q_{i:04d}" for i in range(QUEUES)]
@@ -163,7 +165,7 @@ elif not QUEUE_NAMES:
     app.conf.task_queues = [Queue(n, routing_key=n) for n in names]
     app.conf.task_routes = {n: {"queue": n} for n in names}
 if FLOOR:
-    app.Task.Strategy = "bench.floor:strategy"
+    app.Task.Strategy = FLOOR
 
 
 @worker_ready.connect

@@ -77,14 +77,18 @@ def parse_stacks(path: Path, main_pid: int) -> dict[str, dict[str, Counter[str]]
 
 
 #: The worker's per-job path in layers, for ``layer_of``: (layer, frame-name prefixes; a
-#: prefix ending in "/" matches a file path instead). Stock's and ours' functions share
+#: prefix with a "/" in it matches a file path instead). Stock's and ours' functions share
 #: these names where the layer is Kombu's or Celery's.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("job body (the task's code: one INCRBY)", ("bench/",)),
+    ("job body (the task's code: one INCRBY)", ("bench/app.py",)),
+    ("bench.floor's strategy (--floor 1 or 2)", ("strategy.<locals>.", "kept_strategy.",
+                                                 "_acker", "_Running.")),
     ("acks", ("Request.acknowledge", "Consumer.call_soon_ack", "WorkerPool.flush_acks",
               "WorkerPool._write_acks", "WorkerPool.ack", "AckSender.", "Message.ack",
               "Channel.basic_ack", "QoS.ack", "on_loop_tick")),
-    ("Celery tracer (signals, request stack, state)", ("build_tracer.<locals>.trace_task",
+    ("task signals and their receivers (task_prerun, task_postrun: ours)", (
+        "Signal.send",)),
+    ("Celery tracer (request stack, state)", ("build_tracer.<locals>.trace_task",
                                                         "fast_trace_task", "apply_target")),
     ("pool hand-off (billiard's pipes and results; a thread pool's queue)", (
         "BasePool.apply_async", "TaskPool.", "AsynPool.", "ResultHandler.", "ApplyResult.",
@@ -109,7 +113,7 @@ def layer_of(frames: Sequence[str]) -> str:
     for frame in reversed(frames):
         name, where = _split(frame)
         for layer, marks in LAYERS:
-            if any(where.startswith(m) if m.endswith("/") else name.startswith(m)
+            if any(where.startswith(m) if "/" in m else name.startswith(m)
                    for m in marks):
                 return layer
     return EVENT_LOOP
@@ -181,7 +185,7 @@ def report_stacks(stacks: dict[str, dict[str, Counter[str]]], top: int,
 
 def profile_mode(bench: Bench, mode: str, pool: str, conc: int, n: int, acks_late: bool,
                  out: Path, rate: int, slowlog_us: int, pyspy: str | None,
-                 top: int, names: int = 1, gil: bool = False) -> str:
+                 top: int, names: int = 1, gil: bool = False, floor: int = 0) -> str:
     """Drain ``n`` pre-filled jobs once under the profilers; returns the report text."""
     bench.restore(mode)
     admin = bench.client()
@@ -189,8 +193,10 @@ def profile_mode(bench: Bench, mode: str, pool: str, conc: int, n: int, acks_lat
     admin.config_set("slowlog-max-len", SLOWLOG_LEN)
     admin.slowlog_reset()
     stats0 = dict(admin.info("commandstats"))
-    worker = bench.worker(mode, pool, conc, acks_late=int(acks_late), names=names)
-    raw = out / f"{mode}-{pool}-{'late' if acks_late else 'early'}-{names}.pyspy.txt"
+    worker = bench.worker(mode, pool, conc, acks_late=int(acks_late), names=names,
+                          floor=floor)
+    raw = (out / f"{mode}-{pool}-{'late' if acks_late else 'early'}-{names}"
+           f"{f'-floor{floor}' if floor else ''}.pyspy.txt")
     spy: subprocess.Popen[bytes] | None = None
     t0 = time.perf_counter()
     worker.start()
@@ -336,6 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gil", action="store_true",
                    help="sample only threads holding the GIL: the account by layer is then "
                         "in us of CPU per job; the rest is kernel time and missed samples")
+    p.add_argument("--floor", type=int, choices=(0, 1, 2), default=0,
+                   help="the tasks' strategy: Celery's (0), bench.floor's floor (1) or its "
+                        "kept floor (2)")
     p.add_argument("--no-pyspy", action="store_true")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--enqueue", action="store_true",
@@ -365,9 +374,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"[profile] {mode}")
             reports.append(profile_mode(bench, mode, pool, conc, args.jobs, args.acks == "late",
                                         out, args.rate, args.slowlog_us, pyspy, args.top,
-                                        args.names, args.gil))
+                                        args.names, args.gil, args.floor))
     text = "\n\n".join(reports)
-    (out / f"report-{args.pool}-{args.acks}-{args.names}.txt").write_text(text + "\n")
+    floor = f"-floor{args.floor}" if args.floor else ""
+    (out / f"report-{args.pool}-{args.acks}-{args.names}{floor}.txt").write_text(text + "\n")
     print(text)
     return 0
 

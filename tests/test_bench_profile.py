@@ -28,8 +28,13 @@ def test_each_stack_counts_in_its_innermost_layer() -> None:
            "Request.acknowledge (celery/worker/request.py:901)",
            "WorkerPool.ack (celery_ext/pool.py:310)"]
     assert layer_of(ack) == "acks"
-    assert layer_of([*DELIVER, "Signal.send (celery/utils/dispatch/signal.py:260)"]).startswith(
-        "Celery tracer")
+    # A signal's dispatch and its receivers are their own layer, inside the tracer or not.
+    assert layer_of([*DELIVER, "Signal.send (celery/utils/dispatch/signal.py:260)",
+                     "_on_prerun (celery_ext/observer.py:316)"]).startswith("task signals")
+    assert layer_of([*DELIVER, "kept_strategy.<locals>.work (bench/floor.py:140)"]).startswith(
+        "bench.floor's strategy")
+    assert layer_of([*DELIVER, "kept_strategy.<locals>.work (bench/floor.py:140)",
+                     "_make_job.<locals>.job (bench/app.py:128)"]).startswith("job body")
     assert layer_of(DELIVER[:6]).startswith("Celery strategy")
     assert layer_of([*DELIVER[:6], "BasePool.apply_async (celery/concurrency/base.py:140)",
                      "AsynPool.send_job (celery/concurrency/asynpool.py:850)"]).startswith(

@@ -86,3 +86,18 @@ def test_bench_layers_accounts_for_every_layer_of_every_side(tmp_path: Path) -> 
                 assert set(clocks[clock]) == layers, (label, clock)
                 for values in clocks[clock].values():
                     assert len(values) == 1 and math.isfinite(values[0]) and values[0] > 0
+
+
+@pytest.mark.timeout(330)
+def test_bench_floor_drains_with_each_strategy_in_a_thread_pool(tmp_path: Path) -> None:
+    # Thread pools take the strategies' hand-off path (a solo pool runs them inline), and
+    # a strategy that breaks leaves jobs undone: the drain then times out with its log.
+    done = run_bench("bench.floor", "--rounds", "1", "--jobs", "150", "--pool", "threads",
+                     "--concurrency", "2", "--processes", "1", "--out", str(tmp_path),
+                     timeout=300, what="bench.floor")
+    assert done.returncode == 0, done.stderr[-3000:]
+    medians = json.loads((tmp_path / "results.json").read_text())["medians"]
+    assert set(medians) == {"stock", "stock at the floor", "ours", "ours at the floor",
+                            "ours, what must be kept", "dramatiq"}
+    for label, m in medians.items():
+        assert math.isfinite(m["jobs_per_s"]) and m["jobs_per_s"] > 0, label
