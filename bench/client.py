@@ -161,7 +161,7 @@ def layers(batches: int, size: int) -> dict[str, dict[str, float]]:
         "full": {}, "celery_only": {"send": no_publish}, "no_transport": {"put": no_put},
         "floor": {"put": floor_put}, "direct_floor": {"publish": direct_publish}}
     if bench_app.MODE == "ours":
-        from celery_ext import producer
+        from celery_ext.producer import publish as producer
 
         def constant(self: object, script: str, keys: object, args: object) -> int:
             return 1

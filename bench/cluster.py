@@ -4,7 +4,7 @@ Three servers' worth of processes on one machine, in the same run:
 
 - **one node**: a fresh one-node server (AOF off), ``celery-ext://``;
 - **cluster**: a fresh local Redis Cluster of ``--masters`` masters without replicas
-  (``celery_ext.server.ClusterGroup``, the slots split evenly), ``celery-ext://`` with the
+  (``celery_ext.testing.server.ClusterGroup``, the slots split evenly), ``celery-ext://`` with the
   transport option ``cluster``;
 - a third one-node server where every job counts its completion (``INCR``): a cluster has
   no db 2, so both sides count on the same separate server.
@@ -58,8 +58,8 @@ from bench.harness import (
     stop_all,
 )
 from celery_ext.config import DEFAULT_NAMESPACE
-from celery_ext.keys import Keys
-from celery_ext.server import ClusterGroup, RedisServer
+from celery_ext.store.keys import Keys
+from celery_ext.testing.server import ClusterGroup, RedisServer
 
 DEFAULT_OUT = REPO_ROOT / "bench" / "results"
 #: The two sides, in the order of even rounds (odd rounds reverse it).

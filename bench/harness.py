@@ -29,7 +29,7 @@ import psutil
 import redis
 
 from bench import app as bench_app
-from celery_ext.server import RedisServer
+from celery_ext.testing.server import RedisServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: The two contenders: stock Kombu ``redis://`` and ours (``celery-ext://`` + install).

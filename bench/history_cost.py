@@ -2,12 +2,12 @@
 
 ``python -m bench.history_cost [--names 1,10,100] [--jobs-per-flush 1,10,100]``
 
-On a freshly started server (``celery_ext.server.RedisServer``):
+On a freshly started server (``celery_ext.testing.server.RedisServer``):
 
 * **memory**: one minute hash and one hour hash filled as a busy one would be (every job
   name active with runtimes spread over 8 histogram buckets, plus the queue-size
   sample), measured with ``MEMORY USAGE``; the bound is 1,441 minute hashes + 721 hour
-  hashes of that size (``celery_ext.history``: 24 h and 30 days, plus the current one).
+  hashes of that size (``celery_ext.store.history``: 24 h and 30 days, plus the current one).
   A job adds no memory of its own: it increments a count in a hash that exists anyway.
 * **CPU per job**: the executing process sums jobs in memory (``HistoryWriter.add``,
   timed here) and adds them to Redis once a second in one ``history`` script call;
@@ -25,9 +25,9 @@ import time
 from typing import Any
 
 from celery_ext.config import Settings
-from celery_ext.history import HistoryWriter
-from celery_ext.keys import Keys
-from celery_ext.server import RedisServer
+from celery_ext.store.history import HistoryWriter
+from celery_ext.store.keys import Keys
+from celery_ext.testing.server import RedisServer
 
 MINUTE_BUCKETS = 24 * 60 + 1
 HOUR_BUCKETS = 30 * 24 + 1

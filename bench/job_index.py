@@ -56,7 +56,7 @@ def template_payload(url: str, client: Any) -> tuple[str, str, str]:
 
 def run_round(client: Any, scripts: Any, argv_enqueue: Any, template: tuple[str, str, str],
               jobs: int, batch: int, indexed: bool, by_argv: bool) -> dict[str, float]:
-    from celery_ext.keys import Keys
+    from celery_ext.store.keys import Keys
 
     k = Keys("bench")
     payload, task_id, tag = template
@@ -103,9 +103,9 @@ def run_round(client: Any, scripts: Any, argv_enqueue: Any, template: tuple[str,
 
 def measure(jobs: int, rounds: int, batch: int) -> dict[str, Any]:
     from bench.harness import median
-    from celery_ext import scripts as _scripts
-    from celery_ext.scripts import Scripts
-    from celery_ext.server import RedisServer
+    from celery_ext.store import scripts as _scripts
+    from celery_ext.store.scripts import Scripts
+    from celery_ext.testing.server import RedisServer
 
     # The ARGV variant: the same script with the task id taken from ARGV[7].
     argv_source = _scripts.source("enqueue").replace(

@@ -1,7 +1,7 @@
 """CPU cost of the job runtime histogram in the process that runs the jobs.
 
 ``python -m bench.observer_cost [--jobs 50000] [--queues 10] [--rounds 5]`` drives the
-observer (``celery_ext.observer.Observer``) the way a worker's execution slot does,
+observer (``celery_ext.worker.observer.Observer``) the way a worker's execution slot does,
 ``job_started`` then ``job_finished`` per job, against a fresh server, and reports
 medians over the rounds of:
 
@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery_ext.config import Settings
-from celery_ext.observer import Observer, runtime_bucket
-from celery_ext.server import RedisServer
+from celery_ext.testing.server import RedisServer
+from celery_ext.worker.observer import Observer, runtime_bucket
 
 
 class _Task:

@@ -258,7 +258,7 @@ def profile_mode(bench: Bench, mode: str, pool: str, conc: int, n: int, acks_lat
 
 
 def _script_names() -> dict[str, str]:
-    from celery_ext import scripts
+    from celery_ext.store import scripts
 
     return {scripts.sha(name): name for name in scripts.SCRIPT_NAMES}
 

@@ -38,10 +38,10 @@ VARIANTS = ("plain", "priority", "fair", "rate_limit", "index")
 def one_round(client: Any, variant: str, jobs: int, batch: int, keys: int) -> dict[str, float]:
     """Push, fetch and ack ``jobs`` jobs with ``variant``; microseconds per job."""
     from celery_ext.config import DEFAULT_PRIORITY_STEPS as STEPS
-    from celery_ext.keys import Keys
-    from celery_ext.priority import level
-    from celery_ext.rate_limits import interval_us
-    from celery_ext.scripts import Scripts, sha, source
+    from celery_ext.options.priority import level
+    from celery_ext.options.rate_limits import interval_us
+    from celery_ext.store.keys import Keys
+    from celery_ext.store.scripts import Scripts, sha, source
 
     k, pool, queue = Keys("bench"), "bench:1:pool", "bench.job"
     scripts = Scripts(client)
@@ -84,7 +84,7 @@ def measure(variants: Sequence[str], jobs: int, rounds: int, batch: int,
             keys: int) -> dict[str, Any]:
     from bench.harness import median
     from bench.workloads import order
-    from celery_ext.server import RedisServer
+    from celery_ext.testing.server import RedisServer
 
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     with RedisServer() as server:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
-from .config import OUR_SCHEMES, SCHEME, TLS_SCHEME
-from .flower import enable as _enable_flower
-from .install import install
-from .observer import checkin
+from celery_ext.admin.flower import enable as _enable_flower
+from celery_ext.config import OUR_SCHEMES, SCHEME, TLS_SCHEME
+from celery_ext.install import install
+from celery_ext.worker.observer import checkin
 
 __version__ = "0.1.0"
 

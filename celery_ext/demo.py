@@ -41,11 +41,11 @@ from typing import Any
 
 from kombu.utils.encoding import bytes_to_str
 
-from .clock import now_ms
-from .config import Settings
-from .connections import client_from_url
-from .server import RedisServer
-from .state import State
+from celery_ext.admin.overview import State
+from celery_ext.config import Settings
+from celery_ext.store.clock import now_ms
+from celery_ext.store.connections import client_from_url
+from celery_ext.testing.server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The example app every process of the demo loads.

@@ -11,9 +11,9 @@ from celery.app.amqp import AMQP as CeleryAMQP
 from kombu.connection import maybe_channel
 from kombu.utils.objects import cached_property
 
-from .bootsteps import JobQueues, add_worker_parts, declare_job_queues
-from .producer import Producer, ProducerPool
-from .unique import patch_send_task
+from celery_ext.options.unique import patch_send_task
+from celery_ext.producer.publish import Producer, ProducerPool
+from celery_ext.worker.bootsteps import JobQueues, add_worker_parts, declare_job_queues
 
 logger = logging.getLogger("celery_ext")
 

@@ -1,6 +1,6 @@
 """Shared fixtures: one real server per session, a clean database per test, real workers.
 
-Tests run against a real Redis/Valkey (see :mod:`celery_ext.server`) because the
+Tests run against a real Redis/Valkey (see :mod:`celery_ext.testing.server`) because the
 plugin's guarantees live in Lua scripts and AOF behaviour that no fake reproduces.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import redis
 
-from celery_ext.pool import stop_all
-from celery_ext.server import ClusterGroup, RedisServer
+from celery_ext.testing.server import ClusterGroup, RedisServer
+from celery_ext.worker.worker_pool import stop_all
 from tests.workers import WorkerProcess
 
 # pyproject passes `-p no:celery` so the plugin is not auto-loaded twice; load it here

@@ -18,8 +18,8 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
-from celery_ext.keys import Keys
-from celery_ext.scripts import Scripts
+from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
 from tests.workers import REPO_ROOT, WorkerProcess
 
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""Test app for the shared Request classes (``celery_ext.strategy``).
+"""Test app for the shared Request classes (``celery_ext.worker.strategy``).
 
 Workers run it as ``-A tests.proj_strategy`` (``tests.proj``'s app plus these tasks):
 three tasks alike but for the settings a Request class captures, so a pool that

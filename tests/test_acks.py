@@ -7,12 +7,12 @@ import threading
 
 import redis
 
-from celery_ext import scripts
-from celery_ext.acks import MAX_UNREAD, AckSender
 from celery_ext.config import Settings
-from celery_ext.keys import Keys
-from celery_ext.pool import WorkerPool
-from celery_ext.server import RedisServer
+from celery_ext.store import scripts
+from celery_ext.store.keys import Keys
+from celery_ext.testing.server import RedisServer
+from celery_ext.worker.acks import MAX_UNREAD, AckSender
+from celery_ext.worker.worker_pool import WorkerPool
 
 K = Keys("celery_ext")
 POOL = "pool-acks"

@@ -29,8 +29,8 @@ import celery_ext
 from celery_ext.client import Client
 from celery_ext.config import DEFAULT_MAX_PAYLOAD_BYTES
 from celery_ext.errors import BrokerOutOfMemory, PayloadTooLarge
-from celery_ext.keys import Keys
-from celery_ext.server import RedisServer
+from celery_ext.store.keys import Keys
+from celery_ext.testing.server import RedisServer
 from tests import proj
 from tests.helpers import celery_cli, free_port, only_pool, push, wait_for
 from tests.workers import READY_PATTERN, REPO_ROOT, WorkerProcess

@@ -8,8 +8,8 @@ from pathlib import Path
 from bench.profile import EVENT_LOOP, layer_of, parse_stacks, report_stacks
 
 LOOP = ["Hub.create_loop (kombu/asynchronous/hub.py:372)",
-        "MultiChannelPoller.on_readable (celery_ext/transport.py:159)"]
-DELIVER = [*LOOP, "Channel._brpop_read (celery_ext/transport.py:742)",
+        "MultiChannelPoller.on_readable (celery_ext/transport/channel.py:159)"]
+DELIVER = [*LOOP, "Channel._brpop_read (celery_ext/transport/channel.py:742)",
            "Transport._deliver (kombu/transport/virtual/base.py:1016)",
            "Consumer._receive_callback (kombu/messaging.py:858)",
            "default.<locals>.task_message_handler (celery/worker/strategy.py:132)",
@@ -26,11 +26,11 @@ def test_each_stack_counts_in_its_innermost_layer() -> None:
     ack = [*DELIVER,
            "create_request_cls.<locals>.Request.on_success (celery/worker/request.py:1026)",
            "Request.acknowledge (celery/worker/request.py:901)",
-           "WorkerPool.ack (celery_ext/pool.py:310)"]
+           "WorkerPool.ack (celery_ext/worker/worker_pool.py:310)"]
     assert layer_of(ack) == "acks"
     # A signal's dispatch and its receivers are their own layer, inside the tracer or not.
     assert layer_of([*DELIVER, "Signal.send (celery/utils/dispatch/signal.py:260)",
-                     "_on_prerun (celery_ext/observer.py:316)"]).startswith("task signals")
+                     "_on_prerun (celery_ext/worker/observer.py:316)"]).startswith("task signals")
     assert layer_of([*DELIVER, "kept_strategy.<locals>.work (bench/floor.py:140)"]).startswith(
         "bench.floor's strategy")
     assert layer_of([*DELIVER, "kept_strategy.<locals>.work (bench/floor.py:140)",
@@ -42,10 +42,10 @@ def test_each_stack_counts_in_its_innermost_layer() -> None:
     assert layer_of(DELIVER[:4]).startswith("Kombu message")
     assert layer_of([*DELIVER[:3], "loads (json/__init__.py:299)"]) == (
         "fetch: reply read and decoded")
-    assert layer_of([*LOOP[:1], "Channel._brpop_start (celery_ext/transport.py:688)"]) == (
+    assert layer_of([*LOOP[:1], "Channel._brpop_start (celery_ext/transport/channel.py:688)"]) == (
         "fetch: request sent")
     assert layer_of(["Thread._bootstrap (threading.py:988)",
-                     "Observer._run (celery_ext/observer.py:226)"]).startswith("background")
+                     "Observer._run (celery_ext/worker/observer.py:226)"]).startswith("background")
     assert layer_of([*LOOP[:1], "_epoll.poll (kombu/utils/eventio.py:81)"]) == EVENT_LOOP
 
 

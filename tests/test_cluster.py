@@ -18,12 +18,12 @@ from celery import Celery
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
+from celery_ext.admin.web import create_app
 from celery_ext.client import Client
 from celery_ext.config import ConfigError
-from celery_ext.connections import CLUSTER_NO_WAIT, cluster_client, cluster_config
-from celery_ext.keys import Keys
-from celery_ext.server import ClusterGroup
-from celery_ext.web import create_app
+from celery_ext.store.connections import CLUSTER_NO_WAIT, cluster_client, cluster_config
+from celery_ext.store.keys import Keys
+from celery_ext.testing.server import ClusterGroup
 from tests.helpers import REPO_ROOT, celery_cli, free_port, wait_for
 
 with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; httpx still works

@@ -17,19 +17,19 @@ import pytest
 from kombu.utils.encoding import bytes_to_str
 from prometheus_client import generate_latest
 
+from celery_ext.admin.metrics import registry_for
+from celery_ext.admin.search import Filters
+from celery_ext.admin.web import create_app
 from celery_ext.client import Client
-from celery_ext.copies import copies, known_queues
-from celery_ext.dead import dead_letter
-from celery_ext.keys import Keys
-from celery_ext.limits import write_limits
-from celery_ext.metrics import registry_for
-from celery_ext.periodic import PeriodicRun, run_id, run_marker, write_run_on_cluster
-from celery_ext.reaper import Reaper
-from celery_ext.requeuer import Requeuer
-from celery_ext.scheduled import schedule_args
-from celery_ext.search import Filters
-from celery_ext.server import ClusterGroup
-from celery_ext.web import create_app
+from celery_ext.options.limits import write_limits
+from celery_ext.producer.scheduled import schedule_args
+from celery_ext.store.copies import copies, known_queues
+from celery_ext.store.dead_set import dead_letter
+from celery_ext.store.keys import Keys
+from celery_ext.testing.server import ClusterGroup
+from celery_ext.worker.periodic import PeriodicRun, run_id, run_marker, write_run_on_cluster
+from celery_ext.worker.reaper import Reaper
+from celery_ext.worker.requeuer import Requeuer
 from tests.helpers import celery_cli, message
 
 with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; httpx still works

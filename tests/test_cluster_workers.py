@@ -26,9 +26,9 @@ from celery import Celery
 
 import celery_ext
 import celery_ext.client
-from celery_ext.connections import cluster_client, cluster_config
-from celery_ext.keys import Keys
-from celery_ext.server import ClusterGroup, RedisServer
+from celery_ext.store.connections import cluster_client, cluster_config
+from celery_ext.store.keys import Keys
+from celery_ext.testing.server import ClusterGroup, RedisServer
 from tests.helpers import wait_for
 from tests.webutil import env_for, free_port, stop_all
 from tests.workers import ManagedProcess, WorkerProcess

@@ -24,7 +24,7 @@ import pytest
 import redis
 import yaml
 
-from celery_ext.server import find_cli_binary, find_server_binary
+from celery_ext.testing.server import find_cli_binary, find_server_binary
 from tests.debian import ensure_installed
 from tests.helpers import Factory, free_port, wait_for
 from tests.workers import REPO_ROOT, ManagedProcess

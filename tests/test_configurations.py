@@ -20,9 +20,9 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_ext import scripts
-from celery_ext.keys import Keys
-from celery_ext.server import RedisServer
+from celery_ext.store import scripts
+from celery_ext.store.keys import Keys
+from celery_ext.testing.server import RedisServer
 from tests.faults.proxy import Proxy
 from tests.helpers import MODES, Mode, recorded, wait_for
 from tests.workers import WorkerProcess
@@ -232,7 +232,7 @@ def test_gevent_and_eventlet_pools_are_refused_with_one_line(pool: str) -> None:
     accounted for, so the worker stops at start with one line saying what to use."""
     from types import SimpleNamespace
 
-    from celery_ext.bootsteps import validate_settings
+    from celery_ext.worker.bootsteps import validate_settings
 
     app = Celery("refused", broker="celery-ext://127.0.0.1:1/0", set_as_current=False)
     with pytest.raises(SystemExit) as exc:

@@ -16,7 +16,7 @@ import pytest
 import redis
 from celery import Celery, chain, chord, group
 
-from celery_ext.keys import Keys
+from celery_ext.store.keys import Keys
 from tests.proj import backend_url
 from tests.workers import WorkerProcess
 

@@ -18,8 +18,8 @@ from celery.signals import after_task_publish, before_task_publish
 from kombu import Connection
 
 import celery_ext
-from celery_ext.keys import Keys
-from celery_ext.producer import NOT_SENT, Producer, ProducerPool, pack_evalsha
+from celery_ext.producer.publish import NOT_SENT, Producer, ProducerPool, pack_evalsha
+from celery_ext.store.keys import Keys
 
 K = Keys("celery_ext")
 

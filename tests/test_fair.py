@@ -17,17 +17,17 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_ext.admin.web import create_app
 from celery_ext.client import Client
 from celery_ext.config import Settings
-from celery_ext.dead import dead_letter
-from celery_ext.fair import clean_key, job_fair_limits, payload_fair_key
-from celery_ext.heartbeater import Heartbeater
-from celery_ext.inflight import InflightRecord
-from celery_ext.keys import Keys
-from celery_ext.reaper import Reaper
-from celery_ext.requeuer import Requeuer
-from celery_ext.scripts import Scripts
-from celery_ext.web import create_app
+from celery_ext.options.fair import clean_key, job_fair_limits, payload_fair_key
+from celery_ext.store.dead_set import dead_letter
+from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
+from celery_ext.worker.heartbeater import Heartbeater
+from celery_ext.worker.inflight import InflightRecord
+from celery_ext.worker.reaper import Reaper
+from celery_ext.worker.requeuer import Requeuer
 from tests import proj
 from tests.helpers import Factory, Mode, celery_cli, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
@@ -200,7 +200,7 @@ def test_keys_are_cleaned_and_a_failing_fair_by_enqueues_unkeyed(
         @app.task(name="f", shared=False, fair_by=lambda a: {"k": 1}[a])
         def f(a: str) -> None: ...
 
-        with caplog.at_level(logging.WARNING, logger="celery_ext.fair"):
+        with caplog.at_level(logging.WARNING, logger="celery_ext.options.fair"):
             f.delay("nope")
         assert "fair_by of f raised KeyError" in caplog.text
         assert redis_client.llen(K.queue("celery")) == 1  # enqueued, unkeyed

@@ -1,5 +1,5 @@
 """Flower against a worker on our transport: workers, tasks with checkin progress, and
-true job queue lengths on its broker page (``celery_ext.flower``)."""
+true job queue lengths on its broker page (``celery_ext.admin.flower``)."""
 
 from __future__ import annotations
 

@@ -13,11 +13,11 @@ import httpx
 import pytest
 import redis
 
+from celery_ext.admin.search import Filters, base64_patterns
 from celery_ext.client import Client
 from celery_ext.config import Settings
-from celery_ext.history import HistoryWriter, bucket_bounds, bucket_of, percentile
-from celery_ext.keys import Keys
-from celery_ext.search import Filters, base64_patterns
+from celery_ext.store.history import HistoryWriter, bucket_bounds, bucket_of, percentile
+from celery_ext.store.keys import Keys
 from tests import proj_web
 from tests.webutil import env_for, fill_dead, run_cli, start_web, stop_all, wait_for
 from tests.workers import WorkerProcess

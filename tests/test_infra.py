@@ -11,8 +11,8 @@ import psutil
 import pytest
 import redis
 
-from celery_ext import server as server_mod
-from celery_ext.server import RedisServer, ServerError
+from celery_ext.testing import server as server_mod
+from celery_ext.testing.server import RedisServer, ServerError
 from tests.workers import REPO_ROOT, ManagedProcess, WorkerProcess
 
 

@@ -1,5 +1,5 @@
 """The job index (issue 15): a job found by its task id wherever it is, in one read, by
-entries the scripts that move the job keep (``celery_ext/job_index.py``).
+entries the scripts that move the job keep (``celery_ext/store/job_index.py``).
 
 End-to-end tests run ``tests.proj_index`` / ``tests.proj`` workers, in both modes where
 the path differs (``install(app)`` and drop-in); the window and expiry tests build their
@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import redis
 
+from celery_ext.admin.job_status import DEAD_SCAN, SCHEDULED_SCAN_MAX, JobLookup, JobStatus
 from celery_ext.config import Settings
-from celery_ext.dead import dead_letter
-from celery_ext.job_index import IndexEntry, lookup
-from celery_ext.keys import Keys
-from celery_ext.reaper import Reaper
-from celery_ext.status import DEAD_SCAN, SCHEDULED_SCAN_MAX, JobLookup, JobStatus
+from celery_ext.store.dead_set import dead_letter
+from celery_ext.store.job_index import IndexEntry, lookup
+from celery_ext.store.keys import Keys
+from celery_ext.worker.reaper import Reaper
 from tests import proj
 from tests.helpers import Factory, Mode, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes

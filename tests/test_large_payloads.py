@@ -20,8 +20,8 @@ from kombu import Connection
 
 from celery_ext.client import Client
 from celery_ext.config import DEFAULT_PRIORITY_STEPS
-from celery_ext.keys import Keys
-from celery_ext.scripts import Scripts
+from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
 from tests import proj
 from tests.helpers import only_pool, push, wait_for
 from tests.workers import READY_PATTERN, WorkerProcess

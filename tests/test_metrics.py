@@ -26,12 +26,12 @@ with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; htt
     warnings.simplefilter("ignore")
     from starlette.testclient import TestClient
 
+from celery_ext.admin.metrics import Snapshot, families, read_snapshot, registry_for
+from celery_ext.admin.web import create_app
 from celery_ext.client import Client
 from celery_ext.config import Settings
-from celery_ext.metrics import Snapshot, families, read_snapshot, registry_for
-from celery_ext.observer import RUNTIME_BUCKETS
-from celery_ext.reaper import Reaper
-from celery_ext.web import create_app
+from celery_ext.worker.observer import RUNTIME_BUCKETS
+from celery_ext.worker.reaper import Reaper
 from tests import proj, proj_web
 from tests.debian import ensure_installed
 from tests.helpers import K, message, node_name, only_pool

@@ -6,10 +6,10 @@ import time
 
 import redis
 
+from celery_ext.admin.overview import State
 from celery_ext.config import Settings
-from celery_ext.keys import Keys
-from celery_ext.observer import BUSY_RECORD_DELAY, Observer
-from celery_ext.state import State
+from celery_ext.store.keys import Keys
+from celery_ext.worker.observer import BUSY_RECORD_DELAY, Observer
 
 K = Keys("celery_ext")
 

@@ -22,10 +22,10 @@ from celery import Celery
 from celery.schedules import crontab, schedule
 
 from celery_ext.client import Client
-from celery_ext.clock import now_ms
 from celery_ext.config import Settings
-from celery_ext.keys import Keys
-from celery_ext.periodic import Periodic, Step, due_times, next_due_ms, plan, run_id
+from celery_ext.store.clock import now_ms
+from celery_ext.store.keys import Keys
+from celery_ext.worker.periodic import Periodic, Step, due_times, next_due_ms, plan, run_id
 from tests import proj
 from tests.helpers import Factory, Mode, celery_cli, start_workers, wait_for
 
@@ -252,7 +252,7 @@ def test_dashboard_page_and_api(app: Any, redis_server: Any, redis_client: redis
         warnings.simplefilter("ignore")
         from starlette.testclient import TestClient
 
-    from celery_ext.web import create_app
+    from celery_ext.admin.web import create_app
 
     Periodic(app, redis_server.client(), Settings()).run_due()  # a leader recorded them
     client = Client.for_app(app)

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import redis
 
+from celery_ext.admin.overview import State
 from celery_ext.client import Client
 from celery_ext.config import Settings
-from celery_ext.heartbeater import Heartbeater
-from celery_ext.keys import Keys
-from celery_ext.reaper import Reaper
-from celery_ext.state import State
+from celery_ext.store.keys import Keys
+from celery_ext.worker.heartbeater import Heartbeater
+from celery_ext.worker.reaper import Reaper
 from tests import proj
 from tests.helpers import Mode, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
@@ -382,7 +382,7 @@ def test_redis_outage_does_not_reap_live_pools(worker_factory: Any, tmp_path: An
     until it has seen Redis answer steadily), and the job running across the outage
     completes exactly once. (install(app) only: the reaper's stall guard is the worker
     pool's, which the transport runs alike in both modes; a second run costs 15 s.)"""
-    from celery_ext.server import RedisServer
+    from celery_ext.testing.server import RedisServer
 
     with RedisServer(data_dir=tmp_path / "outage") as server:
         url = server.url(scheme="celery-ext")
@@ -424,8 +424,8 @@ def test_each_pool_is_judged_by_its_own_dead_after(app: Any, worker_factory: Any
     keep a stopped fast pool's jobs waiting. recover.lua's re-check agrees. (install(app)
     only: registration and reaping are the worker pool's, alike in both modes; drop-in
     registration: test_pool_registers_and_heartbeats_with_redis_time.)"""
-    from celery_ext.clock import now_ms
-    from celery_ext.reaper import recover_tags
+    from celery_ext.store.clock import now_ms
+    from celery_ext.worker.reaper import recover_tags
 
     slow = worker_factory(APP, pool="threads", concurrency=2, hostname="slow@%h", env={
         "CELERY_EXT_HEARTBEAT_INTERVAL": "1.5", "CELERY_EXT_DEAD_AFTER": "6",
@@ -478,7 +478,7 @@ def test_manual_reap_after_a_redis_outage_spares_live_pools_unless_forced(
     reaped. ``force=True`` does not watch and declares the live pool dead. (install(app)
     only: this is the client's and the worker pool's, alike in both modes.)"""
     from celery_ext.client import Client as ExtClient
-    from celery_ext.server import RedisServer
+    from celery_ext.testing.server import RedisServer
 
     env = {"CELERY_EXT_HEARTBEAT_INTERVAL": "1.5", "CELERY_EXT_DEAD_AFTER": "3.5",
            "CELERY_EXT_REAP_INTERVAL": "0.5"}

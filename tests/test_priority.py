@@ -23,13 +23,13 @@ from kombu.transport import virtual
 
 from celery_ext.client import Client
 from celery_ext.config import ConfigError, Settings
-from celery_ext.dead import dead_letter
-from celery_ext.heartbeater import Heartbeater
-from celery_ext.inflight import InflightRecord
-from celery_ext.keys import Keys
-from celery_ext.priority import level
-from celery_ext.reaper import Reaper
-from celery_ext.scripts import Scripts
+from celery_ext.options.priority import level
+from celery_ext.store.dead_set import dead_letter
+from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
+from celery_ext.worker.heartbeater import Heartbeater
+from celery_ext.worker.inflight import InflightRecord
+from celery_ext.worker.reaper import Reaper
 from tests import proj
 from tests.helpers import Factory, Mode, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes

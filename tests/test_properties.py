@@ -1,10 +1,10 @@
 """Property-based tests (hypothesis) for the pure parts and the record formats.
 
-* the weighted scheduler (:mod:`celery_ext.sampler`) as a state machine: whatever
+* the weighted scheduler (:mod:`celery_ext.transport.round_robin`) as a state machine: whatever
   sequence of set_queues / activate / deactivate / picks, it picks only active
   queues, its bookkeeping matches a model, two samplers fed the same operations
   pick the same queues, and no active queue waits more than twice the total weight;
-* key building (:mod:`celery_ext.keys`): one hash slot per namespace, whatever the
+* key building (:mod:`celery_ext.store.keys`): one hash slot per namespace, whatever the
   names; distinct (kind, name) pairs give distinct keys; ``queue_name`` inverts
   ``queue``;
 * the job's way through Redis: the envelope a producer writes (Kombu JSON, as
@@ -37,12 +37,12 @@ from redis.crc import key_slot
 
 from celery_ext.client import Client
 from celery_ext.config import DEFAULT_PRIORITY_STEPS, Settings
-from celery_ext.dead import dead_letter, parse_dead_record, split_record
-from celery_ext.envelope import envelope_problem
-from celery_ext.keys import Keys
-from celery_ext.sampler import WeightedRoundRobin
-from celery_ext.scripts import Scripts
-from celery_ext.transport import Channel
+from celery_ext.store.dead_set import dead_letter, parse_dead_record, split_record
+from celery_ext.store.envelope import envelope_problem
+from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
+from celery_ext.transport.channel import Channel
+from celery_ext.transport.round_robin import WeightedRoundRobin
 
 # -- the weighted scheduler --------------------------------------------------------------------
 

@@ -19,11 +19,11 @@ import redis
 from celery import Celery
 from kombu import Connection, Exchange, Queue
 
-from celery_ext import scripts
 from celery_ext.config import DEFAULT_PUBLISH_IDEMPOTENCY_TTL
-from celery_ext.keys import Keys
-from celery_ext.producer import PUBLISH_ID
-from celery_ext.server import RedisServer
+from celery_ext.producer.publish import PUBLISH_ID
+from celery_ext.store import scripts
+from celery_ext.store.keys import Keys
+from celery_ext.testing.server import RedisServer
 from tests import proj, proj_sets
 from tests.faults.proxy import Proxy
 from tests.helpers import wait_for

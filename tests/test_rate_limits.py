@@ -19,9 +19,9 @@ from celery import Celery
 
 from celery_ext.client import Client
 from celery_ext.config import DEFAULT_PRIORITY_STEPS
-from celery_ext.keys import Keys
-from celery_ext.rate_limits import format_rate, interval_us, job_rate_limits
-from celery_ext.scripts import Scripts
+from celery_ext.options.rate_limits import format_rate, interval_us, job_rate_limits
+from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
 from tests import proj
 from tests.helpers import Factory, Mode, celery_cli, push, start_workers, wait_for
 
@@ -227,7 +227,7 @@ def test_dashboard_api_sets_and_clears_a_rate_limit(redis_client: redis.Redis) -
         warnings.simplefilter("ignore")
         from starlette.testclient import TestClient
 
-    from celery_ext.web import create_app
+    from celery_ext.admin.web import create_app
 
     push(redis_client, "reports", json.dumps({"n": 1}))
     with TestClient(create_app(Client(redis_client), sample_interval=0.2)) as api:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from celery_ext.readiness import ReadyQueues
+from celery_ext.transport.readiness import ReadyQueues
 
 
 def ready(*names: str) -> ReadyQueues:

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from celery_ext.sampler import WeightedRoundRobin
+from celery_ext.transport.round_robin import WeightedRoundRobin
 
 # -- helpers ---------------------------------------------------------------------------
 

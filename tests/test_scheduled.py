@@ -23,11 +23,11 @@ import redis
 
 from celery_ext.client import Client
 from celery_ext.config import Settings
-from celery_ext.keys import Keys
-from celery_ext.requeuer import Requeuer
-from celery_ext.scheduled import schedule
-from celery_ext.scripts import Scripts
-from celery_ext.server import RedisServer
+from celery_ext.producer.scheduled import schedule
+from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
+from celery_ext.testing.server import RedisServer
+from celery_ext.worker.requeuer import Requeuer
 from tests import proj
 from tests.helpers import Factory, Mode, message, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes

@@ -8,7 +8,7 @@ from importlib.resources.abc import Traversable
 
 import redis
 
-from celery_ext import scripts
+from celery_ext.store import scripts
 
 FRAGMENT = """\
 -- a fragment

@@ -25,10 +25,10 @@ from kombu import Connection
 import celery_ext
 from celery_ext.client import Client
 from celery_ext.config import ConfigError, check_broker_url, uses_our_transport
-from celery_ext.connections import client_from_url, connection_pool, sentinel_config
 from celery_ext.errors import NotReplicated
-from celery_ext.server import RedisServer, SentinelGroup
-from celery_ext.transport import Transport
+from celery_ext.store.connections import client_from_url, connection_pool, sentinel_config
+from celery_ext.testing.server import RedisServer, SentinelGroup
+from celery_ext.transport.channel import Transport
 from tests.helpers import Factory, celery_cli, start_workers, wait_for
 
 MASTER = "mymaster"

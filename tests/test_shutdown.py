@@ -2,7 +2,7 @@
 
 Celery's SIGTERM handler only sets a flag that the event loop reads between turns, and
 an idle pool of ours sends no fetch, so the loop's poll would sleep until its next timer
-(up to 10 s in a worker). ``celery_ext.bootsteps`` wakes the loop from a thread of its
+(up to 10 s in a worker). ``celery_ext.worker.bootsteps`` wakes the loop from a thread of its
 own when Celery sends ``worker_shutting_down``. Here the loop is Kombu's real hub with a
 worker's timer, the signal a real SIGALRM, the receiver the one Celery's handler reaches.
 """
@@ -20,8 +20,8 @@ from celery.signals import worker_shutting_down
 from kombu.asynchronous import Hub, get_event_loop, set_event_loop
 from kombu.asynchronous.timer import Timer
 
-from celery_ext import bootsteps
-from celery_ext import pool as _pool
+from celery_ext.worker import bootsteps
+from celery_ext.worker import worker_pool as _pool
 
 #: A worker's hub polls at most this long (Celery's Timer bootstep, with an event loop).
 WORKER_TIMER_MAX_INTERVAL = 10.0

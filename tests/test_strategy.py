@@ -1,4 +1,4 @@
-"""Request classes shared between tasks with the same settings (``celery_ext.strategy``)."""
+"""Request classes shared between tasks with the same settings (``celery_ext.worker.strategy``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request as CeleryRequest
 from celery.worker.request import create_request_cls
 
-from celery_ext.strategy import shared_factory
+from celery_ext.worker.strategy import shared_factory
 from tests import proj
 from tests.helpers import Factory, inflight, only_pool, wait_for
 

@@ -3,7 +3,7 @@
 Workers run ``tests.proj`` (``install(app)`` active) as subprocesses; this process
 enqueues through the same app (re-pointed at the session server with
 ``proj.configure``) and looks at Redis directly through the key names of
-:class:`celery_ext.keys.Keys`.
+:class:`celery_ext.store.keys.Keys`.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from celery import Celery
 from kombu import Connection, Exchange, Queue
 from kombu.transport.virtual import Empty
 
-from celery_ext import scripts
-from celery_ext.keys import Keys
-from celery_ext.server import RedisServer, ServerError, find_server_binary
-from celery_ext.transport import fetch_waits
+from celery_ext.store import scripts
+from celery_ext.store.keys import Keys
+from celery_ext.testing.server import RedisServer, ServerError, find_server_binary
+from celery_ext.transport.channel import fetch_waits
 from tests import proj
 from tests.debian_redis import debian_redis_server
 from tests.helpers import celery_cli, free_port, inflight, node_name, only_pool, wait_for

@@ -19,8 +19,8 @@ import pytest
 import redis
 
 from celery_ext.client import Client
-from celery_ext.keys import Keys
-from celery_ext.limits import write_limits
+from celery_ext.options.limits import write_limits
+from celery_ext.store.keys import Keys
 from tests import proj
 from tests.helpers import Factory, Mode, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
@@ -207,7 +207,7 @@ def test_deleting_a_unique_job_releases_its_lock(
         warnings.simplefilter("ignore")
         from starlette.testclient import TestClient
 
-    from celery_ext.web import create_app
+    from celery_ext.admin.web import create_app
 
     queue = "tests.proj_sets.unique_job"
     # A pool that does not know the task dead-letters it (unknown_task) before it

@@ -18,9 +18,9 @@ with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; htt
     warnings.simplefilter("ignore")
     from starlette.testclient import TestClient
 
+from celery_ext.admin.web import create_app
 from celery_ext.client import Client
 from celery_ext.config import Settings
-from celery_ext.web import create_app
 from tests import proj_web
 from tests.webutil import wait_for
 from tests.workers import WorkerProcess
@@ -293,15 +293,15 @@ def test_web_command_warns_when_exposed_without_auth(
         caplog: pytest.LogCaptureFixture) -> None:
     import uvicorn
 
-    from celery_ext.web import serve
+    from celery_ext.admin.web import serve
 
     served: list[dict[str, Any]] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append({"app": app, **kw}))
-    with caplog.at_level("WARNING", logger="celery_ext.web"):
+    with caplog.at_level("WARNING", logger="celery_ext.admin.web"):
         serve(ext_client, host="0.0.0.0", port=5999)
     assert "without authentication" in caplog.text and served[0]["host"] == "0.0.0.0"
     caplog.clear()
-    with caplog.at_level("WARNING", logger="celery_ext.web"):
+    with caplog.at_level("WARNING", logger="celery_ext.admin.web"):
         serve(ext_client, host="0.0.0.0", port=5999, token="t")
         serve(ext_client, host="127.0.0.1", port=5999)
     assert "without authentication" not in caplog.text

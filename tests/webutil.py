@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from celery_ext.config import Settings
-from celery_ext.keys import Keys
-from celery_ext.scripts import Scripts
+from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
 from tests.workers import REPO_ROOT, ManagedProcess
 
 T = TypeVar("T")

@@ -42,13 +42,13 @@ from typing import Any
 import psutil
 import redis
 
-from celery_ext import scripts as _scripts
+from celery_ext.admin.overview import State
 from celery_ext.config import DEFAULT_NAMESPACE
-from celery_ext.connections import cluster_client, cluster_config
-from celery_ext.dead import split_record
-from celery_ext.keys import Keys
-from celery_ext.server import ClusterGroup, RedisServer, SentinelGroup
-from celery_ext.state import State
+from celery_ext.store import scripts as _scripts
+from celery_ext.store.connections import cluster_client, cluster_config
+from celery_ext.store.dead_set import split_record
+from celery_ext.store.keys import Keys
+from celery_ext.testing.server import ClusterGroup, RedisServer, SentinelGroup
 from tests.faults.app import job_names, make_app
 from tests.faults.proxy import Proxy
 from tests.workers import WorkerProcess

@@ -1,0 +1,169 @@
+"""Search in the dead, scheduled and retry sets, and bulk actions on what matches.
+
+Filters: job name (exact), error (the exception type, or a part of the error text),
+a time range (failed at for the dead set, due at for the others) and text that the
+job's message body (its arguments) must contain. The ``search`` script filters on the
+server, ``SCAN_CHUNK`` entries per call in set order, reading only each record's meta
+line as JSON; the argument text is looked for in the stored payload as it is (a
+base64 body is searched through three encoded forms of the text, each candidate
+decoded and compared in full), so no record crosses the network unless it matches.
+
+A page is cursor-based: ``"<score>:<skip>"`` is where the next page starts (the
+score reached, and how many entries at that score were already seen). A page stops
+at ``limit`` matches or after ``SCAN_BUDGET`` entries, whichever comes first, and
+then gives the cursor to go on. Bulk actions walk the same way, acting on each
+chunk of matches as it is found, so their memory does not grow with the set.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kombu.utils.encoding import bytes_to_str
+
+from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
+
+#: Entries one ``search`` script call reads (bounds how long it holds Redis).
+SCAN_CHUNK = 500
+#: Most entries one page request scans before it returns with a cursor.
+SCAN_BUDGET = 20_000
+#: Longest argument text accepted (it is compared inside Redis).
+MAX_TEXT = 200
+#: The sets that can be searched: kind -> (zset, records hash, newest first).
+KINDS = ("dead", "scheduled", "retry")
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What a job must match; empty fields match everything."""
+
+    name: str = ""
+    error: str = ""
+    text: str = ""
+    since: float | None = None  # seconds (Redis clock), inclusive
+    until: float | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.text) > MAX_TEXT:
+            raise ValueError(f"search text is longer than {MAX_TEXT} characters")
+        if self.since is not None and self.until is not None and self.since > self.until:
+            raise ValueError("'since' is after 'until'")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.name or self.error or self.text or self.since is not None
+                    or self.until is not None)
+
+
+def base64_patterns(text: str) -> list[Any]:
+    """``text`` as it appears in a base64 body at each of the three byte alignments:
+    (pattern, offset of the pattern in its 4-character group) three times. The
+    characters touched by neighbouring bytes are left out, so the pattern is found
+    whatever surrounds the text; a short text may have an empty pattern at an
+    alignment (that alignment is then not searched)."""
+    data = text.encode("utf-8")
+    out: list[Any] = []
+    for lead_bytes in range(3):
+        encoded = base64.b64encode(b"\0" * lead_bytes + data).decode("ascii")
+        first = -(-lead_bytes * 8 // 6)  # first character made only of the text's bits
+        last = (lead_bytes + len(data)) * 8 // 6  # one past the last such character
+        out += [encoded[first:last], first]
+    return out
+
+
+def parse_cursor(cursor: str | None) -> tuple[str, int] | None:
+    """``"<score>:<skip>"`` -> (score, skip); ValueError for anything else."""
+    if not cursor:
+        return None
+    score, _, skip = cursor.rpartition(":")
+    float(score)  # ValueError if not a number
+    if not skip.isdigit():
+        raise ValueError(f"bad cursor {cursor!r}")
+    return score, int(skip)
+
+
+class SetSearch:
+    """Filtered scans of one of the three sets."""
+
+    def __init__(self, client: Any, scripts: Scripts, keys: Keys, kind: str) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}")
+        self.client = client
+        self.scripts = scripts
+        self.kind = kind
+        self.zset = {"dead": keys.dead, "scheduled": keys.scheduled, "retry": keys.retry}[kind]
+        self.records = keys.dead_jobs if kind == "dead" else keys.scheduled_jobs
+        self.newest_first = kind == "dead"
+
+    def _range(self, f: Filters) -> tuple[str, str]:
+        low = "-inf" if f.since is None else repr(int(f.since * 1000))
+        high = "+inf" if f.until is None else repr(int(f.until * 1000))
+        return (high, low) if self.newest_first else (low, high)
+
+    def step(self, f: Filters, cursor: tuple[str, int] | None, limit: int,
+             chunk: int = SCAN_CHUNK) -> tuple[list[tuple[str, float]], tuple[str, int] | None,
+                                                int]:
+        """One script call: (matches as (id, score ms), next cursor or None when the
+        range is exhausted, entries scanned)."""
+        start, stop = self._range(f)
+        if cursor is not None:
+            start = cursor[0]
+        args: list[Any] = ["1" if self.newest_first else "0", start,
+                           cursor[1] if cursor else 0, stop, chunk, max(1, limit),
+                           f.name, f.error, f.text]
+        if f.text:
+            args += base64_patterns(f.text)
+        found, score, skip, scanned, done = self.scripts("search", [self.zset, self.records],
+                                                        args)
+        flat = [bytes_to_str(v) for v in found]
+        matches = [(flat[i], float(flat[i + 1])) for i in range(0, len(flat), 2)]
+        nxt = None if int(done) else (bytes_to_str(score), int(skip))
+        return matches, nxt, int(scanned)
+
+    def page(self, f: Filters, cursor: tuple[str, int] | None, limit: int
+             ) -> tuple[list[tuple[str, float]], tuple[str, int] | None, int]:
+        """Up to ``limit`` matches from ``cursor``, scanning at most ``SCAN_BUDGET``."""
+        matches: list[tuple[str, float]] = []
+        scanned = 0
+        while True:
+            got, cursor, n = self.step(f, cursor, limit - len(matches))
+            matches += got
+            scanned += n
+            if cursor is None or len(matches) >= limit or scanned >= SCAN_BUDGET:
+                return matches, cursor, scanned
+
+    def count(self, f: Filters) -> int:
+        """How many entries match (a full scan, in chunks)."""
+        total, cursor = 0, None
+        while True:
+            got, cursor, _ = self.step(f, cursor, SCAN_CHUNK)
+            total += len(got)
+            if cursor is None:
+                return total
+
+    def act(self, f: Filters, action: Callable[[list[str]], set[str]]) -> int:
+        """Apply ``action`` (ids -> the ids it removed from their place in the set) to
+        every match, chunk by chunk; returns how many it removed."""
+        done_total, cursor = 0, None
+        while True:
+            matches, nxt, _ = self.step(f, cursor, SCAN_CHUNK)
+            if matches:
+                done = action([i for i, _ in matches])
+                done_total += len(done)
+                if nxt is not None:  # removed entries at the cursor's score are not skipped
+                    removed = sum(1 for i, s in matches if i in done and _same(s, nxt[0]))
+                    nxt = (nxt[0], max(0, nxt[1] - removed))
+            if nxt is None:
+                return done_total
+            cursor = nxt
+
+
+def _same(score: float, cursor_score: str) -> bool:
+    try:
+        return score == float(cursor_score)
+    except ValueError:
+        return False

@@ -1,0 +1,160 @@
+"""Unique jobs: enqueuing is a no-op while an identical job is pending.
+
+Task options::
+
+    @app.task(unique=True)                          # same name + same args = identical
+    @app.task(unique=True, unique_key=lambda user_id, **kw: str(user_id))
+    @app.task(unique=True, unique_ttl=600)          # lock safety net, seconds
+
+``install(app)`` wraps ``app.send_task`` (which ``apply_async`` and ``delay`` call):
+for a unique task it computes the key, and the producer (``producer.Enqueuer``)
+enqueues (or schedules) the job with one script that checks and takes the lock
+``{ns}:unique:<name>:<sha1>`` atomically. If the lock is held, nothing is pushed
+and the caller's ``AsyncResult`` carries the id of the job already pending.
+
+The lock is released when a worker *starts* the job (the Request's
+``on_accepted``): from then on an identical job may be enqueued again, because the
+running one may already have read the state it would act on. It is also released
+when the job expires. Retries are always published (they are the same job) and
+take the lock again if it is free. The TTL (``unique_ttl`` option, default
+``Settings.unique_ttl``, counted from the job's due time) is the safety net for a
+lock whose job never starts (purged queue, dead-lettered message). Deleting a
+scheduled, retry or dead job through ``celery_ext.client`` releases its lock in the
+same script (:func:`lock_of` reads it from the stored message).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import logging
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from celery_ext.store.dead_set import one_line
+from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
+
+logger = logging.getLogger("celery_ext.options.unique")
+
+#: Message header carrying the lock's digest, so the worker can release it.
+HEADER = "celery_ext_unique"
+
+
+@dataclass
+class UniqueRequest:
+    """One pending unique publish, handed from ``send_task`` to ``Enqueuer.put``."""
+
+    name: str
+    digest: str
+    ttl: float | None
+    #: Set by the transport: the task id of the job that is pending now (ours or
+    #: the one that held the lock).
+    holder: str | None = None
+
+
+_pending: ContextVar[UniqueRequest | None] = ContextVar("celery_ext_unique", default=None)
+
+
+def unique_digest(name: str, args: Any, kwargs: Any,
+                  key: Callable[..., Any] | None = None) -> str:
+    """``<name>:<sha1>`` of the task's unique key (or of its arguments, as JSON)."""
+    args = tuple(args or ())
+    kwargs = dict(kwargs or {})
+    if key is not None:
+        raw = str(key(*args, **kwargs))
+    else:
+        raw = json.dumps([list(args), kwargs], sort_keys=True, default=repr,
+                         separators=(",", ":"))
+    return f"{name}:{hashlib.sha1(raw.encode('utf-8')).hexdigest()}"
+
+
+def take_pending(message: dict[str, Any]) -> UniqueRequest | None:
+    """The unique request for this message, if ``send_task`` set one for its task."""
+    req = _pending.get()
+    if req is None or req.holder is not None:
+        return None
+    headers = message.get("headers")
+    if not isinstance(headers, dict) or headers.get("task") != req.name:
+        return None
+    headers[HEADER] = req.digest
+    return req
+
+
+def lock_of(payload: str | bytes) -> tuple[str, str] | None:
+    """(digest, task id) of a stored unique job's message, or None if it is not one.
+
+    The digest travels in the message's ``celery_ext_unique`` header; the lock's value
+    while this job holds it is the task id."""
+    try:
+        headers = json.loads(payload).get("headers")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return None
+    if not isinstance(headers, dict):
+        return None
+    digest, task_id = headers.get(HEADER), headers.get("id")
+    if isinstance(digest, str) and digest and isinstance(task_id, str) and task_id:
+        return digest, task_id
+    return None
+
+
+def validate_unique_options(task: Any) -> None:
+    """Raise ValueError for a unique_ttl or unique_key a task cannot use."""
+    ttl = getattr(task, "unique_ttl", None)
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float)
+                            or ttl <= 0):
+        raise ValueError(f"celery_ext: task {task.name!r} has unique_ttl={ttl!r}; "
+                         "it must be a number of seconds > 0")
+    key = getattr(task, "unique_key", None)
+    if key is not None and not callable(key):
+        raise ValueError(f"celery_ext: task {task.name!r} has unique_key={key!r}; "
+                         "it must be a function of the task's arguments returning a string")
+
+
+def _key_of(task: Any) -> Callable[..., Any] | None:
+    key = getattr(task, "unique_key", None)
+    # A function given as a task option becomes a method of the task class.
+    if inspect.ismethod(key) and key.__self__ is task:
+        return key.__func__
+    return key
+
+
+def patch_send_task(app: Any) -> None:
+    """Wrap ``app.send_task`` so unique tasks go through the unique enqueue."""
+    original = app.send_task
+    if getattr(original, "_celery_ext_unique", False):
+        return
+
+    @functools.wraps(original)
+    def send_task(name: str, args: Any = None, kwargs: Any = None, *rest: Any,
+                  **options: Any) -> Any:
+        task = options.get("task_type") or app._tasks.get(name)
+        if not getattr(task, "unique", False) or _pending.get() is not None:
+            return original(name, args, kwargs, *rest, **options)
+        validate_unique_options(task)
+        req = UniqueRequest(name=name, digest=unique_digest(name, args, kwargs, _key_of(task)),
+                            ttl=getattr(task, "unique_ttl", None))
+        token = _pending.set(req)
+        try:
+            result = original(name, args, kwargs, *rest, **options)
+        finally:
+            _pending.reset(token)
+        if req.holder is not None and req.holder != result.id:
+            logger.debug("celery_ext: %s is already pending as %s; not enqueued again",
+                         one_line(name), one_line(req.holder))
+            pending = (options.get("result_cls") or app.AsyncResult)(req.holder)
+            pending.ignored = getattr(result, "ignored", False)
+            return pending
+        return result
+
+    send_task._celery_ext_unique = True  # type: ignore[attr-defined]
+    app.send_task = send_task
+
+
+def release(scripts: Scripts, keys: Keys, digest: str, task_id: str, client: Any) -> bool:
+    """Release a unique job's lock if this job holds it (when it starts or expires)."""
+    return bool(scripts("unique_release", [keys.unique(digest)], [task_id], client=client))

@@ -1,0 +1,360 @@
+"""Every Redis key and pub/sub channel name the plugin uses, built in one place.
+
+All names start with ``{<tag>}:``; the braces make ``<tag>`` the Redis Cluster hash
+tag, so the keys of one tag live in one hash slot and every script, which touches
+the keys of one tag only, runs on a cluster as on one node.
+
+*One node* (the default): one tag, the namespace; the whole layout below is one copy.
+
+*A cluster* (setting ``cluster``): every job queue has its own copy of the layout
+under the tag ``<namespace>:<queue name>`` (``Keys.of(queue)``), so different job
+queues land on different masters and every move of a job (queue, in-flight record,
+scheduled and retry sets, dead set, unique lock, counters, job index) stays one
+atomic script in one slot. What is namespace-wide stays in the namespace's own copy
+(``Keys.home``): pool registrations and heartbeats, busy records, checkins, stop
+requests, weights, the reaper lock, the requeuer lease, runtime histograms, history,
+periodic entries, the registry of job queues (``queues``) and the hint of which
+queues hold jobs (``ready``), both written beside the per-queue copies (the per-queue
+copy's own ``queues``/``ready`` keep what its scripts write). Pub/sub channels are
+not keys (a PUBLISH reaches every node): they are always the home copy's. In a
+queue's copy, ``pools`` lists the pools that joined it (fetched from it; the reaper
+removes a dead pool there, which makes its fetches refused) and ``requeuer`` is the
+leader's id, refreshed by each promote. On one node ``home`` and ``of(queue)`` are
+the one copy. See docs/cluster.md.
+
+Layout (``ns`` = namespace)::
+
+    {ns}:queue:<name>        list    a job queue; producers LPUSH, fetch RPOPs (FIFO); its
+                                     jobs of the default priority level (0)
+    {ns}:queue:<name>\x06\x16<level>
+                             list    the same job queue's jobs of priority level <level>
+                                     (one of priority_steps but 0; see priority.py): the
+                                     queue key plus Kombu's Redis priority separator, so
+                                     it carries whatever hash tag the queue key carries
+    {ns}:queue:<name>\x06\x17  list  the job queue's ring of active fair keys (fair.py):
+                                     each key whose sub-queue holds jobs, once; fetch
+                                     rotates it (LMOVE); gone when no key has jobs
+    {ns}:queue:<name>\x06\x17<key>
+                             list    the sub-queue of one fair key (FIFO, every priority);
+                                     gone when drained. Ring and sub-queues are the queue
+                                     key plus a suffix: the queue key's hash tag
+    {ns}:ready               set     names of job queues that hold at least one job
+    {ns}:queues              set     job queue names: added at enqueue (not Kombu's "*.pidbox"
+                                     reply queues), forgotten by readers (queue_info.lua)
+                                     once the list is gone, unless paused, limited,
+                                     weighted or in flight
+    {ns}:weights             hash    queue name -> weight (written by worker pools)
+    {ns}:wake                channel queue name, published when a queue becomes non-empty
+    {ns}:pools               zset    pool id -> last heartbeat (Redis time, ms)
+    {ns}:pool:<id>           hash    a pool's registration (host, pid, concurrency,
+                                     its dead_after_ms and heartbeat_interval_ms, ...)
+    {ns}:inflight:<id>       hash    delivery tag -> "<queue>\\n<payload>" jobs a pool owns
+    {ns}:inflight_pools      set     pool ids that may own in-flight jobs (finds orphans)
+    {ns}:redelivery          hash    delivery tag -> times recovered from a dead pool
+    {ns}:running             hash    queue name -> jobs of it in flight in all pools;
+                                     "<queue>\n<fair key>" -> that key's jobs in flight,
+                                     counted while its queue has a per-key limit
+                                     (removed at 0; fair.py)
+    {ns}:busy:<id>           hash    slot -> "<started ms>\n<job json>" jobs a pool runs now
+    {ns}:checkins            hash    job id -> "<ms>\n<json>" last checkin of a running job
+    {ns}:stop                set     job ids someone asked to stop (checkin returns True)
+    {ns}:stats               hash    "processed"/"failed"/"retried"[":<queue>"] -> count; and
+                                     "recovered" (jobs the reaper requeued), "pools_reaped",
+                                     "poison_pills" (dead-lettered after max_recoveries),
+                                     "unique_hits" (enqueues dropped as duplicates),
+                                     "rate_limited"[":<queue>"] (fetches a rate limit refused)
+    {ns}:runtime             hash    "<bucket>:<queue>" -> runs whose runtime fell in that
+                                     bucket (not cumulative; see observer.RUNTIME_BUCKETS),
+                                     "sum_us:<queue>" -> total runtime in microseconds
+    {ns}:reaper              string  lock held by the one reaper running a pass
+    {ns}:dead                zset    dead job id -> failed_at (ms)
+    {ns}:dead_jobs           hash    dead job id -> "<meta json>\n<queue>\n<payload>"
+    {ns}:scheduled           zset    job id (delivery tag) -> due time (ms): countdown/eta jobs
+    {ns}:retry               zset    job id -> due time (ms): retries of failed jobs (the retry set)
+    {ns}:scheduled_jobs      hash    job id -> "<meta json>\n<queue>\n<payload>" for both sets
+    {ns}:schedule            channel due time, published when a job is scheduled earlier
+                                     than every other (wakes sleeping requeuers)
+    {ns}:requeuer            string  id of the leading requeuer (a lease; see requeuer.py)
+    {ns}:paused              set     job queue names that fetch skips (jobs kept)
+    {ns}:limits              hash    queue name -> max jobs of it in flight at once;
+                                     "<queue>\n" -> max jobs of one fair key in flight
+    {ns}:rate_limits         hash    queue name -> rate limit as µs between two fetched jobs
+                                     (cluster-wide, see rate_limits.py)
+    {ns}:rate_tat            hash    queue name -> Redis time (µs) from which its next job
+                                     may be fetched (GCRA "theoretical arrival time")
+    {ns}:unique:<digest>     string  id of the pending unique job with that key (TTL'd lock)
+    {ns}:published:<id>      string  a publish that wrote its job (TTL publish_idempotency_ttl);
+                                     Kombu's retry of that publish writes nothing. <id>: one
+                                     per publish call and job queue (``producer.publish_marker``);
+                                     on a cluster also "periodic:<run's job id>", one per
+                                     periodic entry and due time (``periodic.run_marker``)
+    {ns}:history:m:<minute>  hash    job counts, runtime histograms ("*", "n:<job name>") and a
+                                     queue-size sample ("q") of one minute (ms // 60000);
+                                     expires 24 h after it (see history.py)
+    {ns}:history:h:<hour>    hash    the same per hour (ms // 3600000); expires after 30 days
+    {ns}:jobs                hash    task id -> where the job is now (the job index, see
+                                     job_index.py): "<state>\n<ms>\n<queue>\n<ref>\n<detail>",
+                                     written by the script that moves the job
+    {ns}:jobs_done           zset    task id -> ms after which its finished entry in
+                                     {ns}:jobs is trimmed (job_index_ttl past the finish)
+    {ns}:_kombu.binding.<exchange>, {ns}:_kombu.binding_permanent.<exchange>,
+    {ns}:_kombu.binding_deadlines
+                             Kombu's binding tables, on a cluster only (Kombu's own
+                             names, without a tag, on one node)
+    {ns}:periodic            set     names of the periodic job entries (the leader's beat_schedule)
+    {ns}:periodic:<name>     hash    one entry's state: next_due, last_due, last_run_at (ms),
+                                     last_job_id, runs, missed, paused, outcome (+ its
+                                     outcome_job_id), error, task, schedule, spec (periodic.py)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+#: Fields of the ``stats`` hash counting reliability events (Prometheus counters).
+STAT_RECOVERED = "recovered"
+STAT_POOLS_REAPED = "pools_reaped"
+STAT_POISON_PILLS = "poison_pills"
+STAT_UNIQUE_HITS = "unique_hits"
+#: Between a job queue's key and a priority level in the key of that level's list:
+#: Kombu's Redis separator (``redis.Channel.sep``). Lua scripts check level keys by it.
+LEVEL_SEP = "\x06\x16"
+#: Between a job queue's key and a fair key in the key of that key's sub-queue (and,
+#: with nothing after it, the queue's ring of active keys). Lua scripts derive both
+#: from the queue key by it (``store/lua/include/fair.lua``).
+FAIR_SEP = "\x06\x17"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builder for one namespace, or (on a cluster) one job queue's copy of it."""
+
+    namespace: str
+    #: Job queues have copies of their own (``of``): the namespace runs on a cluster.
+    cluster: bool = False
+    #: The hash tag of this copy; "" = the namespace's home copy.
+    tag: str = ""
+
+    @classmethod
+    def for_settings(cls, settings: Any) -> Keys:
+        """The home copy for a :class:`~celery_ext.config.Settings`."""
+        return cls(settings.namespace, cluster=settings.cluster)
+
+    @property
+    def prefix(self) -> str:
+        return "{" + (self.tag or self.namespace) + "}:"
+
+    @property
+    def home(self) -> Keys:
+        """The namespace's own copy: registrations, heartbeats, leases, registry."""
+        return Keys(self.namespace, self.cluster) if self.tag else self
+
+    def of(self, queue: str) -> Keys:
+        """The copy that holds ``queue`` and every per-queue record (itself on one node)."""
+        return _queue_copy(self.namespace, queue) if self.cluster else self
+
+    def groups(self, queues: Iterable[str]) -> dict[Keys, list[str]]:
+        """``queues`` by the copy holding them, in first-seen order (one group on one
+        node): what one script call or one pipeline per copy covers."""
+        out: dict[Keys, list[str]] = {}
+        for q in queues:
+            out.setdefault(self.of(q), []).append(q)
+        return out
+
+    # Kombu's binding keys, on a cluster only (on one node Kombu's own names are kept):
+    # under the home tag, so Kombu's binding scripts (an expiring binding and its
+    # deadline in one call) touch one slot. Format strings as Kombu's channel has them.
+    @property
+    def kombu_binding(self) -> str:
+        return "{" + self.namespace + "}:_kombu.binding.%s"
+
+    @property
+    def kombu_binding_permanent(self) -> str:
+        return "{" + self.namespace + "}:_kombu.binding_permanent.%s"
+
+    @property
+    def kombu_binding_deadlines(self) -> str:
+        return "{" + self.namespace + "}:_kombu.binding_deadlines"
+
+    @property
+    def is_home(self) -> bool:
+        return not self.tag
+
+    @property
+    def copy_queue(self) -> str | None:
+        """The job queue whose copy this is (cluster); None for the home copy."""
+        return self.tag[len(self.namespace) + 1:] if self.tag else None
+
+    def queue(self, name: str) -> str:
+        return f"{self.prefix}queue:{name}"
+
+    def queue_level(self, name: str, level: int) -> str:
+        """The list of one priority level of a job queue; level 0 is :meth:`queue`."""
+        key = self.queue(name)
+        return f"{key}{LEVEL_SEP}{level}" if level else key
+
+    def queue_levels(self, name: str, steps: Sequence[int]) -> list[str]:
+        """Every level list of a job queue, the first to run first (as fetch pops)."""
+        key = self.queue(name)
+        return [f"{key}{LEVEL_SEP}{level}" if level else key for level in steps]
+
+    def fetch(self, pool_id: str, queues: Sequence[str], steps: Sequence[int]) -> list[str]:
+        """KEYS of one ``fetch.lua`` call for ``pool_id`` ("-": no-ack) over ``queues``
+        (candidates, repeats allowed): the fixed keys, then each candidate's level lists."""
+        return [self.inflight(pool_id), self.pools, self.ready, self.redelivery,
+                self.inflight_pools, self.running, self.limits, self.paused, self.rate_limits,
+                self.rate_tat, self.stats, self.job_index,
+                *(key for q in queues for key in self.queue_levels(q, steps))]
+    def fair_ring(self, name: str) -> str:
+        """The ring of a job queue's active fair keys (:mod:`.fair`)."""
+        return f"{self.queue(name)}{FAIR_SEP}"
+
+    def fair_queue(self, name: str, key: str) -> str:
+        """The sub-queue of one fair key of a job queue (:mod:`.fair`)."""
+        return f"{self.queue(name)}{FAIR_SEP}{key}"
+
+    def queue_name(self, key: str) -> str:
+        """Inverse of :meth:`queue`."""
+        return key[len(self.prefix) + len("queue:"):]
+
+    @property
+    def ready(self) -> str:
+        return self.prefix + "ready"
+
+    @property
+    def queues(self) -> str:
+        return self.prefix + "queues"
+
+    @property
+    def weights(self) -> str:
+        return self.prefix + "weights"
+
+    @property
+    def wake_channel(self) -> str:
+        return "{" + self.namespace + "}:wake"  # a channel, not a key: always the home's
+
+    @property
+    def pools(self) -> str:
+        return self.prefix + "pools"
+
+    def pool(self, pool_id: str) -> str:
+        return f"{self.prefix}pool:{pool_id}"
+
+    def inflight(self, pool_id: str) -> str:
+        return f"{self.prefix}inflight:{pool_id}"
+
+    @property
+    def inflight_pools(self) -> str:
+        return self.prefix + "inflight_pools"
+
+    @property
+    def redelivery(self) -> str:
+        return self.prefix + "redelivery"
+
+    @property
+    def reaper_lock(self) -> str:
+        return self.prefix + "reaper"
+
+    def busy(self, pool_id: str) -> str:
+        return f"{self.prefix}busy:{pool_id}"
+
+    @property
+    def checkins(self) -> str:
+        return self.prefix + "checkins"
+
+    @property
+    def stop_requests(self) -> str:
+        return self.prefix + "stop"
+
+    @property
+    def stats(self) -> str:
+        return self.prefix + "stats"
+
+    @property
+    def runtime(self) -> str:
+        return self.prefix + "runtime"
+
+    @property
+    def running(self) -> str:
+        return self.prefix + "running"
+
+    @property
+    def dead(self) -> str:
+        return self.prefix + "dead"
+
+    @property
+    def dead_jobs(self) -> str:
+        return self.prefix + "dead_jobs"
+
+    @property
+    def scheduled(self) -> str:
+        return self.prefix + "scheduled"
+
+    @property
+    def retry(self) -> str:
+        return self.prefix + "retry"
+
+    @property
+    def scheduled_jobs(self) -> str:
+        return self.prefix + "scheduled_jobs"
+
+    @property
+    def schedule_channel(self) -> str:
+        return "{" + self.namespace + "}:schedule"  # a channel: always the home's
+
+    @property
+    def requeuer_lease(self) -> str:
+        return self.prefix + "requeuer"
+
+    @property
+    def paused(self) -> str:
+        return self.prefix + "paused"
+
+    @property
+    def limits(self) -> str:
+        return self.prefix + "limits"
+
+    @property
+    def rate_limits(self) -> str:
+        return self.prefix + "rate_limits"
+
+    @property
+    def rate_tat(self) -> str:
+        return self.prefix + "rate_tat"
+
+    def unique(self, digest: str) -> str:
+        return f"{self.prefix}unique:{digest}"
+
+    def published(self, marker: str) -> str:
+        return f"{self.prefix}published:{marker}"
+
+    def history_minute(self, minute: int) -> str:
+        return f"{self.prefix}history:m:{minute}"
+
+    def history_hour(self, hour: int) -> str:
+        return f"{self.prefix}history:h:{hour}"
+
+    @property
+    def job_index(self) -> str:
+        return self.prefix + "jobs"
+
+    @property
+    def job_index_done(self) -> str:
+        return self.prefix + "jobs_done"
+
+    @property
+    def periodic(self) -> str:
+        return self.prefix + "periodic"
+
+    def periodic_entry(self, name: str) -> str:
+        return f"{self.prefix}periodic:{name}"
+
+
+@lru_cache(maxsize=4096)
+def _queue_copy(namespace: str, queue: str) -> Keys:
+    """A job queue's copy of the layout on a cluster: tag ``<namespace>:<queue>``. A
+    ``}`` in the name ends the tag early, the same way for every key of the copy."""
+    return Keys(namespace, cluster=True, tag=f"{namespace}:{queue}")

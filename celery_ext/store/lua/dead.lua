@@ -1,0 +1,84 @@
+#!lua flags=allow-oom
+-- dead: move one job from a pool's in-flight record into the dead set, with why.
+-- KEYS[1]  in-flight hash of the pool   {ns}:inflight:<pool id>
+-- KEYS[2]  dead zset                    {ns}:dead
+-- KEYS[3]  dead jobs hash               {ns}:dead_jobs
+-- KEYS[4]  redelivery hash              {ns}:redelivery
+-- KEYS[5]  running counts hash          {ns}:running
+-- KEYS[6]  concurrency limits hash      {ns}:limits
+-- KEYS[7]  ready set                    {ns}:ready
+-- KEYS[8]  job index hash               {ns}:jobs
+-- KEYS[9]  finished index entries       {ns}:jobs_done
+-- ARGV[1]  delivery tag (becomes the dead job id)
+-- ARGV[2]  meta JSON (reason, error, pool, ...), one line
+-- ARGV[3]  max dead jobs kept
+-- ARGV[4]  max age of dead jobs, ms
+-- ARGV[5]  optional "<queue>\n<payload>" to record when the tag is not in flight
+--          (a job acked when it started, acks_late off, that then failed)
+-- ARGV[6]  wake channel                 {ns}:wake (as in ack: a job queue at its
+--          max_concurrency that drops below it wakes idle pools)
+-- ARGV[7]  job index TTL of finished entries in ms, "0" = no index (include/job_index.lua):
+--          the entry says dead unless it names another copy of the job; jobs trimmed
+--          from the dead set lose theirs
+-- Returns 1 if moved, 0 if the tag was not in flight and no record was given
+-- (already moved: idempotent). The dead job's id is the tag, with "~<n>" added
+-- if that id is already dead.
+local indexTtl = tonumber(ARGV[7] or 0) or 0
+-- @include job_index
+-- @include fair
+local rec = redis.call('HGET', KEYS[1], ARGV[1])
+local inflight = rec ~= false
+if rec then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('HDEL', KEYS[4], ARGV[1])
+  local qname = string.sub(rec, 1, string.find(rec, '\n', 1, true) - 1)
+  local n = redis.call('HINCRBY', KEYS[5], qname, -1)
+  fair_release(KEYS[5], qname, rec)
+  local limit = tonumber(redis.call('HGET', KEYS[6], qname))
+  if limit and n == limit - 1 and redis.call('SISMEMBER', KEYS[7], qname) == 1 then
+    redis.call('PUBLISH', ARGV[6], qname)
+  end
+elseif ARGV[5] and ARGV[5] ~= '' then
+  rec = ARGV[5]
+else
+  return 0
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- An id already dead (a duplicated message) gets a suffix: both stay listed.
+local id, n = ARGV[1], 0
+while redis.call('HEXISTS', KEYS[3], id) == 1 do
+  n = n + 1
+  id = ARGV[1] .. '~' .. n
+end
+redis.call('HSET', KEYS[3], id, ARGV[2] .. '\n' .. rec)
+redis.call('ZADD', KEYS[2], now, id)
+if indexTtl > 0 then
+  local nl = string.find(rec, '\n', 1, true)
+  local tid = jix_task_id(string.sub(rec, nl + 1))
+  -- Not in flight (acked when it started): the entry may say done already.
+  if jix_is(KEYS[8], tid, inflight and 'inflight' or nil, ARGV[1]) or not inflight then
+    local reason = string.match(ARGV[2], '"reason": *"([^"]*)"') or ''
+    jix_set(KEYS[8], tid, 'dead', string.sub(rec, 1, nl - 1), id, reason)
+  end
+end
+-- The index entry of a job trimmed below goes with it.
+local function forget(did)
+  if indexTtl > 0 then
+    local drec = redis.call('HGET', KEYS[3], did)
+    if drec then
+      jix_drop(KEYS[8], jix_task_id(jix_payload_after(drec, string.find(drec, '\n', 1, true) + 1)), 'dead', did)
+    end
+  end
+  redis.call('HDEL', KEYS[3], did)
+  redis.call('ZREM', KEYS[2], did)
+end
+-- Trim: too old first, then too many; bounded work per call.
+local old = redis.call('ZRANGE', KEYS[2], '-inf', now - tonumber(ARGV[4]), 'BYSCORE', 'LIMIT', 0, 100)
+for _, did in ipairs(old) do forget(did) end
+local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[3])
+if over > 0 then
+  local ids = redis.call('ZRANGE', KEYS[2], 0, math.min(over, 100) - 1)
+  for _, did in ipairs(ids) do forget(did) end
+end
+return 1

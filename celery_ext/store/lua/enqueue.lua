@@ -1,0 +1,33 @@
+-- enqueue: append one job to the back of its job queue and wake idle pools.
+-- KEYS[1]  job queue list            {ns}:queue:<name> (a keyed job: of its fair key, include/fair.lua)
+-- KEYS[2]  ready set                 {ns}:ready
+-- KEYS[3]  known queues set          {ns}:queues (job queues only)
+-- KEYS[4]  job index hash            {ns}:jobs
+-- KEYS[5]  finished index entries    {ns}:jobs_done
+-- KEYS[6]  (optional) publish marker {ns}:published:<id>, one per publish call
+-- ARGV[1]  message payload (kombu JSON)
+-- ARGV[2]  queue name
+-- ARGV[3]  wake channel              {ns}:wake
+-- ARGV[4]  queue expiry in ms (x-expires), 0 = never
+-- ARGV[5]  job index TTL of finished entries in ms, "0" = no index (include/job_index.lua)
+-- ARGV[6]  (with KEYS[6]) marker TTL in ms
+-- Kombu's remote-control replies (queues named "<id>.reply.<mailbox>.pidbox", one per
+-- `celery inspect`/`control` call) use the same path but are not job queues: they are
+-- not recorded in the known queues set (queue_info.lua drops such names too).
+-- Returns the queue length after the push, or -1 when the publish marker was there
+-- already: a retry of a publish whose write landed (nothing pushed again).
+-- @include fair
+local queueKey, readyKey, queuesKey, markerKey = KEYS[1], KEYS[2], KEYS[3], KEYS[6]
+local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]
+local expiresMs, indexTtl, markerTtlMs = tonumber(ARGV[4]), tonumber(ARGV[5] or 0) or 0, ARGV[6]
+-- @include job_index
+-- @include announce
+if markerKey and not redis.call('SET', markerKey, '1', 'NX', 'PX', markerTtlMs) then
+  return -1
+end
+local jobId = nil  -- (a remote-control reply is not a job: not indexed)
+if indexTtl > 0 and string.sub(queueName, -7) ~= '.pidbox' then
+  jobId = jix_task_id(payload)
+end
+return push_new(queueKey, payload, readyKey, queuesKey, wakeChannel, queueName, KEYS[4],
+                jobId, indexTtl, expiresMs)

@@ -1,0 +1,257 @@
+#!lua flags=allow-oom
+-- fetch: move jobs from job queues into a pool's in-flight record, one round trip.
+-- The pool's weighted round-robin picks the candidate queues; this script pops
+-- one job per candidate, atomically recording it as owned by the pool: the oldest
+-- job of the candidate's first non-empty priority level (see priority.py).
+-- KEYS[1]  in-flight hash of the pool   {ns}:inflight:<pool id>
+-- KEYS[2]  pools zset                   {ns}:pools
+-- KEYS[3]  ready set                    {ns}:ready
+-- KEYS[4]  redelivery hash              {ns}:redelivery
+-- KEYS[5]  in-flight pools set          {ns}:inflight_pools
+-- KEYS[6]  running counts hash          {ns}:running
+-- KEYS[7]  concurrency limits hash      {ns}:limits
+-- KEYS[8]  paused queues set            {ns}:paused
+-- KEYS[9]  rate limits hash             {ns}:rate_limits
+-- KEYS[10] rate limit state hash        {ns}:rate_tat
+-- KEYS[11] stats hash                   {ns}:stats
+-- KEYS[12] job index hash               {ns}:jobs (include/job_index.lua)
+-- KEYS[13..] job queue lists, L per candidate (repeats allowed): one per priority
+--          level, the level that runs first first (L = (#KEYS - 12) / candidates)
+-- ARGV[1]  pool id
+-- ARGV[2]  one char per candidate: "1" = record in-flight (acked consumer), "0" = no-ack
+-- ARGV[3..] queue names, one per candidate, in the order of the KEYS[13..] groups
+-- ARGV[3 + n] (optional, n = number of candidates) max_payload_bytes, 0 = no limit
+-- ARGV[4 + n] (optional) "1" = keep the job index: each tracked job's entry says
+--          inflight in this pool under its delivery tag (O(1): the task id is read
+--          from the payload's last bytes)
+-- Delivery tag: Kombu writes "properties" last, with "delivery_tag" after its other
+-- properties, and our producers add only "enqueued_at" after it (a republished
+-- message, e.g. by celery migrate, may add delivery_mode/priority): the tag is looked
+-- for in the last TAG_WINDOW bytes only, the last occurrence winning, so the cost
+-- does not grow with the payload. A job whose tag is not there (another client's
+-- layout) gets "untagged-<sha1 of its length, first and last 512 bytes>": the same
+-- on every fetch, so its recovery count holds across requeues; a duplicate gets a
+-- "~<n>" suffix as below.
+-- A tracked job over max_payload_bytes is recorded in flight as usual, but its
+-- payload is not shipped: the reply carries its size (an integer) instead, and the
+-- worker moves it to the dead set (reason too_large).
+-- A paused queue, or one with as many jobs in flight (in all pools) as its
+-- max_concurrency, is skipped and reported as blocked; it stays in the ready set
+-- (ack and resume publish the wake channel when it becomes fetchable again).
+-- A rate-limited queue (rate_limits.py) is fetchable from its theoretical arrival time
+-- (GCRA, Redis TIME): each job fetched pushes that time one interval past the later of
+-- itself and now, so no two jobs are fetched less than an interval apart in all pools.
+-- A queue not due yet is skipped, reported as blocked, counted in the stats, and its
+-- wait returned, so the pool sleeps until then instead of polling.
+-- Fair shares (include/fair.lua, fair.py): when a candidate's level lists are empty, its keyed
+-- jobs are served one key per pop, in the order of its ring of active keys, which each
+-- pop rotates (LMOVE head to tail): a key with 10,000 jobs and a key with one get one
+-- turn each per round. A key with as many jobs in flight as the queue's per-key limit
+-- is passed over (at most FAIR_TRIES keys per pop); when every key tried is at its
+-- limit the queue is reported blocked (ack wakes pools when a key drops below it).
+-- A key leaves the ring with its sub-queue's last job. Keyed jobs of a queue come
+-- after its unkeyed ones.
+-- Returns {status, jobs, empties, blocked, waits}: status 0 = pool not registered (nothing
+-- moved), 1 = ok; jobs = {{queue, delivery tag, payload (or its size in bytes when
+-- over the limit), recoveries or -1}, ...};
+-- empties = names of candidate queues found or left empty; blocked = names of
+-- candidate queues skipped (paused, at their limit or not due) or left at their limit
+-- or not due; waits = {{queue name, µs until its next job is due}, ...}.
+local TAG_WINDOW = 1024
+local FAIR_TRIES = 8
+local NFIXED = 12
+local flags = ARGV[2]
+local ncand = #flags
+-- Lists per candidate, one per priority level: the first non-empty one is popped.
+local nlev = ncand > 0 and (#KEYS - NFIXED) / ncand or 1
+local max_payload = tonumber(ARGV[3 + ncand] or 0) or 0
+local indexed = ARGV[4 + ncand] == '1'
+-- @include job_index
+
+-- The message's own delivery tag, from the end of the payload only (see above): the
+-- last occurrence in its last `window` bytes, or nil.
+local function tag_in(payload, window)
+  local tag, from = nil, math.max(1, #payload - window + 1)
+  while true do
+    local _, e = string.find(payload, '"delivery_tag": "', from, true)
+    if not e then return tag end
+    local q = string.find(payload, '"', e + 1, true)
+    if not q then return tag end
+    tag = string.sub(payload, e + 1, q - 1)
+    from = q + 1
+  end
+end
+local function tag_of(payload)
+  -- Our producers' tag ends about 60 bytes before the end: look there first.
+  return tag_in(payload, 128) or tag_in(payload, TAG_WINDOW)
+end
+-- Per queue name, the first level (1 = the first) that may hold jobs: the levels
+-- before it were found empty by an earlier candidate of this call.
+local level_from = {}
+-- Pop the next job of the candidate whose level lists follow KEYS[first]: the
+-- first non-empty level's oldest job. Returns it and the index of its list.
+local function pop(first, qname)
+  for j = first + (level_from[qname] or 1), first + nlev do
+    local payload = redis.call('RPOP', KEYS[j])
+    if payload then
+      level_from[qname] = j - first
+      return payload, j
+    end
+  end
+  level_from[qname] = nlev + 1
+  return nil, first + nlev + 1
+end
+-- Whether every level list from KEYS[from] to the candidate's last is empty (the
+-- levels before the one just popped were empty already), and no fair key has jobs.
+local function drained(from, first)
+  for j = from, first + nlev do
+    if redis.call('LLEN', KEYS[j]) > 0 then return false end
+  end
+  return redis.call('EXISTS', KEYS[first + 1] .. '\6\23') == 0
+end
+-- @include fair
+-- Per queue name, its per-key limit (false: none), read once per call (`limited`: the
+-- limits hash has any field at all).
+local fair_limits = {}
+-- Pop the next keyed job of the candidate whose level lists follow KEYS[first] (see
+-- above). Returns its payload, its fair key and whether its queue may have no job
+-- left; or nil, nil and whether keys with jobs are left (all passed over at their
+-- limit).
+local function fair_pop(first, qname, limited)
+  local ring = KEYS[first + 1] .. FAIR_SEP
+  if fair_limits[qname] == nil then
+    fair_limits[qname] = limited and tonumber(redis.call('HGET', KEYS[7], qname .. '\n'))
+      or false
+  end
+  local limit = fair_limits[qname]
+  -- Without a limit the first key rotated is served (LMOVE finds an empty ring): the
+  -- ring's length is read only to try each key at most once when keys may be full.
+  local tries = limit and math.min(redis.call('LLEN', ring), FAIR_TRIES) or FAIR_TRIES
+  for _ = 1, tries do
+    local key = redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT')
+    if not key then return nil, nil, false end
+    if not limit
+        or (tonumber(redis.call('HGET', KEYS[6], qname .. '\n' .. key)) or 0) < limit then
+      local payload = redis.call('RPOP', ring .. key)
+      local last = redis.call('LLEN', ring .. key) == 0
+      if last then redis.call('RPOP', ring) end
+      if payload then return payload, key, last end
+    end
+  end
+  return nil, nil, redis.call('EXISTS', ring) == 1
+end
+if string.find(flags, '1', 1, true) and not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+  return {0, {}, {}, {}, {}}
+end
+local limited = redis.call('HLEN', KEYS[7]) > 0
+local any_paused = redis.call('SCARD', KEYS[8]) > 0
+local jobs, empties, blocked, skip, checked, room = {}, {}, {}, {}, {}, {}
+local rated, interval, tat, waits, now_us = redis.call('HLEN', KEYS[9]) > 0, {}, {}, {}, 0
+if rated then
+  local t = redis.call('TIME')
+  now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local tracked = false
+for i = 1, ncand do
+  local first, qname = NFIXED + (i - 1) * nlev, ARGV[2 + i]
+  if not skip[qname] and not checked[qname] then
+    checked[qname] = true
+    if any_paused and redis.call('SISMEMBER', KEYS[8], qname) == 1 then
+      skip[qname] = true
+    elseif limited then
+      local limit = tonumber(redis.call('HGET', KEYS[7], qname))
+      if limit then
+        room[qname] = limit - tonumber(redis.call('HGET', KEYS[6], qname) or 0)
+      end
+    end
+    if rated and not skip[qname] then
+      interval[qname] = tonumber(redis.call('HGET', KEYS[9], qname))
+    end
+  end
+  if not skip[qname] and room[qname] and room[qname] <= 0 then
+    skip[qname] = true
+  end
+  if not skip[qname] and interval[qname] then
+    tat[qname] = tat[qname] or tonumber(redis.call('HGET', KEYS[10], qname) or 0)
+    if tat[qname] > now_us then
+      skip[qname] = true
+      waits[#waits + 1] = {qname, tat[qname] - now_us}
+      redis.call('HINCRBY', KEYS[11], 'rate_limited', 1)
+      redis.call('HINCRBY', KEYS[11], 'rate_limited:' .. qname, 1)
+    end
+  end
+  if skip[qname] == true then
+    skip[qname] = 'reported'
+    blocked[#blocked + 1] = qname
+  end
+  if not skip[qname] then
+    local payload, at = pop(first, qname)
+    local fkey, fair_left
+    if not payload then
+      payload, fkey, fair_left = fair_pop(first, qname, limited)
+      -- A keyed job whose key has more: its ring is not empty, the queue not drained.
+      if payload and not fair_left then at = nil end
+    end
+    if not payload and fair_left then
+      skip[qname] = 'reported'
+      blocked[#blocked + 1] = qname
+    elseif not payload then
+      skip[qname] = 'empty'
+      empties[#empties + 1] = qname
+      redis.call('SREM', KEYS[3], qname)
+    else
+      local tag = tag_of(payload)
+      if not tag or tag == '' then
+        tag = 'untagged-' .. redis.sha1hex(#payload .. '\n' .. string.sub(payload, 1, 512)
+                                           .. '\n' .. string.sub(payload, -512))
+      end
+      local track = string.sub(flags, i, i) == '1'
+      if track then
+        -- A tag this pool already owns (a duplicated or forged message) gets a
+        -- suffix: overwriting would silently drop the other job's record.
+        local base, n = tag, 0
+        while redis.call('HSETNX', KEYS[1], tag, qname .. '\n' .. payload) == 0 do
+          n = n + 1
+          tag = base .. '~' .. n
+        end
+        redis.call('HINCRBY', KEYS[6], qname, 1)
+        if fkey and fair_limits[qname] then
+          redis.call('HINCRBY', KEYS[6], qname .. '\n' .. fkey, 1)
+        end
+        tracked = true
+        if indexed then
+          jix_set(KEYS[12], jix_task_id(payload), 'inflight', qname, tag, ARGV[1])
+        end
+        if room[qname] then room[qname] = room[qname] - 1 end
+      elseif indexed then
+        jix_drop(KEYS[12], jix_task_id(payload), 'queued')  -- no-ack: delivered is gone
+      end
+      local rec = redis.call('HGET', KEYS[4], tag)
+      if track and max_payload > 0 and #payload > max_payload then
+        jobs[#jobs + 1] = {qname, tag, #payload, tonumber(rec or -1)}
+      else
+        jobs[#jobs + 1] = {qname, tag, payload, tonumber(rec or -1)}
+      end
+      if interval[qname] then
+        tat[qname] = math.max(tat[qname], now_us) + interval[qname]
+        redis.call('HSET', KEYS[10], qname, string.format('%.0f', tat[qname]))
+      end
+      if at and drained(at, first) then
+        skip[qname] = 'empty'
+        empties[#empties + 1] = qname
+        redis.call('SREM', KEYS[3], qname)
+      elseif room[qname] and room[qname] <= 0 then
+        skip[qname] = 'reported'
+        blocked[#blocked + 1] = qname
+      elseif interval[qname] then
+        skip[qname] = 'reported'
+        blocked[#blocked + 1] = qname
+        waits[#waits + 1] = {qname, tat[qname] - now_us}
+      end
+    end
+  end
+end
+if tracked then
+  redis.call('SADD', KEYS[5], ARGV[1])
+end
+return {1, jobs, empties, blocked, waits}

@@ -1,0 +1,80 @@
+-- schedule: store a job with a future due time in the scheduled (or retry) set,
+-- optionally as a unique job, and wake requeuers if it is now the earliest.
+-- KEYS[1]  target zset                  {ns}:scheduled or {ns}:retry
+-- KEYS[2]  scheduled jobs hash          {ns}:scheduled_jobs
+-- KEYS[3]  the other zset               {ns}:retry or {ns}:scheduled
+-- KEYS[4]  known queues set             {ns}:queues
+-- KEYS[5]  job index hash               {ns}:jobs
+-- KEYS[6]  finished index entries       {ns}:jobs_done
+-- KEYS[7]  (unique jobs only) lock      {ns}:unique:<digest>
+-- KEYS[7 or 8, after the lock if any] (optional) publish marker {ns}:published:<id>
+-- ARGV[1]  job id (delivery tag)
+-- ARGV[2]  delay in ms from now (Redis time)
+-- ARGV[3]  meta JSON object (one line); "scheduled_at" is added here
+-- ARGV[4]  queue name
+-- ARGV[5]  message payload (kombu JSON)
+-- ARGV[6]  schedule channel             {ns}:schedule
+-- ARGV[7]  job index TTL of finished entries in ms, "0" = no index (include/job_index.lua)
+-- ARGV[8]  the job's task id (its index entry says scheduled or retry)
+-- ARGV[9]  (unique) lock value: the job's task id; "" = not a unique job
+-- ARGV[10] (unique) lock TTL in ms, counted from the due time
+-- ARGV[11] (unique) "1" = schedule even if the lock is held (a retry), else "0"
+-- ARGV[12] (with the marker) marker TTL in ms
+-- Returns {1, due ms, task id} when scheduled, {0, 0, holder} when a unique job
+-- with the same key is already pending (nothing stored; the same task id
+-- published twice counts as pending), {0, 0, marker value} when the publish marker
+-- was there already: a retry of a publish that stored its job (nothing stored again).
+local targetKey, jobsKey, otherKey, queuesKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local jobId, delayMs, metaJson, queueName = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local payload, scheduleChannel = ARGV[5], ARGV[6]
+local indexTtl, indexId = tonumber(ARGV[7]), ARGV[8]
+local taskId, lockTtlMs, force, markerTtlMs = ARGV[9] or '', ARGV[10], ARGV[11], ARGV[12]
+local lockKey, markerKey = nil, nil
+if taskId ~= '' then
+  lockKey, markerKey = KEYS[7], KEYS[8]
+else
+  markerKey = KEYS[7]
+end
+-- @include job_index
+if markerKey then
+  local stored = redis.call('GET', markerKey)
+  if stored then
+    return {0, 0, stored}
+  end
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local due = now + delayMs
+if lockKey then
+  local holder = redis.call('GET', lockKey)
+  if holder and force ~= '1' then
+    return {0, 0, holder}
+  end
+  if not holder or holder == taskId then
+    redis.call('SET', lockKey, taskId, 'PX', delayMs + tonumber(lockTtlMs))
+  end
+end
+local meta = cjson.decode(metaJson)
+meta['scheduled_at'] = now
+-- The earliest due time before this job, over both sets.
+local earliest = nil
+for _, k in ipairs({targetKey, otherKey}) do
+  local head = redis.call('ZRANGE', k, 0, 0, 'WITHSCORES')
+  if head[2] and (not earliest or tonumber(head[2]) < earliest) then
+    earliest = tonumber(head[2])
+  end
+end
+redis.call('HSET', jobsKey, jobId, cjson.encode(meta) .. '\n' .. queueName .. '\n' .. payload)
+redis.call('ZADD', targetKey, due, jobId)
+redis.call('SADD', queuesKey, queueName)
+if indexTtl > 0 and indexId ~= '' then
+  local state = string.sub(targetKey, -7) == '}:retry' and 'retry' or 'scheduled'
+  jix_set(KEYS[5], indexId, state, queueName, jobId, due)
+end
+if markerKey then
+  redis.call('SET', markerKey, taskId ~= '' and taskId or '1', 'PX', markerTtlMs)
+end
+if not earliest or due < earliest then
+  redis.call('PUBLISH', scheduleChannel, due)
+end
+return {1, due, taskId}

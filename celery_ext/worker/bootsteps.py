@@ -1,0 +1,345 @@
+"""Celery worker integration: bootsteps and the worker signals the plugin listens to.
+
+The worker pool itself (heartbeat, reaper, requeuer, what the process holds of its
+in-flight record) is owned by :class:`celery_ext.pool.WorkerPool`, which the
+transport makes for any worker consuming through our scheme. This module adds what
+needs Celery's worker objects, in every mode unless said otherwise:
+
+- ``JobQueues`` (``install(app)`` only: it is routing): consume every task's queue;
+- ``Sets``: task options checked at start (backoff, unique, max_concurrency,
+  stall_after, rate_limit) and the concurrency and rate limits written (Celery's
+  per-process rate limit is off for the tasks whose limit holds in all pools);
+- ``DeadLetters``: unknown and invalid messages go to the dead set;
+- ``PeriodicJobs``: the app's ``beat_schedule`` handed to the worker pool's requeuer;
+- ``worker_ready``: the pool's registration details (node, concurrency, pool type,
+  queues) and the job queues' weights;
+- ``worker_shutting_down`` / ``worker_shutdown``: the pool says "stopping", then stops.
+
+Drop-in mode (the broker URL is ours, no ``install(app)``): ``celeryd_init`` adds the
+consumer steps, the Request class that counts lost workers and sends failed jobs to
+the dead set, and ``task.checkin()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any
+
+import redis
+from celery import bootsteps
+from celery.signals import celeryd_init, worker_ready, worker_shutdown, worker_shutting_down
+from kombu import Queue
+from kombu.asynchronous import get_event_loop
+
+from celery_ext.config import ConfigError, Settings, check_broker_url, uses_our_transport
+from celery_ext.options.fair import job_fair_limits, write_fair_limits
+from celery_ext.options.limits import job_limits, write_limits
+from celery_ext.options.rate_limits import ClusterBuckets, job_rate_limits, write_rate_limits
+from celery_ext.options.unique import validate_unique_options
+from celery_ext.options.weights import all_weights, set_weights
+from celery_ext.store.connections import CLUSTER_NO_WAIT, cluster_config, sentinel_config
+from celery_ext.store.dead_set import wrap_consumer_handlers
+from celery_ext.store.keys import Keys
+from celery_ext.worker import worker_pool as _pool
+from celery_ext.worker.fate import apply_backoffs
+
+logger = logging.getLogger("celery_ext.worker.bootsteps")
+
+#: Celery's own Request class; drop-in mode replaces it (only it) with ours.
+CELERY_DEFAULT_REQUEST = "celery.worker.request:Request"
+#: Pools whose tasks we cannot account for (they run on an event loop our blocking
+#: Redis clients would stall); refused at start with one line.
+UNSUPPORTED_POOLS = ("gevent", "eventlet")
+
+
+def job_queues(app: Any, finalize: bool = True, strict: bool = True) -> dict[str, int]:
+    """Job queue name -> weight for every registered task (explicit ``queue=`` kept).
+
+    A weight that is not a whole number >= 1 raises ValueError naming the task, or
+    counts as 1 with ``strict=False`` (producers: only workers use weights, and a
+    worker refuses to start with one)."""
+    if finalize:
+        app.finalize(auto=True)
+    result: dict[str, int] = {}
+    for name, task in sorted(app.tasks.items()):
+        queue = getattr(task, "queue", None) or name
+        weight = getattr(task, "weight", None)
+        if weight is not None:
+            if not isinstance(weight, int) or isinstance(weight, bool) or weight < 1:
+                if not strict:
+                    weight = 1
+                else:
+                    raise ValueError(
+                        f"celery_ext: task {name!r} has weight={weight!r}; "
+                        "weight must be a whole number >= 1")
+        result[queue] = max(result.get(queue, 1), weight or 1)
+    return result
+
+
+def declare_job_queues(app: Any) -> None:
+    """Make every job queue known to ``app.amqp.queues`` in every process (so that
+    ``celery purge``, ``-X`` and inspection see them); consuming them is decided in
+    the worker (:class:`JobQueues`)."""
+    queues = app.amqp.queues
+    for name in job_queues(app, finalize=False, strict=False):
+        if name not in queues:
+            queues.add(Queue(name, routing_key=name))
+
+
+class JobQueues(bootsteps.Step):
+    """Make a worker consume the job queue of every registered task.
+
+    A worker started with ``-Q`` consumes only the queues it was given (their
+    weights still apply); ``-X`` exclusions are honoured by Celery itself, since every
+    job queue is declared when the app is finalized.
+    """
+
+    name = "celery_ext.JobQueues"
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        app = worker.app
+        try:
+            weights = job_queues(app)
+        except ValueError as exc:  # a bad weight= stops the worker with one line
+            raise SystemExit(str(exc)) from None
+        set_weights(weights)
+        declare_job_queues(app)
+        queues = app.amqp.queues
+        if getattr(queues, "_consume_from", None) is None:  # no -Q/-X: consume them all
+            for name in weights:
+                if name not in queues.consume_from:
+                    queues.select_add(queues[name])
+        if not uses_our_transport(app.conf):
+            logger.warning(
+                "celery_ext: install(app) is active but the broker is not celery-ext:// "
+                "(jobs are routed per task name, without crash-safe ownership)")
+
+
+@worker_ready.connect(weak=False)
+def describe_pool(sender: Any = None, **kwargs: Any) -> None:
+    """The worker consumes: add what only Celery knows to its pool's registration
+    (node name, concurrency, pool type, job queues) and publish the queues' weights."""
+    c = sender
+    channel = getattr(getattr(c, "connection", None), "default_channel", None)
+    if channel is None or not hasattr(channel, "worker_pool"):
+        return  # not our transport
+    pool = channel.worker_pool
+    controller = getattr(c, "controller", None)
+    pool_cls = getattr(controller, "pool_cls", None)
+    consumed = c.app.amqp.queues.consume_from
+    pool.describe(
+        node=c.hostname,
+        concurrency=getattr(controller, "concurrency", "") or "",
+        pool_type=getattr(pool_cls, "__module__", str(pool_cls)).rsplit(".", 1)[-1],
+        queues=",".join(sorted(consumed)),
+        started_at=int(time.time() * 1000),
+        state="running",
+    )
+    if pool.keys.cluster and consumed:
+        # The registry is how the reaper and requeuer find every queue's copy.
+        with contextlib.suppress(redis.exceptions.OutOfMemoryError):
+            pool.client.sadd(pool.keys.queues, *consumed)
+    weights: dict[Any, Any] = {q: w for q, w in all_weights().items() if q in consumed}
+    if weights:
+        try:
+            pool.client.hset(pool.keys.weights, mapping=weights)
+        except redis.exceptions.OutOfMemoryError:
+            # Only the dashboard reads them; the pool must start and drain a full Redis.
+            logger.warning("celery_ext: Redis is at maxmemory: job queue weights not "
+                           "published for the dashboard (the pool runs with them)")
+
+
+def validate_settings(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
+    """``celeryd_init``: check celery_ext settings before the worker connects, and exit
+    with one clear line instead of a traceback from deep inside Kombu."""
+    app = getattr(instance, "app", None)
+    if app is None:
+        return
+    conf = app.conf
+    urls = [u for u in (conf.broker_url, conf.broker_read_url, conf.broker_write_url)
+            if isinstance(u, str) and u]
+    ours = uses_our_transport(conf)
+    if not ours and not getattr(app, "_celery_ext_installed", False):
+        return
+    try:
+        for url in urls:  # a typo'd scheme or port: one line, not Kombu's traceback
+            check_broker_url(url, conf.broker_transport)
+        Settings.load(conf.broker_transport_options)
+        sentinel_config(urls, conf.broker_transport_options)  # master_name is there
+        cluster = cluster_config(urls, conf.broker_transport_options)  # db 0, no sentinel
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+    if ours and cluster is not None and Settings.load(conf.broker_transport_options).wait_replicas:
+        raise SystemExit(CLUSTER_NO_WAIT)
+    if ours:
+        pool_name = _pool_name((kwargs.get("options") or {}).get("pool_cls") or conf.worker_pool)
+        if pool_name in UNSUPPORTED_POOLS:
+            raise SystemExit(f"celery_ext: the {pool_name} pool is not supported; use prefork, "
+                             "threads or solo (-P threads gives many concurrent jobs)")
+        add_worker_parts(app)
+    _one_line_connection_errors()
+
+
+def _pool_name(pool: Any) -> str:
+    if isinstance(pool, str):
+        return pool.rsplit(".", 1)[-1].split(":")[0].lower()
+    return str(getattr(pool, "__module__", "")).rsplit(".", 1)[-1]
+
+
+def add_worker_parts(app: Any) -> None:
+    """What a worker of ``app`` needs from the plugin whether or not ``install(app)``
+    ran: the consumer steps, the Request class (lost-worker counting, failed jobs to
+    the dead set, promoted jobs' eta ignored) and ``task.checkin()``. Idempotent."""
+    from celery_ext.worker.observer import _task_checkin
+
+    app.steps["consumer"].add(Sets)
+    app.steps["consumer"].add(DeadLetters)
+    app.steps["consumer"].add(PeriodicJobs)
+    if app.Task.Request in (CELERY_DEFAULT_REQUEST, None):
+        app.Task.Request = "celery_ext.request:Request"
+    if not hasattr(app.Task, "checkin"):
+        app.Task.checkin = _task_checkin
+
+
+def _one_line_connection_errors() -> None:
+    """Celery logs each failed connection attempt as "Cannot connect to <url>: <error>."
+    and "Trying again in N seconds..." on a second line; make it one line per attempt
+    (the URL is masked by Celery either way)."""
+    from celery.worker.consumer import consumer
+
+    if consumer.CONNECTION_ERROR.count("\n") > 1:
+        consumer.CONNECTION_ERROR = "consumer: Cannot connect to %s: %s. %s"
+
+
+celeryd_init.connect(validate_settings, weak=False)
+
+
+@worker_shutting_down.connect(weak=False)
+def _on_shutting_down(**kwargs: Any) -> None:
+    """Celery runs this inside its SIGTERM/SIGQUIT handler, in the event loop's thread,
+    wherever that thread was interrupted (perhaps holding a lock the pool or redis-py
+    would take): the work is done in a short-lived thread of its own."""
+    global _stopping
+    if _stopping is None:  # a second signal (warm, then cold) finds it started
+        _stopping = threading.Thread(target=begin_stopping, name="celery_ext-stopping",
+                                     daemon=True)
+        _stopping.start()
+
+
+#: The thread ``_on_shutting_down`` started; the pools stop only after it is done, so
+#: its "stopping" is never written over a pool that has already deregistered.
+_stopping: threading.Thread | None = None
+#: How long the worker's shutdown waits for that thread (seconds). Its one write takes
+#: milliseconds; against an unreachable Redis the shutdown goes on without it.
+STOPPING_JOIN_TIMEOUT = 10.0
+
+
+def begin_stopping() -> None:
+    """The worker is shutting down: the pools say "stopping" (checkins answer stop), then
+    the event loop is woken to read its shutdown flag.
+
+    Celery's signal handler only sets that flag; the loop reads it between turns. An idle
+    pool of ours sends no fetch (its WAKE listener and ready refresh take over), so the
+    loop's poll sleeps until its next timer: up to a second with Kombu's timers, where
+    stock's blocking BRPOP returns sooner. Called from the loop's own thread, Kombu's
+    ``call_soon`` would not wake the poll; called from this one, it does."""
+    _pool.mark_all_stopping()
+    hub = get_event_loop()
+    if hub is not None:
+        hub.call_soon(_nothing)
+
+
+def _nothing() -> None:
+    """The callback whose only effect is to end the event loop's poll (``begin_stopping``)."""
+
+
+@worker_shutdown.connect(weak=False)
+def _on_shutdown(**kwargs: Any) -> None:
+    global _stopping
+    stopping, _stopping = _stopping, None
+    if stopping is not None:
+        stopping.join(STOPPING_JOIN_TIMEOUT)
+    _pool.stop_all()
+
+
+def validate_stall_after(task: Any) -> None:
+    """Raise ValueError for a ``stall_after`` option that is not a number of seconds > 0."""
+    value = getattr(task, "stall_after", None)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                              or value <= 0):
+        raise ValueError(f"celery_ext: task {task.name!r} has stall_after={value!r}; "
+                         "it must be a number of seconds > 0 (or None)")
+
+
+class Sets(bootsteps.StartStopStep):
+    """Consumer step: the job options of the scheduled, retry and dead sets (backoff,
+    unique, max_concurrency, stall_after), checked when the worker is built so a bad
+    option stops it with a clear message, and the concurrency limits written once
+    the consumer is connected. (The requeuer belongs to the worker pool.) It also
+    tells the channel the worker's concurrency (``Channel.fetch_min``)."""
+
+    name = "celery_ext.Sets"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        app = c.app
+        try:
+            settings = Settings.load(app.conf.broker_transport_options)
+            self.limits = job_limits(app)
+            self.fair_limits = job_fair_limits(app)
+            rate_limits = job_rate_limits(app)
+            for task in app.tasks.values():
+                validate_unique_options(task)
+                validate_stall_after(task)
+            apply_backoffs(app.tasks, settings)
+        except (ConfigError, ValueError) as exc:
+            raise SystemExit(str(exc)) from None
+        #: None: this pool leaves rate limits to Celery (not our transport) or has them
+        #: off (``worker_disable_rate_limits``), and writes none.
+        self.buckets: ClusterBuckets | None = None
+        if uses_our_transport(app.conf) and not getattr(c, "disable_rate_limits", False):
+            self.buckets = ClusterBuckets(c, rate_limits)
+        self.written = False
+
+    def start(self, c: Any) -> None:
+        channel = c.connection.default_channel
+        if hasattr(channel, "fetch_min"):  # fetch in batches of the pool's size
+            channel.fetch_min = max(1, int(getattr(c.controller, "concurrency", 1) or 1))
+        if self.written or not hasattr(channel, "worker_pool"):
+            return  # already written by this worker, or not our transport
+        pool = channel.worker_pool
+        keys, consumed = Keys.for_settings(pool.settings), c.app.amqp.queues.consume_from
+        write_limits(pool.client, keys, self.limits, consumed)
+        write_fair_limits(pool.client, keys, self.fair_limits, consumed)
+        if self.buckets is not None:
+            self.buckets.connected(lambda limits: write_rate_limits(
+                pool.client, keys, limits.queues, consumed))
+        self.written = True
+
+
+class DeadLetters(bootsteps.Step):
+    """Consumer step: unknown task names and undecodable or invalid messages go to
+    the dead set with their reason instead of being logged and dropped."""
+
+    name = "celery_ext.DeadLetters"
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        if not getattr(c, "_celery_ext_dead_letters", False):
+            wrap_consumer_handlers(c)
+            c._celery_ext_dead_letters = True
+
+
+class PeriodicJobs(bootsteps.StartStopStep):
+    """Consumer step: the worker pool runs the app's ``beat_schedule`` (its requeuer's
+    leader enqueues each due run; see ``periodic.py``)."""
+
+    name = "celery_ext.PeriodicJobs"
+    requires = ("celery.worker.consumer.tasks:Tasks",)  # after the connection step
+
+    def start(self, c: Any) -> None:
+        channel = c.connection.default_channel
+        if hasattr(channel, "worker_pool"):  # our transport
+            channel.worker_pool.run_periodic(c.app)

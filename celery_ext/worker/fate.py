@@ -1,0 +1,219 @@
+"""Job fate: what happens to a job that fails, expires or is started.
+
+* :class:`JobFateRequest` is the base of the Request class ``install(app)`` sets
+  (see :mod:`celery_ext.request`). It runs in the worker's main process, where
+  Celery acks and rejects even when the job ran in a prefork child:
+
+  - a job that raised and will not be retried (no retries left, or an exception it
+    does not retry) goes to the dead set with its name, args, kwargs, exception
+    type and message, traceback, attempts, pool and node, instead of being acked
+    away; ``self.retry()`` / ``autoretry_for`` republish into the retry set
+    (:mod:`celery_ext.scheduled`) and Celery acks the old message as usual;
+  - a job whose ``expires`` passed before it started goes to the dead set with
+    reason "expired" (Celery would only mark it revoked);
+  - the ``eta`` header is ignored: a job reaches a job queue only when it is due
+    (the requeuer promotes it on the Redis clock), so a worker whose clock runs
+    behind must not hold it back in memory;
+  - a unique job's lock is released when the job starts (:mod:`celery_ext.unique`).
+
+* :class:`Backoff`: opt-in retry backoff, exponential with jitter and a cap
+  (task option ``backoff=True`` or ``backoff={"base": 5, "max": 600, "jitter": 0.5}``).
+  It replaces the task's ``default_retry_delay``, i.e. the countdown of a
+  ``self.retry()`` (or ``autoretry_for``) that names none.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from billiard.einfo import ExceptionWithTraceback
+from billiard.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.exceptions import Ignore, Reject, Retry, Terminated
+from celery.worker import state as worker_state
+from celery.worker.request import Request as CeleryRequest
+from kombu.utils.json import dumps
+
+from celery_ext.config import Settings
+from celery_ext.options.unique import HEADER as UNIQUE_HEADER
+from celery_ext.options.unique import release as release_unique
+from celery_ext.store.dead_set import MAX_TRACEBACK, one_line
+
+logger = logging.getLogger("celery_ext.worker.fate")
+
+#: Exceptions after which Celery does not ack a failed job for good: retried,
+#: ignored, rejected (the transport dead-letters a reject without requeue),
+#: terminated, or the worker died (the pool issue's recovery counts those).
+_NOT_FINAL = (Retry, Ignore, Reject, Terminated, WorkerLostError, SystemExit,
+              KeyboardInterrupt, MemoryError)
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Retry delays ``base * 2**attempt`` capped at ``max``, minus up to ``jitter`` of it."""
+
+    base: float
+    max: float
+    jitter: float
+
+    def __post_init__(self) -> None:
+        if self.base <= 0 or self.max < self.base or not 0 <= self.jitter <= 1:
+            raise ValueError(f"celery_ext: invalid backoff {self!r}: need 0 < base <= max "
+                             "and 0 <= jitter <= 1")
+
+    def delay(self, attempt: int, rand: Callable[[], float] = random.random) -> float:
+        """Seconds before retry number ``attempt + 1`` (``attempt`` = retries so far)."""
+        full = min(self.max, self.base * 2 ** min(max(attempt, 0), 63))
+        return full * (1 - self.jitter * rand())
+
+
+def backoff_for(task: Any, settings: Settings) -> Backoff | None:
+    """The backoff a task opted into with its ``backoff`` option, or None."""
+    option = getattr(task, "backoff", None)
+    if option is None or option is False:
+        return None
+    default = Backoff(settings.retry_backoff_base, settings.retry_backoff_max,
+                      settings.retry_backoff_jitter)
+    if option is True:
+        return default
+    if isinstance(option, Backoff):
+        return option
+    if isinstance(option, Mapping) and set(option) <= {"base", "max", "jitter"}:
+        return Backoff(float(option.get("base", default.base)),
+                       float(option.get("max", default.max)),
+                       float(option.get("jitter", default.jitter)))
+    raise ValueError(f"celery_ext: task {task.name!r} has backoff={option!r}; use True, "
+                     "a celery_ext.retry.Backoff, or a dict with base, max and jitter")
+
+
+class _BackoffDelay:
+    """``default_retry_delay`` of a task with a backoff: read by ``Task.retry``."""
+
+    def __init__(self, backoff: Backoff) -> None:
+        self.backoff = backoff
+
+    def __get__(self, task: Any, owner: Any = None) -> float:
+        if task is None:
+            return self.backoff.base
+        retries = getattr(task.request, "retries", 0) or 0
+        return self.backoff.delay(int(retries))
+
+
+def apply_backoffs(tasks: Mapping[str, Any], settings: Settings) -> list[str]:
+    """Give every task with a ``backoff`` option its backoff; returns their names."""
+    names = []
+    for name, task in tasks.items():
+        backoff = backoff_for(task, settings)
+        if backoff is not None:
+            type(task).default_retry_delay = _BackoffDelay(backoff)
+            names.append(name)
+    return names
+
+
+def _exception_fields(exc: Any, traceback: str) -> dict[str, Any]:
+    # An exception the main process cannot unpickle arrives wrapped.
+    type_name = getattr(exc, "exc_cls_name", None) or type(exc).__name__
+    module = getattr(exc, "exc_module", None) or type(exc).__module__
+    if module and module != "builtins":
+        type_name = f"{module}.{type_name}"
+    message = str(exc)
+    return {
+        "exc_type": type_name,
+        "exc_message": message[:2000],
+        "error": f"{type_name}: {message[:2000]}",
+        "traceback": (traceback or "")[-MAX_TRACEBACK:],
+    }
+
+
+class JobFateRequest(CeleryRequest):
+    """Celery Request with the dead set, expiry and unique-lock handling above."""
+
+    @property
+    def eta(self) -> Any:
+        return None
+
+    # -- start ----------------------------------------------------------------------------
+    def on_accepted(self, pid: Any, time_accepted: Any) -> Any:
+        self._ext_release_unique()
+        return super().on_accepted(pid, time_accepted)
+
+    def _ext_release_unique(self) -> None:
+        digest = self._request_dict.get(UNIQUE_HEADER)
+        channel: Any = getattr(self.message, "channel", None)
+        if not digest or not hasattr(channel, "settings"):
+            return
+        try:
+            with channel.conn_or_acquire() as client:
+                release_unique(channel.scripts, channel.copy_of(self.message.delivery_tag),
+                               str(digest), self.id, client)
+        except Exception as exc:
+            logger.warning("celery_ext: could not release the unique lock of %s[%s]: %s "
+                           "(it expires after its TTL)", one_line(self.name),
+                           one_line(self.id), exc)
+
+    # -- failure --------------------------------------------------------------------------
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True,
+                   return_ok: bool = False) -> Any:
+        exc = exc_info.exception
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        if self._ext_is_final(exc):
+            self._ext_dead("failed", **_exception_fields(exc, exc_info.traceback))
+        elif isinstance(exc, Reject) and not exc.requeue:
+            # The transport would dead-letter the reject too, without the why.
+            self._ext_dead("rejected", **_exception_fields(exc, exc_info.traceback))
+        return super().on_failure(exc_info, send_failed_event=send_failed_event,
+                                  return_ok=return_ok)
+
+    def _ext_is_final(self, exc: Any) -> bool:
+        """Will Celery drop this failed job for good (ack, or reject without requeue)?"""
+        if isinstance(exc, _NOT_FINAL) or worker_state.should_terminate:
+            return False
+        task = self.task
+        if task.acks_late and isinstance(exc, TimeLimitExceeded):
+            return bool(getattr(task, "acks_on_timeout", True))  # else requeued
+        return True
+
+    # -- expiry ---------------------------------------------------------------------------
+    def _announce_revoked(self, reason: Any, terminated: Any, signum: Any,
+                          expired: Any) -> Any:
+        if expired and not self.acknowledged:
+            expires = self.expires
+            self._ext_dead("expired", error=f"expired at {expires.isoformat()}"
+                           if expires is not None else "expired")
+            self._ext_release_unique()
+        return super()._announce_revoked(reason, terminated, signum, expired)
+
+    # -- dead set -------------------------------------------------------------------------
+    def _ext_dead(self, reason: str, error: str = "", **fields: Any) -> bool:
+        """Record this job in the dead set (moving it out of the in-flight record)."""
+        message = self.message
+        channel = getattr(message, "channel", None)
+        dead_letter = getattr(channel, "_dead_letter", None)
+        if dead_letter is None:
+            return False  # not the celery_ext transport
+        fallback = ""
+        if message.acknowledged:  # acks_late off: it left the in-flight record at start
+            try:
+                queue = (message.delivery_info or {}).get("routing_key") or self.name
+                fallback = f"{queue}\n{dumps(message.serializable())}"
+            except Exception:
+                logger.debug("celery_ext: cannot serialize %s[%s] for the dead set",
+                             one_line(self.name), one_line(self.id), exc_info=True)
+        try:
+            moved = bool(dead_letter(
+                message.delivery_tag, reason, error, fallback=fallback,
+                name=self.name, task_id=self.id, args=self.args, kwargs=self.kwargs,
+                attempts=int(self._request_dict.get("retries") or 0) + 1,
+                hostname=self.hostname, **fields))
+        except Exception as exc:
+            logger.error("celery_ext: could not move %s[%s] to the dead set: %s",
+                         one_line(self.name), one_line(self.id), exc)
+            return False
+        if moved:
+            logger.warning("celery_ext: job %s[%s] moved to the dead set (%s: %s)",
+                           one_line(self.name), one_line(self.id), reason, one_line(error))
+        return moved

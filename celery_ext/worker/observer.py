@@ -1,0 +1,403 @@
+"""Busy workers and checkin: what each execution slot runs now, and long-job progress.
+
+Written from the process that runs the job (a prefork child, a thread, the solo
+worker), through Celery's ``task_prerun``/``task_postrun`` signals. ``checkin()``
+records progress at most once per ``CHECKIN_MIN_INTERVAL`` per job and tells the job
+whether to stop: its pool is shutting down, or someone asked through the client API.
+
+A process killed mid-job (a prefork child's SIGKILL, OOM) cannot clear its records:
+the pool's main process does it when Celery reports the loss (:func:`job_lost`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from billiard.exceptions import WorkerLostError
+from celery import current_task
+from celery.signals import task_failure, task_postrun, task_prerun, worker_process_shutdown
+
+from celery_ext.config import Settings, uses_our_transport
+from celery_ext.store.dead_set import one_line
+from celery_ext.store.history import HistoryWriter
+from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
+from celery_ext.worker.heartbeater import owning_pool_id
+
+logger = logging.getLogger("celery_ext.worker.observer")
+
+#: A job writes its checkin to Redis at most this often (seconds), however often it calls.
+CHECKIN_MIN_INTERVAL = 1.0
+#: Characters of repr(args)/repr(kwargs) kept in a busy worker's record.
+ARGS_PREVIEW_CHARS = 200
+#: A job's busy record is written only once it has run this long (seconds): short
+#: jobs cost no round trip from the executing process, while the long jobs the busy
+#: view is for still show (a record per job costs more than a short job itself).
+BUSY_RECORD_DELAY = 0.1
+#: Processed/failed/retried counters are summed in memory and written this often.
+STATS_FLUSH_INTERVAL = 1.0
+#: Upper bounds (seconds) of the job runtime histogram's buckets, +Inf implied. Fixed:
+#: the counts in ``{ns}:runtime`` are per bucket, so changing them splits history.
+RUNTIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                   60.0, 300.0, 1800.0)
+
+
+#: The ``{ns}:runtime`` field prefix of each bucket: its bound as written by repr().
+RUNTIME_BUCKET_NAMES = (*(repr(b) for b in RUNTIME_BUCKETS), "inf")
+
+
+def runtime_bucket(seconds: float) -> str:
+    """The ``{ns}:runtime`` field prefix of a run this long (bounds are inclusive, as
+    Prometheus' ``le``)."""
+    return RUNTIME_BUCKET_NAMES[bisect.bisect_left(RUNTIME_BUCKETS, seconds)]
+
+_observers: dict[int, Observer] = {}
+_observers_lock = threading.Lock()
+
+
+#: This process's pid, as text (``os.getpid`` is a system call; a job asks twice).
+_pid = str(os.getpid())
+
+
+def slot_id() -> str:
+    """This execution slot: the process, plus the thread for the threads pool."""
+    if threading.current_thread() is threading.main_thread():
+        return _pid
+    return f"{_pid}-{threading.get_ident()}"
+
+
+def preview(args: Any, kwargs: Any) -> str:
+    text = ", ".join([*(repr(a) for a in (args or ())),
+                      *(f"{k}={v!r}" for k, v in (kwargs or {}).items())])
+    return text if len(text) <= ARGS_PREVIEW_CHARS else text[:ARGS_PREVIEW_CHARS - 1] + "…"
+
+
+class _CheckinState:
+    __slots__ = ("answer", "last_write", "pending")
+
+    def __init__(self) -> None:
+        self.last_write = 0.0
+        self.answer = False
+        self.pending: dict[str, Any] | None = None
+
+
+class _Running:
+    """A job running in this process. Its busy record is written only if it runs past
+    ``BUSY_RECORD_DELAY``, which most jobs never do, so the start keeps references (the
+    task, its arguments) and the record is made only then: the arguments are previewed
+    as they are at that moment."""
+
+    __slots__ = ("args", "job_id", "kwargs", "slot", "started", "task", "written")
+
+    def __init__(self, job_id: str, task: Any, args: Any, kwargs: Any, slot: str) -> None:
+        self.job_id = job_id
+        self.task = task
+        self.args = args
+        self.kwargs = kwargs
+        self.slot = slot
+        self.started = time.monotonic()
+        self.written = False
+
+    @property
+    def record(self) -> str:
+        try:
+            args = preview(self.args, self.kwargs)
+        except Exception as exc:  # the job's own __repr__, or a thread changing them
+            args = f"<arguments not shown: {type(exc).__name__}>"
+        return json.dumps({
+            "job_id": self.job_id,
+            "job_name": self.task.name,
+            "args": args,
+            "stall_after": getattr(self.task, "stall_after", None),
+            "pid": int(_pid),
+        }, default=repr, separators=(",", ":"))
+
+
+class Observer:
+    """Records this process's running jobs for its pool (one per process and app).
+
+    A background thread writes the busy record of a job once it has run
+    ``BUSY_RECORD_DELAY`` and flushes the counters every ``STATS_FLUSH_INTERVAL``;
+    ``flush()`` is the one-shot step (also run at process shutdown)."""
+
+    def __init__(self, client: Any, settings: Settings, pool_id: str) -> None:
+        self.client = client
+        self.settings = settings
+        self.pool_id = pool_id
+        self.keys = Keys.for_settings(settings)
+        self.scripts = Scripts(client)
+        self.history = HistoryWriter(client, settings)  # per-minute counts, with the stats
+        self._checkins: dict[str, _CheckinState] = {}
+        self._running: dict[str, _Running] = {}
+        self._stats: dict[str, int] = {}
+        self._runtime: dict[str, int] = {}  # {ns}:runtime fields, written with the stats
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: When the background thread will look again on its own (monotonic; None:
+        #: not before it is woken). Jobs wake it only when they need it sooner: two
+        #: thread switches per job are a large share of a short job's cost.
+        self._sleep_until: float | None = None
+        self._last_stats = time.monotonic()
+
+    @classmethod
+    def for_app(cls, app: Any) -> Observer | None:
+        """The observer of this process, or None when the broker is not ours."""
+        key = id(app)
+        obs = _observers.get(key)  # each job asks: the lock only when one is made
+        if obs is not None:
+            return obs
+        with _observers_lock:
+            obs = _observers.get(key)
+            if obs is None:
+                conn = app.connection_for_write()
+                channel = conn.default_channel
+                if not hasattr(channel, "new_client"):
+                    return None
+                obs = _observers[key] = cls(channel.new_client(), channel.settings,
+                                            owning_pool_id())
+            return obs
+
+    def _busy(self, mode: str, job_id: str, slot: str, record: str = "",
+              elapsed_ms: int = 0) -> None:
+        self.scripts("busy", [self.keys.busy(self.pool_id), self.keys.checkins,
+                              self.keys.stop_requests, self.keys.stats],
+                     [slot, mode, job_id, record, "", "", elapsed_ms])
+
+    def job_started(self, task: Any, job_id: str, args: Any, kwargs: Any) -> None:
+        running = _Running(job_id, task, args, kwargs, slot_id())
+        with self._lock:
+            self._running[job_id] = running
+            sleeping = self._sleep_until
+        self._ensure_thread()
+        if sleeping is None or sleeping > running.started + BUSY_RECORD_DELAY:
+            self._wake.set()
+
+    def job_finished(self, job_id: str, queue: str = "", outcome: str = "",
+                     name: str = "") -> None:
+        checked_in = self._checkins.pop(job_id, None) is not None
+        with self._lock:
+            running = self._running.pop(job_id, None)
+            if outcome:
+                for field in (outcome, f"{outcome}:{queue}"):
+                    self._stats[field] = self._stats.get(field, 0) + 1
+                seconds = (time.monotonic() - running.started) if running is not None else None
+                self.history.add(name or queue, outcome, seconds)
+                if seconds is not None:
+                    for field, amount in ((f"{runtime_bucket(seconds)}:{queue}", 1),
+                                          (f"sum_us:{queue}", int(seconds * 1e6))):
+                        self._runtime[field] = self._runtime.get(field, 0) + amount
+            if (running is not None and running.written) or checked_in:
+                # The record (or a checkin) is in Redis: clear it with the job.
+                self._busy("end", job_id, running.slot if running else slot_id())
+
+    def wake_for_stats(self) -> None:
+        """After a job ended: make sure its counters are written within the interval."""
+        with self._lock:
+            sleeping = self._sleep_until
+            due = self._last_stats + STATS_FLUSH_INTERVAL
+        if sleeping is None or sleeping > due:
+            self._wake.set()
+
+    def flush(self, force_stats: bool = False, _plan: bool = False) -> float:
+        """Write busy records of jobs running past the delay and, when due, the
+        counters. Returns seconds until something is due (1e9: nothing pending)."""
+        now = time.monotonic()
+        wait = 1e9
+        with self._lock:
+            for running in list(self._running.values()):
+                if running.written:
+                    continue
+                age = now - running.started
+                if age >= BUSY_RECORD_DELAY:
+                    self._busy("start", running.job_id, running.slot, running.record,
+                               int(age * 1000))
+                    running.written = True
+                else:
+                    wait = min(wait, BUSY_RECORD_DELAY - age)
+            if self._stats and (force_stats or now - self._last_stats >= STATS_FLUSH_INTERVAL):
+                stats, self._stats = self._stats, {}
+                runtime, self._runtime = self._runtime, {}
+                self._last_stats = now
+                self.scripts("stats", [self.keys.stats],
+                             [x for item in stats.items() for x in item])
+                if runtime:  # the same script: one HINCRBY per field, summed per flush
+                    self.scripts("stats", [self.keys.runtime],
+                                 [x for item in runtime.items() for x in item])
+                self.history.flush()
+            if self._stats:
+                wait = min(wait, STATS_FLUSH_INTERVAL - (now - self._last_stats))
+            wait = max(wait, 0.005)
+            if _plan:  # the thread sleeps this long; decided under the lock job_started takes
+                self._sleep_until = None if wait >= 1e9 else now + wait
+        return wait
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="celery_ext-observer",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                wait = self.flush(_plan=True)
+            except Exception as exc:
+                logger.warning("celery_ext: could not write busy records: %s", exc)
+                wait = 1.0
+                with self._lock:
+                    self._sleep_until = time.monotonic() + wait
+            self._wake.wait(None if wait >= 1e9 else wait)
+            self._wake.clear()
+
+    def checkin(self, job_id: str, message: str | None = None,
+                progress: float | None = None) -> tuple[bool, bool]:
+        """Record progress (throttled). Returns (should stop, written now)."""
+        state = self._checkins.get(job_id)
+        if state is None:
+            state = self._checkins[job_id] = _CheckinState()
+        state.pending = {"message": message, "progress": progress}
+        now = time.monotonic()
+        if state.last_write and now - state.last_write < CHECKIN_MIN_INTERVAL:
+            return state.answer, False
+        stop, pool_state, _ = self.scripts(
+            "checkin",
+            [self.keys.checkins, self.keys.stop_requests, self.keys.pool(self.pool_id)],
+            [job_id, json.dumps(state.pending, default=repr, separators=(",", ":"))])
+        state.last_write = now
+        state.pending = None
+        state.answer = bool(stop) or (pool_state or b"") in (b"stopping", "stopping")
+        return state.answer, True
+
+
+def checkin(message: str | None = None, progress: float | None = None,
+            task: Any = None) -> bool:
+    """Report progress of the running job; True means "stop now, cleanly".
+
+    True when the job's worker pool is shutting down (warm shutdown) or someone asked
+    this job to stop (``celery_ext.client``). Writes at most once per second per job,
+    however often it is called; also emits a ``task-progress`` Celery event (Flower).
+    """
+    task = task or current_task
+    if task is None or task.request.id is None or task.request.called_directly:
+        return False
+    obs = Observer.for_app(task.app)
+    if obs is None:
+        return False
+    answer, written = obs.checkin(task.request.id, message, progress)
+    if written:
+        try:
+            task.send_event("task-progress", message=message, progress=progress)
+        except Exception:  # events are best effort; the Redis record is the truth
+            logger.debug("celery_ext: could not send task-progress event", exc_info=True)
+    return answer
+
+
+def _task_checkin(self: Any, message: str | None = None, progress: float | None = None) -> bool:
+    return checkin(message, progress, task=self)
+
+
+def _observed(app: Any) -> bool:
+    """Busy records and counters are kept for the apps whose broker is ours, with or
+    without ``install(app)`` (decided once per app: this runs for every job)."""
+    ours = app.__dict__.get("_celery_ext_observed")
+    if ours is None:
+        ours = app.__dict__["_celery_ext_observed"] = (
+            getattr(app, "_celery_ext_installed", False) or uses_our_transport(app.conf))
+    return bool(ours)
+
+
+@task_prerun.connect(weak=False)
+def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
+               args: Any = None, kwargs: Any = None, **kw: Any) -> None:
+    if task is None or task_id is None or not _observed(task.app):
+        return
+    try:
+        obs = Observer.for_app(task.app)
+        if obs is not None:
+            obs.job_started(task, task_id, args, kwargs)
+    except Exception as exc:
+        logger.warning("celery_ext: could not record busy worker for %s: %s",
+                       one_line(task_id), exc)
+
+
+#: Celery end state of a run -> the stats counter it increments.
+OUTCOMES = {"SUCCESS": "processed", "FAILURE": "failed", "RETRY": "retried"}
+
+
+@task_postrun.connect(weak=False)
+def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None,
+                state: str | None = None, **kw: Any) -> None:
+    if task is None or task_id is None or not _observed(task.app):
+        return
+    try:
+        obs = Observer.for_app(task.app)
+        if obs is not None:
+            info = task.request.delivery_info or {}
+            queue = info.get("routing_key") or task.name
+            obs.job_finished(task_id, queue=queue, outcome=OUTCOMES.get(state or "", ""),
+                             name=task.name)
+            obs.wake_for_stats()
+    except Exception as exc:
+        logger.warning("celery_ext: could not clear busy worker for %s: %s",
+                       one_line(task_id), exc)
+
+
+def job_lost(app: Any, job_id: str) -> None:
+    """The process running ``job_id`` died under it (WorkerLostError, reported in the
+    pool's main process): drop the job's busy record and checkin, which that process
+    can no longer clear. Without this they would stay for the pool's lifetime (a ghost
+    busy or stalled row; the job lookup would say "running" for good)."""
+    try:
+        obs = Observer.for_app(app)
+        if obs is not None:
+            obs.scripts("busy", [obs.keys.busy(obs.pool_id), obs.keys.checkins,
+                                 obs.keys.stop_requests, obs.keys.stats],
+                        ["", "lost", job_id, "", "", "", 0])
+    except Exception as exc:
+        logger.warning("celery_ext: could not clear the busy record of lost job %s: %s",
+                       one_line(job_id), exc)
+
+
+@task_failure.connect(weak=False)
+def _on_failure(sender: Any = None, task_id: str | None = None, exception: Any = None,
+                **kw: Any) -> None:
+    """Celery reports a lost worker in the main process with this signal when it does
+    not requeue the job (``acks_late`` off, the default without ``install(app)``); the
+    requeue case goes through ``celery_ext.request.Request`` (``install(app)``)."""
+    if isinstance(exception, WorkerLostError) and task_id and sender is not None:
+        job_lost(sender.app, task_id)
+
+
+def _forget_observers_after_fork() -> None:
+    """A child forked from a process that built an observer (the main process, after a
+    lost job) builds its own: the parent's lock and thread are not its."""
+    global _observers_lock, _pid
+    _observers.clear()
+    _observers_lock = threading.Lock()
+    _pid = str(os.getpid())
+
+
+os.register_at_fork(after_in_child=_forget_observers_after_fork)
+
+
+@worker_process_shutdown.connect(weak=False)
+def _on_process_shutdown(**kwargs: Any) -> None:
+    """A prefork child exits: write the counters it still holds."""
+    flush_observers()
+
+
+def flush_observers() -> None:
+    """Write the counters this process still holds (its worker pool calls this when it
+    stops; a prefork child at its exit)."""
+    for obs in list(_observers.values()):
+        try:
+            obs.flush(force_stats=True)
+        except Exception as exc:
+            logger.warning("celery_ext: could not write job counters: %s", exc)

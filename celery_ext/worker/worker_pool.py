@@ -1,0 +1,507 @@
+"""One worker pool's life in one process: the object that starts, holds and stops it.
+
+A worker pool is one consuming process (a ``celery worker`` main process). Its
+:class:`WorkerPool` is made by the transport the first time a channel of the
+process fetches for tracking, so every worker consuming through our scheme has one,
+with or without ``install(app)`` (drop-in mode). It owns, in start order:
+
+1. the heartbeater: registration, then a heartbeat thread;
+2. the reaper: dead pools' jobs back to their queues;
+3. the requeuer: due scheduled and retry jobs to their queues, and, while it leads,
+   the app's periodic jobs (``run_periodic``);
+
+and, for the life of the process, what the process holds of the pool's in-flight
+record (:class:`Holdings`) with the connection its acks travel on. ``stop()`` runs
+in the reverse order: the requeuer hands over its lease, the reaper stops, the busy
+records and counters of this process are flushed, acks still unconfirmed are
+applied, every job still in the record goes back to the front of its queue, and
+the heartbeater deregisters the pool last (gocraft/work's ``WorkerPool.Stop``).
+
+*Reconciling.* The in-flight record must say what the pool really holds. A fetch
+whose reply was lost moved jobs into the record that the process never received;
+Celery drops the jobs it had reserved when its connection is lost (prefork), while
+a threads pool still runs the ones it queued; an ack may fail with Redis out of
+reach. So after every reconnect, lost reply or failed move, ``reconcile()`` runs in
+the consumer's own thread before its next fetch, until it succeeds: it applies the
+acks not confirmed by Redis first, then returns to the front of their queues the
+jobs of the record this process no longer holds. A job is held while the process
+can still ack it: its message is still referenced by something that will finish
+it, or its ack is under way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from celery_ext.config import Settings
+from celery_ext.errors import CONNECTION_ERRORS
+from celery_ext.store.dead_set import one_line
+from celery_ext.store.job_index import index_ttl_ms
+from celery_ext.store.keys import Keys
+from celery_ext.store.memory import eviction_warning
+from celery_ext.worker.acks import AckSender, SyncAcks
+from celery_ext.worker.heartbeater import Heartbeater, current_pool_id
+from celery_ext.worker.inflight import InflightRecord, recover_tags
+from celery_ext.worker.observer import flush_observers
+from celery_ext.worker.periodic import Periodic
+from celery_ext.worker.reaper import Reaper
+from celery_ext.worker.requeuer import Requeuer
+
+logger = logging.getLogger("celery_ext.worker.worker_pool")
+
+#: Shortest gap between two reconcile attempts after one failed (seconds).
+RECONCILE_RETRY_INTERVAL = 0.5
+#: On a cluster, seconds between two reconciles when nothing asked for one.
+CLUSTER_RECONCILE_INTERVAL = 30.0
+#: Most tags one coalesced ``ack`` call carries (more go in the next call).
+MAX_ACKS_PER_CALL = 256
+
+
+class Holdings:
+    """What this process holds of its pool's in-flight record (thread-safe).
+
+    A delivered message is held while it is referenced (weakly here): by a reserved
+    or running request, by a queued thread-pool task, by Kombu. A message whose
+    request Celery dropped is collected and so no longer held. Acks move a tag from
+    "delivered" to "acking" until Redis confirms them; an ack whose outcome is not
+    known (connection lost) moves to "replay", applied before anything is returned.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._messages: dict[str, weakref.ref[Any]] = {}  # insertion = delivery order
+        self._acking: set[str] = set()
+        self._replay: set[str] = set()
+
+    def delivered(self, tag: str, message: Any) -> None:
+        with self._lock:
+            self._messages[tag] = weakref.ref(message)
+
+    def acking(self, tags: list[str]) -> None:
+        with self._lock:
+            for tag in tags:
+                self._messages.pop(tag, None)
+                self._acking.add(tag)
+
+    def confirmed(self, tags: list[str]) -> None:
+        with self._lock:
+            self._acking.difference_update(tags)
+            self._replay.difference_update(tags)
+
+    def unconfirmed(self, tags: list[str]) -> None:
+        with self._lock:
+            self._acking.difference_update(tags)
+            self._replay.update(tags)
+
+    def released(self, tags: list[str]) -> None:
+        """The process is done with these (returned, dead-lettered, or given up)."""
+        with self._lock:
+            for tag in tags:
+                self._messages.pop(tag, None)
+
+    def to_replay(self) -> list[str]:
+        with self._lock:
+            return sorted(self._replay)
+
+    def held(self) -> set[str]:
+        """What the process holds now; forgets the messages nothing references."""
+        with self._lock:
+            gone = [t for t, ref in self._messages.items() if ref() is None]
+            for tag in gone:
+                del self._messages[tag]
+            return set(self._messages) | self._acking | self._replay
+
+    def delivery_order(self) -> list[str]:
+        with self._lock:
+            return list(self._messages)
+
+
+class WorkerPool:
+    """The worker pool of this process for one server and namespace."""
+
+    def __init__(self, client_factory: Callable[[], redis.Redis], settings: Settings,
+                 server_id: str) -> None:
+        self.settings = settings
+        self.keys = Keys.for_settings(settings)
+        self.server_id = server_id
+        self.pool_id = current_pool_id()
+        #: The pool's own connection pool: it outlives every channel (acks of jobs
+        #: still running when a channel closed on a lost connection go through it).
+        self.client = client_factory()
+        self.record = InflightRecord(self.client, self.keys, self.pool_id,
+                                     settings.priority_steps, index_ttl_ms(settings))
+        self.heartbeater = Heartbeater(self.client, settings, self.pool_id)
+        self.reaper = Reaper(client_factory(), settings, own_pool_id=self.pool_id)
+        self.requeuer = Requeuer(client_factory(), settings)
+        self.holdings = Holdings()
+        # On a cluster a pool's acks go to the masters of their queues' copies: they
+        # are applied synchronously there (one script per copy), not pipelined on one
+        # connection.
+        self.acks: AckSender | SyncAcks = (
+            SyncAcks(self._ack_now) if self.keys.cluster else
+            AckSender(self.client.connection_pool, self._ack_now,
+                      on_confirmed=self.holdings.confirmed))
+        self._next_cluster_reconcile = 0.0
+        self._needs_reconcile = False
+        self._reconcile_failed_at = 0.0
+        self._last_tick = 0.0
+        self._fetches_on_wire = 0
+        self._wire_lock = threading.Lock()
+        #: Acks not yet written, coalesced into one ``ack`` call (``ack``/``flush_acks``).
+        self._pending_acks: list[str] = []
+        self._acks_lock = threading.Lock()
+        self._acks_writing = False
+        #: Notified when a thread stops writing acks (``flush_acks(wait=True)``).
+        self._acks_idle = threading.Condition(self._acks_lock)
+        #: The event loop's thread while its ticks flush the pending acks (else None).
+        self._loop_thread: int | None = None
+        self.state = "new"
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Register and start the background parts (idempotent)."""
+        if self.state != "new":
+            return
+        self.heartbeater.start()
+        self.reaper.start()
+        self.requeuer.start()
+        self.acks.connect()  # before the first ack waits on it
+        self.state = "running"
+        self._warn_on_eviction()
+
+    def mark_stopping(self) -> None:
+        """The worker is shutting down: checkins now answer "stop"."""
+        if self.state != "running":
+            return
+        try:
+            self.client.hset(self.keys.pool(self.pool_id), "state", "stopping")
+        except redis.RedisError as exc:
+            logger.warning("celery_ext: could not mark pool stopping: %s", exc)
+
+    def stop(self) -> None:
+        """Stop everything in reverse start order; return the jobs left in flight."""
+        if self.state != "running":
+            return
+        self.state = "stopped"
+        self.requeuer.stop()
+        self.reaper.stop()
+        flush_observers()
+        try:
+            self._return_everything()
+        except redis.RedisError as exc:
+            logger.error("celery_ext: could not return the jobs of pool %s at shutdown "
+                         "(%s); the reaper will requeue them", self.pool_id, exc)
+        self.acks.close()
+        try:
+            self.record.leave()
+        except redis.RedisError as exc:
+            logger.debug("celery_ext: could not leave the queues' copies: %s", exc)
+        self.heartbeater.stop(deregister=True)
+
+    def _return_everything(self) -> None:
+        """Shutdown: nothing of this process runs anymore; return what is left."""
+        self.event_loop_gone()
+        self.acks.flush()
+        self._replay_acks()
+        left = set(self.record.tags())
+        if not left:
+            return
+        ordered = [t for t in self.holdings.delivery_order() if t in left]
+        ordered += sorted(left.difference(ordered))
+        done = self.record.requeue(ordered)
+        self.holdings.released(done)
+
+    def describe(self, **info: Any) -> None:
+        """Add registration details (node name, concurrency, ...): shown by the
+        dashboard and ``celery ext status``."""
+        self.heartbeater.update_info(**info)
+
+    def _warn_on_eviction(self) -> None:
+        try:
+            warning = eviction_warning(self.client)
+        except Exception as exc:  # INFO refused (ACL): not worth stopping for
+            logger.debug("celery_ext: could not read the broker's memory policy: %s", exc)
+        else:
+            if warning:
+                logger.warning(warning)
+
+    # -- what the process holds ------------------------------------------------------------
+    def delivered(self, tag: str, message: Any) -> None:
+        self.holdings.delivered(tag, message)
+
+    def fetched(self, tag: str, queue: str) -> None:
+        """A tracked job of ``queue`` came in a fetch reply (its record's copy)."""
+        self.record.fetched(tag, queue)
+
+    def join(self, copies: list[Keys]) -> None:
+        """Before fetching from these queues' copies (cluster; see InflightRecord.join)."""
+        self.record.join(copies)
+
+    def fetch_sent(self) -> None:
+        with self._wire_lock:
+            self._fetches_on_wire += 1
+
+    def fetch_done(self, lost: bool = False) -> None:
+        """A fetch's reply was read (or its connection failed: ``lost``)."""
+        with self._wire_lock:
+            self._fetches_on_wire -= 1
+        if lost:
+            self.needs_reconcile()
+
+    def needs_reconcile(self) -> None:
+        self._needs_reconcile = True
+
+    def tick(self) -> None:
+        """Once per ``idle_refresh_interval``, from the consumer's event loop: read the
+        ack replies that are there (an ack connection that broke is noticed here, not
+        at the next ack) and reconcile if needed. Connection errors are left to the
+        next fetch."""
+        now = time.monotonic()
+        if now - self._last_tick < self.settings.idle_refresh_interval * 0.9:
+            return
+        self._last_tick = now
+        self.flush_acks()
+        self.acks.poll()
+        if self.keys.cluster and now >= self._next_cluster_reconcile:
+            # A fetch that redis-py's cluster client retried after a lost reply (MOVED,
+            # a failover) leaves jobs in a record with nobody told: look now and then.
+            self._next_cluster_reconcile = now + CLUSTER_RECONCILE_INTERVAL
+            self.needs_reconcile()
+        try:
+            self.maybe_reconcile()
+        except CONNECTION_ERRORS as exc:
+            logger.debug("celery_ext: reconcile failed (%s); retried", exc)
+
+    def maybe_reconcile(self) -> None:
+        """Reconcile if something happened that may have left the record wrong, no
+        fetch is on the wire, and the last failed attempt is not too recent. Runs in
+        the consumer's thread; connection errors propagate to the caller."""
+        if not self._needs_reconcile or self._fetches_on_wire:
+            return
+        if time.monotonic() - self._reconcile_failed_at < RECONCILE_RETRY_INTERVAL:
+            return
+        try:
+            self.reconcile()
+        except Exception:
+            self._reconcile_failed_at = time.monotonic()
+            raise
+
+    def reconcile(self) -> list[str]:
+        """Apply unconfirmed acks, then return the jobs of the record this process no
+        longer holds to the front of their queues. Returns the tags returned."""
+        self._needs_reconcile = False
+        try:
+            self.flush_acks()
+            self.acks.flush()
+            self._replay_acks()
+            gc.collect()  # requests Celery dropped may sit in reference cycles
+            held = self.holdings.held()
+            stray = [t for t in self.record.tags() if t not in held]
+            done = self.record.requeue(stray)
+        except BaseException:
+            self._needs_reconcile = True
+            raise
+        if done:
+            logger.warning("celery_ext: returned %d job(s) of pool %s to the front of their "
+                           "queues (fetched or reserved, then lost with a connection)",
+                           len(done), self.pool_id)
+        return done
+
+    # -- moves out of the record -----------------------------------------------------------
+    def ack(self, tags: list[str]) -> None:
+        """Ack without waiting for the reply (``acks.AckSender``); never raises: an ack
+        that cannot be sent now is applied by the next reconcile.
+
+        Acks are coalesced: one ``ack`` call carries every tag pending when it is
+        written. In the event loop's thread (a prefork pool's results, a solo pool's
+        jobs) the write waits for the loop's next tick, which comes before the loop
+        polls again, so all the jobs finished in one turn of the loop go in one call.
+        Any other thread (a threads pool's) writes at once, unless another thread is
+        writing: that one writes these too before it returns. The tags are "acking"
+        from here on, so a reconcile never returns them."""
+        self.holdings.acking(tags)
+        with self._acks_lock:
+            self._pending_acks += tags
+            if self._acks_writing or threading.get_ident() == self._loop_thread:
+                return
+            self._acks_writing = True
+        self._write_acks()
+
+    def flush_acks(self, wait: bool = False) -> None:
+        """Write the pending acks now, unless a thread is writing them already; with
+        ``wait``, also wait for that thread: the caller then knows every ack made
+        before the call was written (shutdown returns what is left in the record)."""
+        with self._acks_lock:
+            while wait and self._acks_writing:
+                self._acks_idle.wait()
+            if self._acks_writing or not self._pending_acks:
+                return
+            self._acks_writing = True
+        self._write_acks()
+
+    def on_loop_tick(self) -> None:
+        """From the event loop, each turn before it polls: acks of its thread wait for
+        this call from now on, which writes them."""
+        self._loop_thread = threading.get_ident()
+        if self._pending_acks:
+            self.flush_acks()
+
+    def event_loop_gone(self) -> None:
+        """The event loop closed (or the pool stops): no tick will come, write acks at
+        once again and write those pending, after any other thread's write under way."""
+        self._loop_thread = None
+        self.flush_acks(wait=True)
+
+    def _write_acks(self) -> None:
+        """Write pending acks until none is left (the caller set ``_acks_writing``)."""
+        try:
+            while True:
+                with self._acks_lock:
+                    tags = self._pending_acks[:MAX_ACKS_PER_CALL]
+                    del self._pending_acks[:MAX_ACKS_PER_CALL]
+                    if not tags:
+                        self._acks_writing = False
+                        self._acks_idle.notify_all()
+                        return
+                keys, args = self.record.ack_call(tags)
+                self.acks.ack(keys, args, tags)
+        except BaseException:
+            with self._acks_lock:
+                self._acks_writing = False
+                self._acks_idle.notify_all()
+            raise
+
+    def _ack_now(self, tags: list[str]) -> None:
+        """The AckSender's fallback: apply acks synchronously, or keep them for replay."""
+        try:
+            self.record.ack(tags)
+        except CONNECTION_ERRORS as exc:
+            self.holdings.unconfirmed(tags)
+            self.needs_reconcile()
+            logger.warning("celery_ext: %d ack(s) could not reach Redis (%s); applied at "
+                           "reconnect", len(tags), one_line(str(exc)))
+        else:
+            self.holdings.confirmed(tags)
+
+    def _replay_acks(self) -> None:
+        tags = self.holdings.to_replay()
+        if tags:
+            self.record.ack(tags)
+            self.holdings.confirmed(tags)
+
+    def requeue(self, tags: list[str]) -> list[str]:
+        """Put jobs back at the front of their queues (reject with requeue). If Redis
+        cannot be reached the process no longer holds them: the next reconcile returns
+        them."""
+        self.holdings.released(tags)
+        try:
+            return self.record.requeue(tags)
+        except CONNECTION_ERRORS:
+            self.needs_reconcile()
+            raise
+
+    def recover_lost(self, tag: str) -> str:
+        """The job's prefork child died: requeue it now, counting a recovery, or
+        dead-letter it past max_recoveries. Returns "requeued", "dead" or "gone"."""
+        self.holdings.released([tag])
+        try:
+            copy = next(iter(self.record.locate([tag])), self.keys)
+            _, requeued, dead = recover_tags(self.client, self.settings, self.pool_id, [tag],
+                                             mode="job", reason="worker lost", keys=copy)
+            self.record.finished([tag])
+            if requeued and copy.copy_queue is not None:  # cluster: the home ready hint
+                self.client.sadd(self.keys.ready, copy.copy_queue)
+        except CONNECTION_ERRORS:
+            self.needs_reconcile()
+            raise
+        if dead:
+            logger.error("celery_ext: job %s killed its worker more than %d times; "
+                         "moved to the dead set", one_line(tag), self.settings.max_recoveries)
+            return "dead"
+        return "requeued" if requeued else "gone"
+
+    def run_periodic(self, app: Any) -> None:
+        """Give the requeuer ``app``'s periodic jobs (its ``beat_schedule``, unless the
+        setting ``periodic`` is off): its leader enqueues them. Idempotent."""
+        if self.requeuer.periodic is None:
+            self.requeuer.periodic = Periodic.for_app(app, self.requeuer.client, self.settings)
+
+    def revive(self) -> None:
+        """A fetch found the pool declared dead (its jobs were requeued): register again
+        (and, on a cluster, join the queues' copies again before fetching)."""
+        self.heartbeater.revive()
+        self.record.forget_joins()
+
+
+# -- the pools of this process -----------------------------------------------------------
+_pools: dict[tuple[str, str], WorkerPool] = {}
+_pools_lock = threading.Lock()
+
+
+def pool_for(client_factory: Callable[[], redis.Redis], settings: Settings,
+             server_id: str) -> WorkerPool:
+    """This process's worker pool for one server and namespace, started on first use."""
+    key = (server_id, settings.namespace)
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            pool = _pools[key] = WorkerPool(client_factory, settings, server_id)
+    pool.start()
+    return pool
+
+
+def on_loop_tick() -> None:
+    """Each turn of the worker's event loop: the pools write the acks it made."""
+    for pool in list(_pools.values()):
+        pool.on_loop_tick()
+
+
+def on_loop_close(*_: Any) -> None:
+    """The event loop closed: the pools write acks at once again."""
+    for pool in list(_pools.values()):
+        pool.event_loop_gone()
+
+
+def live_pools() -> list[WorkerPool]:
+    with _pools_lock:
+        return list(_pools.values())
+
+
+def stop_all() -> None:
+    """Stop every pool of this process and forget it (worker shutdown, interpreter
+    exit); a channel that fetches again afterwards starts a new one."""
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        try:
+            pool.stop()
+        except Exception:
+            logger.exception("celery_ext: stopping worker pool %s failed", pool.pool_id)
+
+
+def mark_all_stopping() -> None:
+    for pool in live_pools():
+        pool.mark_stopping()
+
+
+def _forget_after_fork() -> None:
+    """A forked child (a prefork pool process) owns none of its parent's pools: their
+    threads and connections are the parent's."""
+    global _pools, _pools_lock
+    _pools = {}
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+atexit.register(stop_all)
