@@ -46,7 +46,7 @@ def recorded(rec: redis.Redis, kind: str, key: str) -> list[str]:
     return [v.decode() for v in rec.lrange(f"{kind}:{key}", 0, -1)]
 
 
-def start_workers(factory: Factory, n: int, app: str = "tests.proj_sets",
+def start_workers(factory: Factory, n: int, app: str = "tests.apps.proj_sets",
                   **kw: Any) -> list[WorkerProcess]:
     """Start ``n`` pools of ``app`` at once (startup dominates these tests) and wait for
     all of them to be ready."""

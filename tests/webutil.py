@@ -19,7 +19,7 @@ from tests.workers import REPO_ROOT, ManagedProcess
 
 T = TypeVar("T")
 
-APP = "tests.proj_web"
+APP = "tests.apps.proj_web"
 
 
 def free_port() -> int:
@@ -46,7 +46,7 @@ def celery_argv(*args: str) -> list[str]:
 
 def start_web(broker_url: str, log_dir: Path, *extra: str, port: int | None = None
               ) -> tuple[ManagedProcess, str]:
-    """``celery -A tests.proj_web ext web`` on a free port; returns (process, base URL)."""
+    """``celery -A tests.apps.proj_web ext web`` on a free port; returns (process, base URL)."""
     port = port or free_port()
     proc = ManagedProcess(
         celery_argv("ext", "web", "--port", str(port), *extra),
@@ -70,7 +70,7 @@ def wait_for(check: Callable[[], T | None], timeout: float = 20.0, interval: flo
 
 
 def run_cli(broker_url: str, *args: str, timeout: float = 60) -> Any:
-    """Run ``celery -A tests.proj_web ext ARGS`` and return the CompletedProcess."""
+    """Run ``celery -A tests.apps.proj_web ext ARGS`` and return the CompletedProcess."""
     import subprocess
 
     return subprocess.run(celery_argv("ext", *args), env=env_for(broker_url), cwd=REPO_ROOT,

@@ -11,7 +11,7 @@ active queues): the pick sequence is periodic with period W, and *every* window 
 W consecutive picks holds exactly ``w_i`` picks of queue ``i``. So each queue's
 share equals its weight share, and no queue waits more than ``W - w_i`` picks.
 (A bound of ``W / w_i`` for every queue at once cannot be met by any scheduler
-for some weights, e.g. 7, 5, 1; see tests/test_sampler.py.)
+for some weights, e.g. 7, 5, 1; see tests/unit/test_sampler.py.)
 
 Right after queues empty or refill, the running scores carry over, so the first
 picks of the new set may bunch (no queue waits more than twice the total weight);

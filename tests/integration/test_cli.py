@@ -1,0 +1,139 @@
+"""``celery -A tests.apps.proj_web ext ...`` as a user runs it: subprocesses against a live
+Redis and a real worker."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import redis
+
+from celery_ext.client import Client
+from tests import proj_web
+from tests.webutil import run_cli, wait_for
+from tests.workers import WorkerProcess
+
+
+def ok(broker_url: str, *args: str) -> str:
+    result = run_cli(broker_url, *args)
+    assert result.returncode == 0, f"{args}: rc={result.returncode}\n{result.stderr[-2000:]}"
+    return str(result.stdout)
+
+
+def as_json(broker_url: str, *args: str) -> Any:
+    return json.loads(ok(broker_url, *args, "--json"))
+
+
+def fails(broker_url: str, *args: str, code: int = 1) -> str:
+    result = run_cli(broker_url, *args)
+    assert result.returncode == code, f"{args}: rc={result.returncode}\n{result.stdout}"
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 or code == 2, result.stderr  # one-line errors
+    return str(result.stderr)
+
+
+def test_cli_against_a_live_worker(broker_url: str, redis_client: redis.Redis,
+                                   worker_factory: Callable[..., WorkerProcess]) -> None:
+    proj_web.configure(broker_url)
+    client = Client.for_app(proj_web.app)
+    worker_factory(proj_web.__name__, concurrency=2).start()
+    proj_web.echo.delay(1).get(timeout=20)
+    dead_job = proj_web.fragile.delay("k-cli", "<b>x</b>")
+    later = proj_web.echo.apply_async((2,), countdown=300)
+    proj_web.flaky.delay("k-cli-retry", 300)
+    running = proj_web.progress.delay(3000, 0.1)
+    wait_for(lambda: client.counts() == {"scheduled": 1, "retry": 1, "dead": 1},
+             what="one job in each set")
+    wait_for(lambda: client.busy_workers(), what="a busy worker")
+
+    # Read-only commands, a few at a time (each is a Python start-up).
+    reads: dict[tuple[str, ...], Any] = {
+        cmd: None for cmd in [
+            ("status",), ("status", "--json"), ("queues", "--json"),
+            ("queues", "--prefix", "tests.apps.proj_web.e"), ("pools", "--json"), ("pools",),
+            ("busy", "--json"), ("busy",), ("scheduled", "--json"), ("scheduled",),
+            ("retry", "--json"), ("retry",), ("dead", "ls", "--json"), ("dead", "ls"),
+            ("job", dead_job.id, "--json"), ("job", running.id, "--json"),
+        ]}
+    with ThreadPoolExecutor(3) as pool:
+        for cmd, out in zip(reads, pool.map(lambda c: ok(broker_url, *c), reads), strict=True):
+            reads[cmd] = json.loads(out) if "--json" in cmd else out
+
+    text = reads["status",]
+    assert "dead 1" in text and "scheduled 1" in text and "tests.apps.proj_web.echo" in text
+    status = reads["status", "--json"]
+    assert status["summary"]["busy"] == 1 and status["summary"]["dead"] == 1
+    assert len(status["pools"]) == 1
+
+    names = {q["name"] for q in reads["queues", "--json"]}
+    assert {"tests.apps.proj_web.echo", "tests.apps.proj_web.fragile"} <= names
+    table = reads["queues", "--prefix", "tests.apps.proj_web.e"]
+    assert table.splitlines()[0].split()[:2] == ["QUEUE", "QUEUED"]
+    assert "tests.apps.proj_web.echo" in table and "fragile" not in table
+
+    pools = reads["pools", "--json"]
+    assert len(pools) == 1 and pools[0]["state"] == "running"
+    assert pools[0]["pool_id"] in reads["pools",]
+
+    busy = reads["busy", "--json"]
+    assert busy[0]["job_id"] == running.id
+    assert running.id in reads["busy",]
+
+    scheduled = reads["scheduled", "--json"]
+    assert scheduled["total"] == 1 and scheduled["items"][0]["task_id"] == later.id
+    assert later.id in reads["scheduled",]
+    retry = reads["retry", "--json"]
+    assert retry["total"] == 1 and retry["items"][0]["name"] == "tests.apps.proj_web.flaky"
+    assert "tests.apps.proj_web.flaky" in reads["retry",]
+
+    dead = reads["dead", "ls", "--json"]
+    dead_id = dead["items"][0]["id"]
+    assert dead["items"][0]["task_id"] == dead_job.id
+    assert dead_id in reads["dead", "ls"]
+    job = reads["job", dead_job.id, "--json"]
+    assert job["state"] == "dead" and job["dead_id"] == dead_id
+    assert reads["job", running.id, "--json"]["state"] == "running"
+
+    assert "asked job" in ok(broker_url, "stop", running.id)
+    assert running.get(timeout=20)["stopped_at"] < 3000
+
+    shown = ok(broker_url, "dead", "show", dead_id)
+    assert "Traceback" in shown and "RuntimeError: k-cli is not ready" in shown
+    assert as_json(broker_url, "dead", "show", dead_id)["payload"]
+    assert "no dead job nope" in fails(broker_url, "dead", "show", "nope")
+
+    assert "paused tests.apps.proj_web.echo" in ok(broker_url, "pause", "tests.apps.proj_web.echo")
+    assert next(q for q in as_json(broker_url, "queues")
+                if q["name"] == "tests.apps.proj_web.echo")["paused"] is True
+    assert "already paused" in ok(broker_url, "pause", "tests.apps.proj_web.echo")
+    assert "resumed" in ok(broker_url, "resume", "tests.apps.proj_web.echo")
+
+    redis.Redis.from_url(proj_web.backend_url(broker_url, db=2)).set("k-cli", 1)
+    assert "retried 1 dead job(s)" in ok(broker_url, "dead", "retry", dead_id)
+    wait_for(lambda: proj_web.app.backend.get_task_meta(dead_job.id, cache=False)["status"]
+             == "SUCCESS", what="the retried job to succeed")
+    assert "not in the dead set: " + dead_id in fails(broker_url, "dead", "retry", dead_id)
+    fails(broker_url, "dead", "retry", code=2)  # neither ids nor --all: usage error
+    fails(broker_url, "dead", "rm", "x", "--all", code=2)
+
+    proj_web.fragile.delay("k-cli-2")
+    proj_web.fragile.delay("k-cli-3")
+    wait_for(lambda: client.counts()["dead"] == 2, what="two dead jobs")
+    assert "deleted 2 dead job(s)" in ok(broker_url, "dead", "rm", "--all", "--yes")
+    assert "not in the dead set" in fails(broker_url, "dead", "rm", "gone")
+
+    assert set(as_json(broker_url, "reap")) == {"dead_pools", "requeued", "dead_jobs", "skipped",
+                                                 "waiting", "watched"}
+
+
+def test_cli_errors_are_one_line(redis_server: Any) -> None:
+    # Redis down; the password in the URL must not be echoed back.
+    down = "celery-ext://:hunter2@127.0.0.1:1/0"
+    err = fails(down, "status")
+    assert err.startswith("Error: cannot reach Redis") and "hunter2" not in err
+    # A broker that is not ours.
+    plain = redis_server.url(scheme="redis")
+    result = run_cli(plain, "queues")
+    assert result.returncode == 1 and "celery-ext://" in result.stderr
