@@ -86,7 +86,7 @@ class Mode:
     def __init__(self, name: str, broker_url: str) -> None:
         if name not in MODES:
             raise ValueError(f"unknown mode {name!r}")
-        from tests import proj
+        from tests.apps import proj
 
         proj.configure(broker_url)
         self.name = name

@@ -31,7 +31,7 @@ from celery_ext.config import DEFAULT_MAX_PAYLOAD_BYTES
 from celery_ext.errors import BrokerOutOfMemory, PayloadTooLarge
 from celery_ext.store.keys import Keys
 from celery_ext.testing.server import RedisServer
-from tests import proj
+from tests.apps import proj
 from tests.helpers import celery_cli, free_port, only_pool, push, wait_for
 from tests.workers import READY_PATTERN, REPO_ROOT, WorkerProcess
 
@@ -274,7 +274,7 @@ def test_control_characters_in_task_id_or_name_never_reach_a_log_line(
 
 def test_payload_over_the_limit_is_refused_at_enqueue_and_nothing_is_written(
         app: Celery, redis_client: redis.Redis) -> None:
-    from tests import proj_sets
+    from tests.apps import proj_sets
 
     big = "x" * (DEFAULT_MAX_PAYLOAD_BYTES + 1)
     for send in (lambda: proj.add.delay(big, 1),

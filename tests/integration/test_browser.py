@@ -11,7 +11,7 @@ from typing import Any
 import redis
 
 from celery_ext.client import Client
-from tests import proj_web
+from tests.apps import proj_web
 from tests.browserutil import Page, browser
 from tests.webutil import start_web, stop_all, wait_for
 from tests.workers import WorkerProcess

@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from celery_ext.store.keys import Keys
-from tests import proj_web
+from tests.apps import proj_web
 from tests.browserutil import Page, browser
 from tests.webutil import env_for, fill_dead, start_web, stop_all, wait_for
 from tests.workers import WorkerProcess

@@ -11,7 +11,7 @@ from typing import Any
 import redis
 
 from celery_ext.client import Client
-from tests import proj_web
+from tests.apps import proj_web
 from tests.webutil import run_cli, wait_for
 from tests.workers import WorkerProcess
 

@@ -27,7 +27,7 @@ from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
 from celery_ext.worker.fate import Backoff, backoff_for
-from tests import proj
+from tests.apps import proj
 from tests.helpers import Factory, Mode, message, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 
@@ -37,7 +37,7 @@ K = Keys("celery_ext")
 @pytest.fixture
 def app(broker_url: str, redis_client: redis.Redis) -> Any:
     proj.configure(broker_url)
-    from tests import proj_sets
+    from tests.apps import proj_sets
 
     return proj_sets
 

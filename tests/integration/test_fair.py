@@ -28,7 +28,7 @@ from celery_ext.worker.heartbeater import Heartbeater
 from celery_ext.worker.inflight import InflightRecord
 from celery_ext.worker.reaper import Reaper
 from celery_ext.worker.requeuer import Requeuer
-from tests import proj
+from tests.apps import proj
 from tests.helpers import Factory, Mode, celery_cli, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 
@@ -39,7 +39,7 @@ STEPS = (0, 3, 6, 9)
 
 @pytest.fixture
 def tasks(mode: Mode) -> Any:
-    from tests import proj_fair
+    from tests.apps import proj_fair
 
     return proj_fair
 
@@ -48,7 +48,7 @@ def tasks(mode: Mode) -> Any:
 def installed(broker_url: str, redis_client: redis.Redis) -> Any:
     """The test app's tasks, sent with ``install(app)`` (a test for one mode only)."""
     proj.configure(broker_url)
-    from tests import proj_fair
+    from tests.apps import proj_fair
 
     return proj_fair
 
@@ -321,7 +321,7 @@ def test_kombu_size_purge_and_delete_cover_sub_queues(
 def test_unique_job_goes_to_its_keys_sub_queue(broker_url: str,
                                                redis_client: redis.Redis) -> None:
     proj.configure(broker_url)
-    from tests import proj_sets
+    from tests.apps import proj_sets
 
     proj_sets.unique_job.apply_async(("u",), fair_key="k")
     proj_sets.unique_job.apply_async(("u",), fair_key="k")  # pending: nothing enqueued

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from celery_ext.client import Client
-from tests import proj_web
+from tests.apps import proj_web
 from tests.webutil import celery_argv, env_for, free_port, stop_all, wait_for
 from tests.workers import ManagedProcess, WorkerProcess
 

@@ -34,7 +34,7 @@ from celery_ext.admin.web import create_app
 from celery_ext.admin.web.app import PAGE_MAX
 from celery_ext.client import Client
 from celery_ext.store.keys import Keys
-from tests import proj
+from tests.apps import proj
 from tests.helpers import celery_cli, only_pool, push, wait_for
 from tests.workers import READY_PATTERN, WorkerProcess
 

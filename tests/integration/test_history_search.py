@@ -18,7 +18,7 @@ from celery_ext.client import Client
 from celery_ext.config import Settings
 from celery_ext.store.history import HistoryWriter, bucket_bounds, bucket_of, percentile
 from celery_ext.store.keys import Keys
-from tests import proj_web
+from tests.apps import proj_web
 from tests.webutil import env_for, fill_dead, run_cli, start_web, stop_all, wait_for
 from tests.workers import WorkerProcess
 

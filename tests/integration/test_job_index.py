@@ -21,7 +21,7 @@ from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.job_index import IndexEntry, lookup
 from celery_ext.store.keys import Keys
 from celery_ext.worker.reaper import Reaper
-from tests import proj
+from tests.apps import proj
 from tests.helpers import Factory, Mode, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 
@@ -33,7 +33,7 @@ FAST = {"CELERY_EXT_HEARTBEAT_INTERVAL": "0.25", "CELERY_EXT_DEAD_AFTER": "1",
 @pytest.fixture
 def app(broker_url: str, redis_client: redis.Redis) -> Any:
     proj.configure(broker_url)
-    from tests import proj_index
+    from tests.apps import proj_index
 
     return proj_index
 

@@ -22,7 +22,7 @@ from celery_ext.client import Client
 from celery_ext.config import DEFAULT_PRIORITY_STEPS
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
-from tests import proj
+from tests.apps import proj
 from tests.helpers import only_pool, push, wait_for
 from tests.workers import READY_PATTERN, WorkerProcess
 

@@ -32,7 +32,7 @@ from celery_ext.client import Client
 from celery_ext.config import Settings
 from celery_ext.worker.observer import RUNTIME_BUCKETS
 from celery_ext.worker.reaper import Reaper
-from tests import proj, proj_web
+from tests.apps import proj, proj_web
 from tests.debian import ensure_installed
 from tests.helpers import K, message, node_name, only_pool
 from tests.webutil import celery_argv, env_for, free_port, start_web, stop_all, wait_for
@@ -164,7 +164,7 @@ def test_reaper_counts_recovered_jobs_reaped_pools_and_poison_pills(
 def test_unique_hits_counted(broker_url: str, redis_client: redis.Redis) -> None:
     """An enqueue dropped as a duplicate counts one hit, pushed or scheduled alike."""
     proj.configure(broker_url)
-    from tests import proj_sets
+    from tests.apps import proj_sets
 
     first = proj_sets.unique_by_key.delay("a", 1)
     assert proj_sets.unique_by_key.delay("a", 2).id == first.id  # dropped: a hit

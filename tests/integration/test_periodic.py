@@ -26,7 +26,7 @@ from celery_ext.config import Settings
 from celery_ext.store.clock import now_ms
 from celery_ext.store.keys import Keys
 from celery_ext.worker.periodic import Periodic, Step, due_times, next_due_ms, plan, run_id
-from tests import proj
+from tests.apps import proj
 from tests.helpers import Factory, Mode, celery_cli, start_workers, wait_for
 
 K = Keys("celery_ext")
@@ -92,7 +92,7 @@ def test_late_runs_each_run_and_missed_ones_follow_the_policy() -> None:
 @pytest.fixture
 def app(broker_url: str, redis_client: redis.Redis) -> Any:
     proj.configure(broker_url)
-    from tests import proj_periodic
+    from tests.apps import proj_periodic
 
     return proj_periodic.app
 

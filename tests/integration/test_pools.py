@@ -24,7 +24,7 @@ from celery_ext.config import Settings
 from celery_ext.store.keys import Keys
 from celery_ext.worker.heartbeater import Heartbeater
 from celery_ext.worker.reaper import Reaper
-from tests import proj
+from tests.apps import proj
 from tests.helpers import Mode, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 from tests.workers import WorkerProcess
@@ -42,7 +42,7 @@ APP = "tests.apps.proj_pools"
 @pytest.fixture
 def app(broker_url: str, redis_client: redis.Redis) -> Any:
     proj.configure(broker_url)
-    from tests import proj_pools
+    from tests.apps import proj_pools
 
     return proj_pools
 
@@ -387,7 +387,7 @@ def test_redis_outage_does_not_reap_live_pools(worker_factory: Any, tmp_path: An
     with RedisServer(data_dir=tmp_path / "outage") as server:
         url = server.url(scheme="celery-ext")
         proj.configure(url)
-        from tests import proj_pools
+        from tests.apps import proj_pools
 
         workers = [factory_start(worker_factory, url, f"{n}@%h") for n in ("a", "b")]
         client = server.client()

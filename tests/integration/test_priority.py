@@ -30,7 +30,7 @@ from celery_ext.store.scripts import Scripts
 from celery_ext.worker.heartbeater import Heartbeater
 from celery_ext.worker.inflight import InflightRecord
 from celery_ext.worker.reaper import Reaper
-from tests import proj
+from tests.apps import proj
 from tests.helpers import Factory, Mode, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 
@@ -41,7 +41,7 @@ STEPS = (0, 3, 6, 9)
 
 @pytest.fixture
 def tasks(mode: Mode) -> Any:
-    from tests import proj_priority
+    from tests.apps import proj_priority
 
     return proj_priority
 
@@ -187,7 +187,7 @@ def test_producer_levels_queue_sizes_and_purge_cover_every_level(
 
 def test_unique_job_goes_to_its_level(broker_url: str, redis_client: redis.Redis) -> None:
     proj.configure(broker_url)
-    from tests import proj_sets
+    from tests.apps import proj_sets
 
     proj_sets.unique_job.apply_async(("u",), priority=6)
     proj_sets.unique_job.apply_async(("u",), priority=6)  # pending: nothing enqueued

@@ -24,7 +24,7 @@ from celery_ext.producer.publish import PUBLISH_ID
 from celery_ext.store import scripts
 from celery_ext.store.keys import Keys
 from celery_ext.testing.server import RedisServer
-from tests import proj, proj_sets
+from tests.apps import proj, proj_sets
 from tests.faults.proxy import Proxy
 from tests.helpers import wait_for
 from tests.workers import WorkerProcess

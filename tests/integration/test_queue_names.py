@@ -18,7 +18,7 @@ from celery_ext.config import DEFAULT_PRIORITY_STEPS, Settings
 from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
-from tests import proj
+from tests.apps import proj
 from tests.helpers import node_name, push, wait_for
 from tests.workers import WorkerProcess
 

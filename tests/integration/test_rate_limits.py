@@ -22,7 +22,7 @@ from celery_ext.config import DEFAULT_PRIORITY_STEPS
 from celery_ext.options.rate_limits import format_rate, interval_us, job_rate_limits
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
-from tests import proj
+from tests.apps import proj
 from tests.helpers import Factory, Mode, celery_cli, push, start_workers, wait_for
 
 K = Keys("celery_ext")
@@ -126,7 +126,7 @@ def test_fetch_refuses_a_job_before_it_is_due_and_says_when(redis_client: redis.
 @pytest.fixture
 def proj_rate(broker_url: str, redis_client: redis.Redis) -> Any:
     proj.configure(broker_url)
-    from tests import proj_rate
+    from tests.apps import proj_rate
 
     return proj_rate
 

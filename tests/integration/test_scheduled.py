@@ -28,7 +28,7 @@ from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
 from celery_ext.testing.server import RedisServer
 from celery_ext.worker.requeuer import Requeuer
-from tests import proj
+from tests.apps import proj
 from tests.helpers import Factory, Mode, message, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 
@@ -39,7 +39,7 @@ APP = "tests.apps.proj_sets"
 @pytest.fixture
 def app(broker_url: str, redis_client: redis.Redis) -> Any:
     proj.configure(broker_url)
-    from tests import proj_sets
+    from tests.apps import proj_sets
 
     return proj_sets
 
@@ -203,7 +203,7 @@ def test_scheduled_jobs_survive_a_redis_restart(tmp_path: Path, worker_factory: 
     with RedisServer(data_dir=tmp_path / "data") as server:
         url = server.url(scheme="celery-ext")
         proj.configure(url)
-        from tests import proj_sets
+        from tests.apps import proj_sets
 
         worker = worker_factory(APP, broker_url=url, env={"CELERY_EXT_PROMOTE_INTERVAL": "1"})
         worker.start()

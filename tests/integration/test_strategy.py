@@ -13,7 +13,7 @@ from celery.worker.request import Request as CeleryRequest
 from celery.worker.request import create_request_cls
 
 from celery_ext.worker.strategy import shared_factory
-from tests import proj
+from tests.apps import proj
 from tests.helpers import Factory, inflight, only_pool, wait_for
 
 
@@ -21,7 +21,7 @@ def test_one_request_class_per_task_settings() -> None:
     """Celery's own factory, memoised: every task with the default settings gets the
     same class, and each setting a class captures (acks_late, time limits, task
     events, the base Request class) makes its own."""
-    from tests import proj_strategy
+    from tests.apps import proj_strategy
 
     assert proj.app.Task.Strategy == "celery_ext.strategy:default"
     consumer = SimpleNamespace()  # holds the cache, as the worker's consumer does
@@ -59,7 +59,7 @@ def test_tasks_keep_their_own_settings_in_a_worker(
     is killed -- sent without the limit in its headers, so only the Request class the
     pool built for that task knows it."""
     proj.configure(broker_url)
-    from tests import proj_strategy
+    from tests.apps import proj_strategy
 
     rec = redis.Redis.from_url(proj.backend_url(broker_url, db=2))
     worker_factory("tests.apps.proj_strategy", pool="prefork", concurrency=3).start()

@@ -21,7 +21,7 @@ import redis
 from celery_ext.client import Client
 from celery_ext.options.limits import write_limits
 from celery_ext.store.keys import Keys
-from tests import proj
+from tests.apps import proj
 from tests.helpers import Factory, Mode, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 
@@ -36,7 +36,7 @@ FAST_REAPER = {
 @pytest.fixture
 def app(broker_url: str, redis_client: redis.Redis) -> Any:
     proj.configure(broker_url)
-    from tests import proj_sets
+    from tests.apps import proj_sets
 
     return proj_sets
 

@@ -21,7 +21,7 @@ with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; htt
 from celery_ext.admin.web import create_app
 from celery_ext.client import Client
 from celery_ext.config import Settings
-from tests import proj_web
+from tests.apps import proj_web
 from tests.webutil import wait_for
 from tests.workers import WorkerProcess
 
