@@ -22,7 +22,7 @@ from kombu.exceptions import OperationalError
 
 from celery_ext.admin.client import Client
 from celery_ext.admin.search import Filters
-from celery_ext.store.dead_set import one_line
+from celery_ext.text import one_line
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -47,8 +47,8 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from celery_ext.options.limits import job_limits, write_limits
-from celery_ext.store.dead_set import one_line
 from celery_ext.store.keys import Keys
+from celery_ext.text import one_line
 
 logger = logging.getLogger("celery_ext.options.fair")
 

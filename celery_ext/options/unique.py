@@ -35,9 +35,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from celery_ext.store.dead_set import one_line
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
+from celery_ext.text import one_line
 
 logger = logging.getLogger("celery_ext.options.unique")
 

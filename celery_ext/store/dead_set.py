@@ -23,6 +23,7 @@ from celery_ext.errors import CONNECTION_ERRORS
 from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
+from celery_ext.text import one_line
 
 logger = logging.getLogger("celery_ext.store.dead_set")
 
@@ -43,16 +44,6 @@ REASONS = {
 
 #: Tracebacks are cut to their last this many characters (the frames nearest the error).
 MAX_TRACEBACK = 8000
-
-
-def one_line(text: str, limit: int = 500) -> str:
-    """``text`` fit for one log line: whitespace runs (newlines included) become one
-    space and other control characters "?" (it may come from a hostile message:
-    no forged log lines, no terminal escapes), cut to ``limit`` characters."""
-    text = " ".join(text.split())
-    if not text.isprintable():
-        text = "".join(c if c.isprintable() else "?" for c in text)
-    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,

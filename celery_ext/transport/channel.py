@@ -57,9 +57,10 @@ from celery_ext.store import connections
 from celery_ext.store import scripts as _scripts
 from celery_ext.store.clock import now_s
 from celery_ext.store.copies import run_scripts
-from celery_ext.store.dead_set import dead_letter, one_line
+from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.envelope import envelope_problem
 from celery_ext.store.keys import LEVEL_SEP, Keys
+from celery_ext.text import one_line
 from celery_ext.transport.readiness import ReadyQueues
 from celery_ext.worker.heartbeater import current_pool_id
 from celery_ext.worker.worker_pool import WorkerPool, on_loop_close, on_loop_tick, pool_for

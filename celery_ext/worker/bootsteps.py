@@ -35,6 +35,7 @@ from kombu import Queue
 from kombu.asynchronous import get_event_loop
 
 from celery_ext.config import ConfigError, Settings, check_broker_url, uses_our_transport
+from celery_ext.options.backoff import apply_backoffs
 from celery_ext.options.fair import job_fair_limits, write_fair_limits
 from celery_ext.options.limits import job_limits, write_limits
 from celery_ext.options.rate_limits import ClusterBuckets, job_rate_limits, write_rate_limits
@@ -44,7 +45,6 @@ from celery_ext.store.connections import CLUSTER_NO_WAIT, cluster_config, sentin
 from celery_ext.store.dead_set import wrap_consumer_handlers
 from celery_ext.store.keys import Keys
 from celery_ext.worker import worker_pool as _pool
-from celery_ext.worker.fate import apply_backoffs
 
 logger = logging.getLogger("celery_ext.worker.bootsteps")
 

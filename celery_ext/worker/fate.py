@@ -16,18 +16,12 @@
     behind must not hold it back in memory;
   - a unique job's lock is released when the job starts (:mod:`celery_ext.unique`).
 
-* :class:`Backoff`: opt-in retry backoff, exponential with jitter and a cap
-  (task option ``backoff=True`` or ``backoff={"base": 5, "max": 600, "jitter": 0.5}``).
-  It replaces the task's ``default_retry_delay``, i.e. the countdown of a
-  ``self.retry()`` (or ``autoretry_for``) that names none.
+Retry delays (the task option ``backoff``) are :mod:`celery_ext.options.backoff`.
 """
 
 from __future__ import annotations
 
 import logging
-import random
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
@@ -37,10 +31,10 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request as CeleryRequest
 from kombu.utils.json import dumps
 
-from celery_ext.config import Settings
 from celery_ext.options.unique import HEADER as UNIQUE_HEADER
 from celery_ext.options.unique import release as release_unique
-from celery_ext.store.dead_set import MAX_TRACEBACK, one_line
+from celery_ext.store.dead_set import MAX_TRACEBACK
+from celery_ext.text import one_line
 
 logger = logging.getLogger("celery_ext.worker.fate")
 
@@ -49,68 +43,6 @@ logger = logging.getLogger("celery_ext.worker.fate")
 #: terminated, or the worker died (the pool issue's recovery counts those).
 _NOT_FINAL = (Retry, Ignore, Reject, Terminated, WorkerLostError, SystemExit,
               KeyboardInterrupt, MemoryError)
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """Retry delays ``base * 2**attempt`` capped at ``max``, minus up to ``jitter`` of it."""
-
-    base: float
-    max: float
-    jitter: float
-
-    def __post_init__(self) -> None:
-        if self.base <= 0 or self.max < self.base or not 0 <= self.jitter <= 1:
-            raise ValueError(f"celery_ext: invalid backoff {self!r}: need 0 < base <= max "
-                             "and 0 <= jitter <= 1")
-
-    def delay(self, attempt: int, rand: Callable[[], float] = random.random) -> float:
-        """Seconds before retry number ``attempt + 1`` (``attempt`` = retries so far)."""
-        full = min(self.max, self.base * 2 ** min(max(attempt, 0), 63))
-        return full * (1 - self.jitter * rand())
-
-
-def backoff_for(task: Any, settings: Settings) -> Backoff | None:
-    """The backoff a task opted into with its ``backoff`` option, or None."""
-    option = getattr(task, "backoff", None)
-    if option is None or option is False:
-        return None
-    default = Backoff(settings.retry_backoff_base, settings.retry_backoff_max,
-                      settings.retry_backoff_jitter)
-    if option is True:
-        return default
-    if isinstance(option, Backoff):
-        return option
-    if isinstance(option, Mapping) and set(option) <= {"base", "max", "jitter"}:
-        return Backoff(float(option.get("base", default.base)),
-                       float(option.get("max", default.max)),
-                       float(option.get("jitter", default.jitter)))
-    raise ValueError(f"celery_ext: task {task.name!r} has backoff={option!r}; use True, "
-                     "a celery_ext.retry.Backoff, or a dict with base, max and jitter")
-
-
-class _BackoffDelay:
-    """``default_retry_delay`` of a task with a backoff: read by ``Task.retry``."""
-
-    def __init__(self, backoff: Backoff) -> None:
-        self.backoff = backoff
-
-    def __get__(self, task: Any, owner: Any = None) -> float:
-        if task is None:
-            return self.backoff.base
-        retries = getattr(task.request, "retries", 0) or 0
-        return self.backoff.delay(int(retries))
-
-
-def apply_backoffs(tasks: Mapping[str, Any], settings: Settings) -> list[str]:
-    """Give every task with a ``backoff`` option its backoff; returns their names."""
-    names = []
-    for name, task in tasks.items():
-        backoff = backoff_for(task, settings)
-        if backoff is not None:
-            type(task).default_retry_delay = _BackoffDelay(backoff)
-            names.append(name)
-    return names
 
 
 def _exception_fields(exc: Any, traceback: str) -> dict[str, Any]:

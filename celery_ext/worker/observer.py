@@ -24,10 +24,10 @@ from celery import current_task
 from celery.signals import task_failure, task_postrun, task_prerun, worker_process_shutdown
 
 from celery_ext.config import Settings, uses_our_transport
-from celery_ext.store.dead_set import one_line
 from celery_ext.store.history import HistoryWriter
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
+from celery_ext.text import one_line
 from celery_ext.worker.heartbeater import owning_pool_id
 
 logger = logging.getLogger("celery_ext.worker.observer")

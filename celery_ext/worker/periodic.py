@@ -60,9 +60,9 @@ from kombu.exceptions import OperationalError
 from kombu.utils.encoding import bytes_to_str
 
 from celery_ext.config import Settings, uses_our_transport
-from celery_ext.store.dead_set import one_line
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
+from celery_ext.text import one_line
 
 logger = logging.getLogger("celery_ext.worker.periodic")
 

@@ -45,10 +45,10 @@ import redis
 
 from celery_ext.config import Settings
 from celery_ext.errors import CONNECTION_ERRORS
-from celery_ext.store.dead_set import one_line
 from celery_ext.store.job_index import index_ttl_ms
 from celery_ext.store.keys import Keys
 from celery_ext.store.memory import eviction_warning
+from celery_ext.text import one_line
 from celery_ext.worker.acks import AckSender, SyncAcks
 from celery_ext.worker.heartbeater import Heartbeater, current_pool_id
 from celery_ext.worker.inflight import InflightRecord, recover_tags

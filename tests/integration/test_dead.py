@@ -22,11 +22,11 @@ import redis
 
 from celery_ext.client import Client
 from celery_ext.config import Settings
+from celery_ext.options.backoff import Backoff, backoff_for
 from celery_ext.producer.scheduled import schedule
 from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
-from celery_ext.worker.fate import Backoff, backoff_for
 from tests.apps import proj
 from tests.helpers import Factory, Mode, message, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
