@@ -139,9 +139,9 @@ def install(app: Celery, *, route_by_name: bool = True) -> Celery:
     patch_send_task(app)
     # Every task of the app gets the counting Request class and a checkin() method
     # (as in drop-in mode), and the consumer steps of the sets and the dead set.
-    app.Task.Request = "celery_ext.request:Request"
+    app.Task.Request = "celery_ext.worker.request:Request"
     add_worker_parts(app)
     # ...and tasks with the same settings share one Request class (1,000 job names, 1 class).
     if app.Task.Strategy == CELERY_DEFAULT_STRATEGY:
-        app.Task.Strategy = "celery_ext.strategy:default"
+        app.Task.Strategy = "celery_ext.worker.strategy:default"
     return app

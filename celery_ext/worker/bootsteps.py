@@ -199,7 +199,7 @@ def add_worker_parts(app: Any) -> None:
     app.steps["consumer"].add(DeadLetters)
     app.steps["consumer"].add(PeriodicJobs)
     if app.Task.Request in (CELERY_DEFAULT_REQUEST, None):
-        app.Task.Request = "celery_ext.request:Request"
+        app.Task.Request = "celery_ext.worker.request:Request"
     if not hasattr(app.Task, "checkin"):
         app.Task.checkin = _task_checkin
 

@@ -23,7 +23,7 @@ def test_one_request_class_per_task_settings() -> None:
     events, the base Request class) makes its own."""
     from tests.apps import proj_strategy
 
-    assert proj.app.Task.Strategy == "celery_ext.strategy:default"
+    assert proj.app.Task.Strategy == "celery_ext.worker.strategy:default"
     consumer = SimpleNamespace()  # holds the cache, as the worker's consumer does
     pool = TaskPool()
     on, off = SimpleNamespace(enabled=True), SimpleNamespace(enabled=False)
