@@ -18,6 +18,14 @@ needs Celery's worker objects, in every mode unless said otherwise:
 Drop-in mode (the broker URL is ours, no ``install(app)``): ``celeryd_init`` adds the
 consumer steps, the Request class that counts lost workers and sends failed jobs to
 the dead set, and ``task.checkin()``.
+
+Celery's embedded test worker (``celery.contrib.testing.worker.start_worker``, which
+``celery.contrib.pytest`` and Django test cases use) is a plain ``WorkController``: it
+sends ``worker_init``, ``test_worker_started`` and ``test_worker_stopped`` but none of
+``celeryd_init``, ``worker_ready`` or ``worker_shutting_down``. ``worker_init`` adds the
+same worker parts, ``test_worker_started`` registers the pool as ``worker_ready`` does,
+and ``test_worker_stopped`` stops it as ``worker_shutdown`` does, so a test worker keeps
+every promise a ``celery worker`` process keeps and leaves nothing running.
 """
 
 from __future__ import annotations
@@ -26,11 +34,19 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from typing import Any
 
 import redis
 from celery import bootsteps
-from celery.signals import celeryd_init, worker_ready, worker_shutdown, worker_shutting_down
+from celery.contrib.testing.worker import test_worker_started, test_worker_stopped
+from celery.signals import (
+    celeryd_init,
+    worker_init,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
 from kombu import Queue
 from kombu.asynchronous import get_event_loop
 
@@ -89,12 +105,14 @@ def declare_job_queues(app: Any) -> None:
             queues.add(Queue(name, routing_key=name))
 
 
-class JobQueues(bootsteps.Step):
+class JobQueues(bootsteps.StartStopStep):
     """Make a worker consume the job queue of every registered task.
 
     A worker started with ``-Q`` consumes only the queues it was given (their
     weights still apply); ``-X`` exclusions are honoured by Celery itself, since every
-    job queue is declared when the app is finalized.
+    job queue is declared when the app is finalized. A worker that consumes every job
+    queue also consumes the queue of a task registered after it started (a test
+    defining a task while an embedded worker runs): see :func:`consume_new_task`.
     """
 
     name = "celery_ext.JobQueues"
@@ -108,7 +126,8 @@ class JobQueues(bootsteps.Step):
         set_weights(weights)
         declare_job_queues(app)
         queues = app.amqp.queues
-        if getattr(queues, "_consume_from", None) is None:  # no -Q/-X: consume them all
+        self.every_queue = getattr(queues, "_consume_from", None) is None
+        if self.every_queue:  # no -Q/-X: consume them all
             for name in weights:
                 if name not in queues.consume_from:
                     queues.select_add(queues[name])
@@ -116,6 +135,49 @@ class JobQueues(bootsteps.Step):
             logger.warning(
                 "celery_ext: install(app) is active but the broker is not celery-ext:// "
                 "(jobs are routed per task name, without crash-safe ownership)")
+
+    def start(self, worker: Any) -> None:
+        if self.every_queue:
+            _consuming_workers.add(worker)
+
+    def stop(self, worker: Any) -> None:
+        _consuming_workers.discard(worker)
+
+    shutdown = stop
+
+
+#: Running workers of this process that consume every job queue (no ``-Q``).
+_consuming_workers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def consume_new_task(task: Any) -> None:
+    """A task bound to an app after the app's workers in this process started: they
+    learn it and consume its job queue, from their event loop's thread (as Celery's
+    ``add_consumer`` remote control does)."""
+    app = getattr(task, "_app", None)
+    for worker in list(_consuming_workers):
+        consumer = getattr(worker, "consumer", None)
+        if worker.app is not app or consumer is None:
+            continue
+        queue = getattr(task, "queue", None) or task.name
+        try:
+            weight = job_queues(app, finalize=False).get(queue, 1)
+        except ValueError:
+            continue  # a bad weight= is refused when a worker starts
+        set_weights({**all_weights(), queue: weight})
+        declare_job_queues(app)
+        hub = getattr(worker, "hub", None)
+        if hub is not None:
+            hub.call_soon(_consume, consumer, queue)
+        else:
+            _consume(consumer, queue)
+
+
+def _consume(consumer: Any, queue: str) -> None:
+    """The consumer learns the new task (its strategy, or the job would be "unknown")
+    and consumes its queue."""
+    consumer.update_strategies()
+    consumer.add_task_queue(queue)
 
 
 @worker_ready.connect(weak=False)
@@ -215,6 +277,32 @@ def _one_line_connection_errors() -> None:
 
 
 celeryd_init.connect(validate_settings, weak=False)
+
+
+@worker_init.connect(weak=False)
+def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
+    """Every ``WorkController``, the embedded test worker's included: the worker parts
+    of drop-in mode (``celeryd_init`` added them already in a ``celery worker`` process;
+    adding them is idempotent)."""
+    app = getattr(sender, "app", None)
+    if app is not None and uses_our_transport(app.conf):
+        add_worker_parts(app)
+
+
+@test_worker_started.connect(weak=False)
+def _on_test_worker_started(sender: Any = None, consumer: Any = None, **kwargs: Any) -> None:
+    """The embedded test worker consumes (it sends no ``worker_ready``): register its
+    pool's node, concurrency and queues."""
+    if consumer is not None:
+        describe_pool(sender=consumer)
+
+
+@test_worker_stopped.connect(weak=False)
+def _on_test_worker_stopped(**kwargs: Any) -> None:
+    """The embedded test worker stopped (it sends no ``worker_shutting_down``): the pool
+    says "stopping", returns what it holds, deregisters and joins its threads."""
+    _pool.mark_all_stopping()
+    _on_shutdown()
 
 
 @worker_shutting_down.connect(weak=False)

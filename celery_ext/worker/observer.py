@@ -140,6 +140,7 @@ class Observer:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stopped = False
         #: When the background thread will look again on its own (monotonic; None:
         #: not before it is woken). Jobs wake it only when they need it sooner: two
         #: thread switches per job are a large share of a short job's cost.
@@ -239,13 +240,28 @@ class Observer:
         return wait
 
     def _ensure_thread(self) -> None:
+        if self._stopped:
+            return
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="celery_ext-observer",
                                             daemon=True)
             self._thread.start()
 
+    def stop(self, timeout: float = 5.0) -> None:
+        """Write what is pending, end the background thread and close the connection
+        (the worker pool stops: an embedded test worker's process goes on running)."""
+        self._stopped = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        try:
+            self.flush(force_stats=True)
+        finally:
+            self.client.close()
+
     def _run(self) -> None:
-        while True:
+        while not self._stopped:
             try:
                 wait = self.flush(_plan=True)
             except Exception as exc:
@@ -391,6 +407,19 @@ os.register_at_fork(after_in_child=_forget_observers_after_fork)
 def _on_process_shutdown(**kwargs: Any) -> None:
     """A prefork child exits: write the counters it still holds."""
     flush_observers()
+
+
+def stop_observers() -> None:
+    """Write what each observer of this process holds, end its thread and forget it
+    (its worker pool stops; a job of a worker started later makes a new one)."""
+    with _observers_lock:
+        observers = list(_observers.values())
+        _observers.clear()
+    for obs in observers:
+        try:
+            obs.stop()
+        except Exception as exc:
+            logger.warning("celery_ext: could not write job counters: %s", exc)
 
 
 def flush_observers() -> None:

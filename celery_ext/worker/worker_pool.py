@@ -52,7 +52,7 @@ from celery_ext.text import one_line
 from celery_ext.worker.acks import AckSender, SyncAcks
 from celery_ext.worker.heartbeater import Heartbeater, current_pool_id
 from celery_ext.worker.inflight import InflightRecord, recover_tags
-from celery_ext.worker.observer import flush_observers
+from celery_ext.worker.observer import stop_observers
 from celery_ext.worker.periodic import Periodic
 from celery_ext.worker.reaper import Reaper
 from celery_ext.worker.requeuer import Requeuer
@@ -195,7 +195,7 @@ class WorkerPool:
         self.state = "stopped"
         self.requeuer.stop()
         self.reaper.stop()
-        flush_observers()
+        stop_observers()
         try:
             self._return_everything()
         except redis.RedisError as exc:
