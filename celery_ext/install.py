@@ -13,12 +13,7 @@ from kombu.utils.objects import cached_property
 
 from celery_ext.options.unique import patch_send_task
 from celery_ext.producer.publish import Producer, ProducerPool
-from celery_ext.worker.bootsteps import (
-    JobQueues,
-    add_worker_parts,
-    consume_new_task,
-    declare_job_queues,
-)
+from celery_ext.worker.bootsteps import JobQueues, add_worker_parts, declare_job_queues
 
 logger = logging.getLogger("celery_ext")
 
@@ -149,12 +144,4 @@ def install(app: Celery, *, route_by_name: bool = True) -> Celery:
     # ...and tasks with the same settings share one Request class (1,000 job names, 1 class).
     if app.Task.Strategy == CELERY_DEFAULT_STRATEGY:
         app.Task.Strategy = "celery_ext.worker.strategy:default"
-    # A task registered while a worker of this process runs (a test defining one beside
-    # an embedded worker) gets its job queue consumed: Celery binds every task it makes.
-    app.Task.on_bound = classmethod(_on_task_bound)
     return app
-
-
-def _on_task_bound(task: Any, app: Any) -> None:
-    """``Task.on_bound`` of an installed app's tasks: called when Celery binds a task."""
-    consume_new_task(task)

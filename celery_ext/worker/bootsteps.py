@@ -105,14 +105,13 @@ def declare_job_queues(app: Any) -> None:
             queues.add(Queue(name, routing_key=name))
 
 
-class JobQueues(bootsteps.StartStopStep):
+class JobQueues(bootsteps.Step):
     """Make a worker consume the job queue of every registered task.
 
     A worker started with ``-Q`` consumes only the queues it was given (their
     weights still apply); ``-X`` exclusions are honoured by Celery itself, since every
     job queue is declared when the app is finalized. A worker that consumes every job
-    queue also consumes the queue of a task registered after it started (a test
-    defining a task while an embedded worker runs): see :func:`consume_new_task`.
+    queue also consumes the queue of a task bound after it started (:class:`NewTasks`).
     """
 
     name = "celery_ext.JobQueues"
@@ -126,8 +125,8 @@ class JobQueues(bootsteps.StartStopStep):
         set_weights(weights)
         declare_job_queues(app)
         queues = app.amqp.queues
-        self.every_queue = getattr(queues, "_consume_from", None) is None
-        if self.every_queue:  # no -Q/-X: consume them all
+        if getattr(queues, "_consume_from", None) is None:  # no -Q/-X: consume them all
+            worker._celery_ext_every_job_queue = True
             for name in weights:
                 if name not in queues.consume_from:
                     queues.select_add(queues[name])
@@ -136,48 +135,54 @@ class JobQueues(bootsteps.StartStopStep):
                 "celery_ext: install(app) is active but the broker is not celery-ext:// "
                 "(jobs are routed per task name, without crash-safe ownership)")
 
-    def start(self, worker: Any) -> None:
-        if self.every_queue:
-            _consuming_workers.add(worker)
 
-    def stop(self, worker: Any) -> None:
-        _consuming_workers.discard(worker)
+class NewTasks(bootsteps.StartStopStep):
+    """Consumer step: a task bound to the app while this worker runs (a test defining
+    one beside an embedded worker) is learnt, and its job queue consumed when the
+    worker consumes every job queue (``install(app)``, no ``-Q``), as Celery's
+    ``add_consumer`` remote control would; stock Celery needs ``worker.reload()``."""
+
+    name = "celery_ext.NewTasks"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, c: Any) -> None:
+        _running_consumers.add(c)
+
+    def stop(self, c: Any) -> None:
+        _running_consumers.discard(c)
 
     shutdown = stop
 
 
-#: Running workers of this process that consume every job queue (no ``-Q``).
-_consuming_workers: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Consumers of this process that run (:class:`NewTasks`).
+_running_consumers: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def consume_new_task(task: Any) -> None:
-    """A task bound to an app after the app's workers in this process started: they
-    learn it and consume its job queue, from their event loop's thread (as Celery's
-    ``add_consumer`` remote control does)."""
-    app = getattr(task, "_app", None)
-    for worker in list(_consuming_workers):
-        consumer = getattr(worker, "consumer", None)
-        if worker.app is not app or consumer is None:
+def task_bound(task: Any, app: Any) -> None:
+    """``Task.on_bound`` of every task of an app with the worker parts: Celery calls it
+    when it binds a task. Only a task bound while a consumer of its app runs matters."""
+    for consumer in list(_running_consumers):
+        if consumer.app is not app:
             continue
         queue = getattr(task, "queue", None) or task.name
-        try:
-            weight = job_queues(app, finalize=False).get(queue, 1)
-        except ValueError:
-            continue  # a bad weight= is refused when a worker starts
-        set_weights({**all_weights(), queue: weight})
-        declare_job_queues(app)
-        hub = getattr(worker, "hub", None)
-        if hub is not None:
-            hub.call_soon(_consume, consumer, queue)
+        every = getattr(consumer.controller, "_celery_ext_every_job_queue", False)
+        if every:
+            try:
+                set_weights({queue: job_queues(app, finalize=False).get(queue, 1)})
+            except ValueError:
+                continue  # a bad weight= is refused when a worker starts
+            declare_job_queues(app)
+        hub = getattr(consumer.controller, "hub", None)
+        if hub is not None:  # the consumer's own thread, between two turns of its loop
+            hub.call_soon(_learn, consumer, queue if every else None)
         else:
-            _consume(consumer, queue)
+            _learn(consumer, queue if every else None)
 
 
-def _consume(consumer: Any, queue: str) -> None:
-    """The consumer learns the new task (its strategy, or the job would be "unknown")
-    and consumes its queue."""
+def _learn(consumer: Any, queue: str | None) -> None:
     consumer.update_strategies()
-    consumer.add_task_queue(queue)
+    if queue is not None:
+        consumer.add_task_queue(queue)
 
 
 @worker_ready.connect(weak=False)
@@ -254,12 +259,16 @@ def _pool_name(pool: Any) -> str:
 def add_worker_parts(app: Any) -> None:
     """What a worker of ``app`` needs from the plugin whether or not ``install(app)``
     ran: the consumer steps, the Request class (lost-worker counting, failed jobs to
-    the dead set, promoted jobs' eta ignored) and ``task.checkin()``. Idempotent."""
+    the dead set, promoted jobs' eta ignored), ``task.checkin()`` and the hook that
+    makes a running worker learn a task bound after it started. Idempotent."""
     from celery_ext.worker.observer import _task_checkin
 
     app.steps["consumer"].add(Sets)
     app.steps["consumer"].add(DeadLetters)
     app.steps["consumer"].add(PeriodicJobs)
+    app.steps["consumer"].add(NewTasks)
+    if "on_bound" not in vars(app.Task):
+        app.Task.on_bound = classmethod(task_bound)
     if app.Task.Request in (CELERY_DEFAULT_REQUEST, None):
         app.Task.Request = "celery_ext.worker.request:Request"
     if not hasattr(app.Task, "checkin"):

@@ -1,0 +1,225 @@
+"""A user's test suite against celery-ext: the plugin ``celery_ext.pytest`` and Celery's
+own ``celery.contrib.pytest`` fixtures, run by pytester in a subprocess on a small
+project, each way with pytest-celery's plugin loaded and with ``-p no:celery``.
+
+Each run checks the outcomes a user sees (a result, a raising job in the dead set, the
+worker pool registered with its node and queues), and, at the end of the session, that
+nothing of ours is left registered in Redis or running in the process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from celery_ext.testing.server import RedisServer
+
+pytestmark = pytest.mark.timeout(240)
+
+PROJECT = '''
+import os
+
+from celery import Celery
+
+app = Celery("proj", broker="celery-ext://127.0.0.1:1/0")
+if os.environ.get("PROJ_MODE") == "install":
+    import celery_ext
+
+    celery_ext.install(app)
+
+
+@app.task
+def add(a, b):
+    return a + b
+
+
+@app.task
+def boom():
+    raise KeyError("boom")
+
+
+@app.task(bind=True)
+def long_job(self, steps):
+    for i in range(steps):
+        self.checkin(progress=(i + 1) / steps)
+    return steps
+'''
+
+#: Written by the project's conftest when its session ends: what of ours is left.
+LEFTOVERS = '''
+import json
+import os
+import threading
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from celery_ext.worker.worker_pool import live_pools
+
+    with open(os.environ["LEFTOVERS_FILE"], "w") as f:
+        json.dump({
+            "threads": sorted(t.name for t in threading.enumerate()
+                              if t.name.startswith("celery_ext")),
+            "pools": [p.pool_id for p in live_pools()],
+        }, f)
+'''
+
+PLUGIN_TESTS = '''
+import time
+
+import pytest
+
+from proj import add, boom, long_job
+
+
+def test_result(celery_ext_worker):
+    assert add.delay(2, 2).get(timeout=10) == 4
+
+
+def test_raising_job_is_dead_and_pool_registered(celery_ext_worker, celery_ext_client):
+    result = boom.delay()
+    with pytest.raises(KeyError):
+        result.get(timeout=10)
+    deadline = time.monotonic() + 10
+    while celery_ext_client.counts()["dead"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dead = celery_ext_client.dead()["items"]
+    assert [job["task_id"] for job in dead] == [result.id]
+    (pool,) = celery_ext_client.worker_pools()
+    assert pool["node"] == celery_ext_worker.hostname
+    assert pool["queues"], pool
+
+
+def test_checkin_and_a_clean_namespace(celery_ext_worker, celery_ext_client):
+    assert long_job.delay(3).get(timeout=10) == 3
+    assert celery_ext_client.counts()["dead"] == 0  # the previous test's job is not here
+
+
+def test_task_defined_after_the_worker_started(celery_ext_worker, celery_ext_configured_app):
+    @celery_ext_configured_app.task(name="proj.late")
+    def late():
+        return "late"
+
+    assert late.delay().get(timeout=10) == "late"
+'''
+
+CELERY_CONTRIB_TESTS = '''
+import os
+import time
+
+import pytest
+
+import celery_ext
+from celery_ext.client import Client
+
+
+@pytest.fixture(scope="session")
+def celery_config():
+    return {"broker_url": os.environ["BROKER_URL"], "result_backend": os.environ["BACKEND_URL"]}
+
+
+@pytest.fixture
+def celery_app(celery_app):
+    if os.environ["PROJ_MODE"] == "install":
+        celery_ext.install(celery_app)
+    return celery_app
+
+
+@pytest.fixture(scope="session")
+def celery_worker_pool():
+    return "solo"
+
+
+def test_result_and_dead_set(celery_app, celery_worker):
+    @celery_app.task(name="contrib.boom")
+    def boom():
+        raise KeyError("boom")
+
+    @celery_app.task(name="contrib.add")
+    def add(a, b):
+        return a + b
+
+    celery_worker.reload()
+    assert add.delay(2, 3).get(timeout=10) == 5
+    result = boom.delay()
+    with pytest.raises(KeyError):
+        result.get(timeout=10)
+    client = Client.for_app(celery_app)
+    deadline = time.monotonic() + 10
+    while client.counts()["dead"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [job["task_id"] for job in client.dead()["items"]] == [result.id]
+    (pool,) = client.worker_pools()
+    assert pool["node"] == celery_worker.hostname
+'''
+
+
+def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+         tests: str, mode: str,
+         pytest_celery: bool, extra_env: dict[str, str] | None = None,
+         ini: str = "celery_ext_app = proj:app", conftest: str = LEFTOVERS,
+         ) -> dict[str, list[str]]:
+    pytester.makepyfile(proj=PROJECT, conftest=conftest, test_user=tests)
+    pytester.makeini(f"[pytest]\n{ini}\n")
+    leftovers = tmp_path / f"leftovers-{mode}-{pytest_celery}.json"
+    monkeypatch.setenv("LEFTOVERS_FILE", str(leftovers))
+    monkeypatch.setenv("PROJ_MODE", mode)
+    for key, value in (extra_env or {}).items():
+        monkeypatch.setenv(key, value)
+    args = ["-p", "celery_ext.pytest", "-p", "no:cacheprovider", "-q"]
+    if not pytest_celery:
+        args += ["-p", "no:celery"]
+    result = pytester.runpytest_subprocess(*args, timeout=200)
+    assert result.ret == 0, "\n".join(result.outlines[-60:])
+    found: dict[str, list[str]] = json.loads(leftovers.read_text())
+    return found
+
+
+@pytest.mark.parametrize("pytest_celery", [True, False], ids=["pytest-celery", "no-celery"])
+@pytest.mark.parametrize("mode", ["dropin", "install"])
+def test_plugin_gives_a_user_suite_a_broker_and_worker(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: str,
+        pytest_celery: bool) -> None:
+    found = _run(pytester, monkeypatch, tmp_path, PLUGIN_TESTS, mode, pytest_celery)
+    assert found == {"threads": [], "pools": []}
+
+
+def test_plugin_worker_pool_and_concurrency_from_ini(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    found = _run(pytester, monkeypatch, tmp_path, PLUGIN_TESTS, "install", False,
+                 ini="celery_ext_app = proj:app\ncelery_ext_pool = threads\n"
+                     "celery_ext_concurrency = 4")
+    assert found == {"threads": [], "pools": []}
+
+
+def test_plugin_on_an_existing_server(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        redis_server: RedisServer) -> None:
+    """``CELERY_EXT_TEST_BROKER_URL``: no server started; each test's keys deleted."""
+    client = redis_server.client(db=5)
+    client.flushdb()
+    client.set("user-data", "kept")
+    url = redis_server.url(scheme="celery-ext", db=5)
+    found = _run(pytester, monkeypatch, tmp_path, PLUGIN_TESTS, "install", False,
+                 extra_env={"CELERY_EXT_TEST_BROKER_URL": url})
+    assert found == {"threads": [], "pools": []}
+    left = {key.decode() for key in client.scan_iter()}
+    assert "user-data" in left
+    assert not [key for key in left if key.startswith("{test-")], sorted(left)[:10]
+
+
+@pytest.mark.parametrize("mode", ["dropin", "install"])
+def test_celery_contrib_pytest_fixtures(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        redis_server: RedisServer, mode: str) -> None:
+    """Celery's own ``celery_app``/``celery_worker`` fixtures with a celery-ext broker.
+    (pytest-celery's plugin replaces Celery's ``celery_worker``: upstream says not to
+    mix the two, so this runs with ``-p no:celery``.)"""
+    for db in (6, 7):
+        redis_server.client(db=db).flushdb()
+    found = _run(pytester, monkeypatch, tmp_path, CELERY_CONTRIB_TESTS, mode, False, extra_env={
+        "BROKER_URL": redis_server.url(scheme="celery-ext", db=6),
+        "BACKEND_URL": redis_server.url(db=7)},
+        conftest=LEFTOVERS + '\npytest_plugins = ("celery.contrib.pytest",)\n')
+    assert found == {"threads": [], "pools": []}
