@@ -155,6 +155,45 @@ def test_result_and_dead_set(celery_app, celery_worker):
 '''
 
 
+PYTEST_CELERY_TESTS = '''
+import time
+
+from proj import add, boom
+
+from celery_ext.client import Client
+
+
+def test_setup_ready_and_a_job(celery_setup):
+    assert celery_setup.ready(ping=True, control=True)
+    assert celery_setup.app.control.ping(timeout=5) == [
+        {celery_setup.worker.hostname(): {"ok": "pong"}}]
+    assert add.delay(2, 5).get(timeout=10) == 7
+    client = Client.for_app(celery_setup.app)
+    (pool,) = client.worker_pools()
+    assert pool["node"] == celery_setup.worker.hostname()
+
+
+def test_raising_job_is_dead(celery_setup):
+    result = boom.delay()
+    try:
+        result.get(timeout=10)
+    except KeyError:
+        pass
+    client = Client.for_app(celery_setup.app)
+    deadline = time.monotonic() + 10
+    while client.counts()["dead"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [job["task_id"] for job in client.dead()["items"]] == [result.id]
+
+
+def test_worker_killed_and_restarted(celery_setup):
+    worker = celery_setup.worker
+    worker.kill()
+    worker.restart()
+    assert add.delay(1, 1).get(timeout=20) == 2
+'''
+
+
 def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
          tests: str, mode: str,
          pytest_celery: bool, extra_env: dict[str, str] | None = None,
@@ -222,4 +261,16 @@ def test_celery_contrib_pytest_fixtures(
         "BROKER_URL": redis_server.url(scheme="celery-ext", db=6),
         "BACKEND_URL": redis_server.url(db=7)},
         conftest=LEFTOVERS + '\npytest_plugins = ("celery.contrib.pytest",)\n')
+    assert found == {"threads": [], "pools": []}
+
+
+@pytest.mark.parametrize("mode", ["dropin", "install"])
+def test_pytest_celery_without_docker(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+                                      tmp_path: Path, mode: str) -> None:
+    """pytest-celery's ``celery_setup`` on local nodes (broker, backend, a ``celery
+    worker`` subprocess of the app under test): no Docker engine."""
+    found = _run(pytester, monkeypatch, tmp_path, PYTEST_CELERY_TESTS, mode, True,
+                 ini="celery_ext_app = proj:app\ncelery_ext_pool = prefork\n"
+                     "celery_ext_concurrency = 2",
+                 conftest=LEFTOVERS + "\nfrom celery_ext.testing.pytest_celery import *  # noqa\n")
     assert found == {"threads": [], "pools": []}
