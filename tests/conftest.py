@@ -21,7 +21,7 @@ from tests.workers import WorkerProcess
 
 # pyproject passes `-p no:celery` so the plugin is not auto-loaded twice; load it here
 # for the celery_app / celery_worker fixtures.
-pytest_plugins = ("celery.contrib.pytest", "pytester")
+pytest_plugins = ("celery.contrib.pytest", "pytester", "celery_ext.pytest")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
