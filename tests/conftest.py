@@ -19,8 +19,10 @@ from celery_ext.testing.server import ClusterGroup, RedisServer
 from celery_ext.worker.worker_pool import stop_all
 from tests.workers import WorkerProcess
 
-# pyproject passes `-p no:celery` so the plugin is not auto-loaded twice; load it here
-# for the celery_app / celery_worker fixtures.
+# pyproject passes `-p no:celery` (pytest-celery's plugin, whose celery_worker would replace
+# Celery's); Celery's own fixtures come from celery.contrib.pytest, pytester runs the user
+# projects of test_pytest_plugin.py, and celery_ext.pytest is our plugin (its entry point
+# loads it too).
 pytest_plugins = ("celery.contrib.pytest", "pytester", "celery_ext.pytest")
 
 
