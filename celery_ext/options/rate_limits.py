@@ -41,12 +41,21 @@ logger = logging.getLogger("celery_ext.options.rate_limits")
 
 #: Units a limit is shown in, largest rate unit first that gives a whole number.
 _UNITS = (("s", 1), ("m", 60), ("h", 3600))
+#: Longest interval a limit may set (µs): one job a day. ``fetch.lua`` clamps a wait to
+#: it too (its ``MAX_WAIT_US``), so a pool never sleeps longer, whatever is stored.
+MAX_INTERVAL_US = 86_400_000_000
+#: Shortest interval (µs): the unit of the interval, so at most 1,000,000 jobs a second.
+MIN_INTERVAL_US = 1
+#: The accepted range as a person reads it, for errors and docs.
+RANGE_TEXT = "from 1 job a day (e.g. '0.05/h') to 1,000,000/s"
 
 
 def interval_us(value: Any) -> int | None:
     """Microseconds between two jobs for a Celery rate limit (``"20/s"``, ``"10/m"``,
     ``"5/h"``, a number per second), or None for no limit (None, 0, ``""``).
-    Raises ValueError for anything else."""
+    Raises ValueError for anything else, and for a rate outside ``RANGE_TEXT``: a
+    rarer one overflows the fetch script's integer waits, a more frequent one cannot
+    be told apart from one a microsecond."""
     try:
         per_second = rate(value)
     except (TypeError, ValueError, KeyError, ZeroDivisionError):
@@ -55,7 +64,10 @@ def interval_us(value: Any) -> int | None:
         return None
     if per_second < 0:
         raise ValueError(f"{value!r} is not a rate limit like '20/s', '10/m' or '5/h'")
-    return max(1, round(1_000_000 / per_second))
+    interval = 1_000_000 / per_second
+    if not MIN_INTERVAL_US <= interval < MAX_INTERVAL_US + 0.5:
+        raise ValueError(f"{value!r} is out of range: a rate limit goes {RANGE_TEXT}")
+    return round(interval)
 
 
 def format_rate(interval: int) -> str:
