@@ -89,7 +89,7 @@ def test_a_limit_holds_cluster_wide_only_on_a_queue_of_its_own() -> None:
     assert limits.tasks == {"rates.own", "rates.routed"}
     assert limits.local == {"rates.shared": "celery"}  # shares "celery" with rates.other
 
-    @app.task(name="rates.bad", rate_limit="often")
+    @app.task(name="rates.bad", rate_limit="often", shared=False)  # not in later apps
     def bad() -> None: ...
 
     with pytest.raises(ValueError, match=r"task 'rates\.bad' has rate_limit='often'"):
