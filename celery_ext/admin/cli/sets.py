@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -114,6 +115,16 @@ def _ids_or_all(ids: tuple[str, ...], all_: bool) -> list[str] | None:
     return None if all_ else list(ids)
 
 
+def _each_or_all(wanted: list[str] | None, one: Callable[[str], bool],
+                 every: Callable[[], int]) -> tuple[int, list[str]]:
+    """(how many were acted on, the ids that were not dead): ``one`` for each id
+    wanted, or ``every`` for all (None)."""
+    if wanted is None:
+        return every(), []
+    missing = [i for i in dict.fromkeys(wanted) if not one(i)]
+    return len(set(wanted)) - len(missing), missing
+
+
 def _missing(missing: list[str]) -> str | None:
     return f"not in the dead set: {', '.join(missing)}" if missing else None
 
@@ -131,13 +142,9 @@ def dead_retry(client: ClientGetter, ids: tuple[str, ...], all_: bool, name: str
     wanted = _ids_or_all(ids, all_)
     c = client()
     matching = filters(name, error, text, since, until)
-    missing: list[str] = []
-    if wanted is None:
-        count = (c.retry_matching("dead", matching) if error or text or since or until
-                 else c.retry_all_dead(name))
-    else:
-        missing = [i for i in dict.fromkeys(wanted) if not c.retry_dead(i)]
-        count = len(set(wanted)) - len(missing)
+    count, missing = _each_or_all(wanted, c.retry_dead, lambda: (
+        c.retry_matching("dead", matching) if error or text or since or until
+        else c.retry_all_dead(name)))
     return Output({"retried": count, "missing": missing}, [f"retried {count} dead job(s)"],
                   _missing(missing))
 
@@ -154,16 +161,12 @@ def dead_rm(client: ClientGetter, ids: tuple[str, ...], all_: bool, name: str | 
     """Delete dead jobs for good (--all: every one, or every one that matches)."""
     wanted = _ids_or_all(ids, all_)
     c = client()
-    missing: list[str] = []
     matching = filters(name, error, text, since, until)
-    if wanted is None:
-        if not yes and sys.stdin.isatty():
-            click.confirm("Delete every matching dead job? There is no undo.", abort=True)
-        count = (c.delete_matching("dead", matching) if error or text or since or until
-                 else c.delete_all_dead(name))
-    else:
-        missing = [i for i in dict.fromkeys(wanted) if not c.delete_dead(i)]
-        count = len(set(wanted)) - len(missing)
+    if wanted is None and not yes and sys.stdin.isatty():
+        click.confirm("Delete every matching dead job? There is no undo.", abort=True)
+    count, missing = _each_or_all(wanted, c.delete_dead, lambda: (
+        c.delete_matching("dead", matching) if error or text or since or until
+        else c.delete_all_dead(name)))
     return Output({"deleted": count, "missing": missing}, [f"deleted {count} dead job(s)"],
                   _missing(missing))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -306,28 +306,27 @@ async def scheduled_delete(request: Request) -> JSONResponse:
     return JSONResponse({"id": job_id, "deleted": True})
 
 
-async def dead_retry(request: Request) -> JSONResponse:
-    client = _client(request)
+async def _dead_bulk(request: Request, every: Callable[[], int], one: Callable[[str], bool],
+                     done_key: str) -> JSONResponse:
+    """Act on the dead jobs a body names (``{"ids": [...]}``: 404 if none was dead) or on
+    all of them (``{"all": true}``)."""
     ids = _ids_or_all(await _json_body(request))
     if ids is None:
-        count = await run_in_threadpool(client.retry_all_dead)
-        return JSONResponse({"count": count})
-    done = [i for i in ids if await run_in_threadpool(client.retry_dead, i)]
+        return JSONResponse({"count": await run_in_threadpool(every)})
+    done = [i for i in ids if await run_in_threadpool(one, i)]
     if not done:
         raise HTTPException(404, "no such dead job")
-    return JSONResponse({"retried": done, "count": len(done)})
+    return JSONResponse({done_key: done, "count": len(done)})
+
+
+async def dead_retry(request: Request) -> JSONResponse:
+    client = _client(request)
+    return await _dead_bulk(request, client.retry_all_dead, client.retry_dead, "retried")
 
 
 async def dead_delete(request: Request) -> JSONResponse:
     client = _client(request)
-    ids = _ids_or_all(await _json_body(request))
-    if ids is None:
-        count = await run_in_threadpool(client.delete_all_dead)
-        return JSONResponse({"count": count})
-    done = [i for i in ids if await run_in_threadpool(client.delete_dead, i)]
-    if not done:
-        raise HTTPException(404, "no such dead job")
-    return JSONResponse({"deleted": done, "count": len(done)})
+    return await _dead_bulk(request, client.delete_all_dead, client.delete_dead, "deleted")
 
 
 async def search_action(request: Request, *, kind: str, action: str) -> JSONResponse:
