@@ -138,6 +138,11 @@ def write_rate_limits(client: Any, keys: Keys, limits: Mapping[str, int],
                         reset_name="rate_tat")
 
 
+def _task_rates(app: Any) -> dict[str, Any]:
+    """Each registered task's ``rate_limit`` as it is now."""
+    return {name: getattr(task, "rate_limit", None) for name, task in app.tasks.items()}
+
+
 class ClusterBuckets:
     """A worker's side of the rate limits: Celery's per-process token bucket off for
     the tasks whose limit fetch enforces, and Celery's ``rate_limit`` remote-control
@@ -148,11 +153,15 @@ class ClusterBuckets:
     ``reset_rate_limits``, which it runs at start and for that command (after setting
     the task's new ``rate_limit``); both are replaced on the consumer. Once the pool is
     connected, :meth:`connected` gives the function that writes limits to Redis, and
-    each reset re-reads the tasks' limits and writes the changed ones."""
+    each reset re-reads the tasks' limits and writes the changed ones. A limit the
+    command set that is not one (out of range, say) is put back to the task's last
+    accepted one before the error goes back to the command's caller: left on the task,
+    it would fail every later reset, whichever task that one is for."""
 
     def __init__(self, consumer: Any, limits: RateLimits) -> None:
         self.limits = limits
         self._write: Callable[[RateLimits], Any] | None = None
+        self._accepted = _task_rates(consumer.app)
         bucket_for_task, reset = consumer.bucket_for_task, consumer.reset_rate_limits
 
         def cluster_bucket_for_task(task: Any) -> Any:
@@ -160,7 +169,14 @@ class ClusterBuckets:
 
         def reset_rate_limits() -> None:
             if self._write is not None:
-                self.limits = job_rate_limits(consumer.app)
+                try:
+                    self.limits = job_rate_limits(consumer.app)
+                except ValueError:
+                    for name, task in consumer.app.tasks.items():
+                        if name in self._accepted:
+                            task.rate_limit = self._accepted[name]
+                    raise
+                self._accepted = _task_rates(consumer.app)
             reset()
             if self._write is not None:
                 self._write(self.limits)

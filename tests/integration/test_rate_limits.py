@@ -306,3 +306,27 @@ def test_fetch_clamps_the_wait_of_a_limit_stored_out_of_range(redis_client: redi
     assert 0 < waits["slow"] <= 86_400_000_000, waits
     jobs, blocked, waits = fetch(redis_client, "slow")
     assert jobs == [] and 0 < waits["slow"] <= 86_400_000_000, waits
+
+
+def test_remote_control_refuses_a_rate_outside_the_range_and_keeps_the_last(
+        proj_rate: Any, broker_url: str, redis_client: redis.Redis,
+        worker_factory: Factory) -> None:
+    """``celery control rate_limit`` with a rate out of range: the reply names the range,
+    the limit in Redis stays, and the worker takes later changes of any task (the
+    refused value is not left on the task to break every later reset)."""
+    start_workers(worker_factory, 1, app="tests.apps.proj_rate", pool="threads",
+                  concurrency=2)
+    client = Client(redis_client)
+    assert client.rate_limits() == {"rated": "20/s"}
+
+    def control(task: str, rate: str) -> str:
+        out = celery_cli("-A", "tests.apps.proj_rate", "control", "rate_limit", task, rate,
+                         broker_url=broker_url)
+        return str(out.stdout + out.stderr)
+
+    assert "1 job a day" in control("tests.apps.proj_rate.rated", "1e-13/s")
+    assert client.rate_limits() == {"rated": "20/s"}
+    assert "error" not in control("tests.apps.proj_rate.unrated", "3/s").lower()
+    limits = wait_for(lambda: (lambda got: got if len(got) == 2 else None)(
+        client.rate_limits()), 10, "the other task's limit")
+    assert limits["rated"] == "20/s" and sorted(limits.values()) == ["20/s", "3/s"], limits
