@@ -18,6 +18,8 @@ chunk of matches as it is found, so their memory does not grow with the set.
 from __future__ import annotations
 
 import base64
+import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +37,12 @@ SCAN_BUDGET = 20_000
 MAX_TEXT = 200
 #: The sets that can be searched: kind -> (zset, records hash, newest first).
 KINDS = ("dead", "scheduled", "retry")
+#: Latest time a filter takes, in seconds either side of 1970 (the end of year 9999):
+#: a score in milliseconds stays an exact integer far below it.
+MAX_TIME = 253_402_300_800.0
+#: A cursor as the search hands it out: a score Redis reads ("+inf"/"-inf" or a
+#: decimal or exponent number, as Python and Redis both write them) and a skip count.
+_CURSOR = re.compile(r"([-+]?(?:inf|(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)):(\d{1,15})", re.I)
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,11 @@ class Filters:
     def __post_init__(self) -> None:
         if len(self.text) > MAX_TEXT:
             raise ValueError(f"search text is longer than {MAX_TEXT} characters")
+        for name in ("since", "until"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and abs(value) <= MAX_TIME):
+                raise ValueError(f"{name!r} must be a time in seconds between "
+                                 f"{-MAX_TIME:.0f} and {MAX_TIME:.0f} (got {value!r})")
         if self.since is not None and self.until is not None and self.since > self.until:
             raise ValueError("'since' is after 'until'")
 
@@ -76,14 +89,15 @@ def base64_patterns(text: str) -> list[Any]:
 
 
 def parse_cursor(cursor: str | None) -> tuple[str, int] | None:
-    """``"<score>:<skip>"`` -> (score, skip); ValueError for anything else."""
+    """``"<score>:<skip>"`` -> (score, skip); ValueError naming the cursor for anything
+    else, NaN included (Redis refuses it as a score: the page would fail as if Redis
+    were down)."""
     if not cursor:
         return None
-    score, _, skip = cursor.rpartition(":")
-    float(score)  # ValueError if not a number
-    if not skip.isdigit():
+    found = _CURSOR.fullmatch(cursor)
+    if found is None:
         raise ValueError(f"bad cursor {cursor!r}")
-    return score, int(skip)
+    return found.group(1), int(found.group(2))
 
 
 class SetSearch:

@@ -41,12 +41,21 @@ logger = logging.getLogger("celery_ext.options.rate_limits")
 
 #: Units a limit is shown in, largest rate unit first that gives a whole number.
 _UNITS = (("s", 1), ("m", 60), ("h", 3600))
+#: Longest interval a limit may set (µs): one job a day. ``fetch.lua`` clamps a wait to
+#: it too (its ``MAX_WAIT_US``), so a pool never sleeps longer, whatever is stored.
+MAX_INTERVAL_US = 86_400_000_000
+#: Shortest interval (µs): the unit of the interval, so at most 1,000,000 jobs a second.
+MIN_INTERVAL_US = 1
+#: The accepted range as a person reads it, for errors and docs.
+RANGE_TEXT = "from 1 job a day (e.g. '0.05/h') to 1,000,000/s"
 
 
 def interval_us(value: Any) -> int | None:
     """Microseconds between two jobs for a Celery rate limit (``"20/s"``, ``"10/m"``,
     ``"5/h"``, a number per second), or None for no limit (None, 0, ``""``).
-    Raises ValueError for anything else."""
+    Raises ValueError for anything else, and for a rate outside ``RANGE_TEXT``: a
+    rarer one overflows the fetch script's integer waits, a more frequent one cannot
+    be told apart from one a microsecond."""
     try:
         per_second = rate(value)
     except (TypeError, ValueError, KeyError, ZeroDivisionError):
@@ -55,7 +64,10 @@ def interval_us(value: Any) -> int | None:
         return None
     if per_second < 0:
         raise ValueError(f"{value!r} is not a rate limit like '20/s', '10/m' or '5/h'")
-    return max(1, round(1_000_000 / per_second))
+    interval = 1_000_000 / per_second
+    if not MIN_INTERVAL_US <= interval < MAX_INTERVAL_US + 0.5:
+        raise ValueError(f"{value!r} is out of range: a rate limit goes {RANGE_TEXT}")
+    return round(interval)
 
 
 def format_rate(interval: int) -> str:
@@ -126,6 +138,11 @@ def write_rate_limits(client: Any, keys: Keys, limits: Mapping[str, int],
                         reset_name="rate_tat")
 
 
+def _task_rates(app: Any) -> dict[str, Any]:
+    """Each registered task's ``rate_limit`` as it is now."""
+    return {name: getattr(task, "rate_limit", None) for name, task in app.tasks.items()}
+
+
 class ClusterBuckets:
     """A worker's side of the rate limits: Celery's per-process token bucket off for
     the tasks whose limit fetch enforces, and Celery's ``rate_limit`` remote-control
@@ -136,11 +153,15 @@ class ClusterBuckets:
     ``reset_rate_limits``, which it runs at start and for that command (after setting
     the task's new ``rate_limit``); both are replaced on the consumer. Once the pool is
     connected, :meth:`connected` gives the function that writes limits to Redis, and
-    each reset re-reads the tasks' limits and writes the changed ones."""
+    each reset re-reads the tasks' limits and writes the changed ones. A limit the
+    command set that is not one (out of range, say) is put back to the task's last
+    accepted one before the error goes back to the command's caller: left on the task,
+    it would fail every later reset, whichever task that one is for."""
 
     def __init__(self, consumer: Any, limits: RateLimits) -> None:
         self.limits = limits
         self._write: Callable[[RateLimits], Any] | None = None
+        self._accepted = _task_rates(consumer.app)
         bucket_for_task, reset = consumer.bucket_for_task, consumer.reset_rate_limits
 
         def cluster_bucket_for_task(task: Any) -> Any:
@@ -148,7 +169,14 @@ class ClusterBuckets:
 
         def reset_rate_limits() -> None:
             if self._write is not None:
-                self.limits = job_rate_limits(consumer.app)
+                try:
+                    self.limits = job_rate_limits(consumer.app)
+                except ValueError:
+                    for name, task in consumer.app.tasks.items():
+                        if name in self._accepted:
+                            task.rate_limit = self._accepted[name]
+                    raise
+                self._accepted = _task_rates(consumer.app)
             reset()
             if self._write is not None:
                 self._write(self.limits)

@@ -57,8 +57,8 @@ def test_cli_against_a_live_worker(broker_url: str, redis_client: redis.Redis,
             ("retry", "--json"), ("retry",), ("dead", "ls", "--json"), ("dead", "ls"),
             ("job", dead_job.id, "--json"), ("job", running.id, "--json"),
         ]}
-    with ThreadPoolExecutor(3) as pool:
-        for cmd, out in zip(reads, pool.map(lambda c: ok(broker_url, *c), reads), strict=True):
+    with ThreadPoolExecutor(3) as threads:
+        for cmd, out in zip(reads, threads.map(lambda c: ok(broker_url, *c), reads), strict=True):
             reads[cmd] = json.loads(out) if "--json" in cmd else out
 
     text = reads["status",]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,12 +14,18 @@ import httpx
 import pytest
 import redis
 
+with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; httpx still works
+    warnings.simplefilter("ignore")
+    from starlette.testclient import TestClient
+
 from celery_ext.admin.search import Filters, base64_patterns
+from celery_ext.admin.web import create_app
 from celery_ext.client import Client
 from celery_ext.config import Settings
 from celery_ext.store.history import HistoryWriter, bucket_bounds, bucket_of, percentile
 from celery_ext.store.keys import Keys
 from tests.apps import proj_web
+from tests.helpers import celery_cli
 from tests.webutil import env_for, fill_dead, run_cli, start_web, stop_all, wait_for
 from tests.workers import WorkerProcess
 
@@ -201,3 +208,39 @@ def test_search_in_the_scheduled_and_retry_sets(redis_client: redis.Redis, broke
         assert client.counts()["scheduled"] == 19
     finally:
         client.client.close()
+
+
+#: Time filters that are numbers to ``float`` but no time a set's score can be.
+BAD_TIMES = [("since", "inf"), ("until", "inf"), ("since", "-inf"), ("until", "nan"),
+             ("since", "1e306"), ("until", float("inf"))]
+
+
+def test_bad_search_filters_are_a_400_naming_the_filter(redis_client: redis.Redis,
+                                                       broker_url: str) -> None:
+    with TestClient(create_app(Client(redis_client), sample_interval=60)) as api:
+        headers = {"X-CSRF-Token": api.get("/api/csrf").json()["csrf_token"]}
+        for kind in ("dead", "scheduled"):
+            for name, value in BAD_TIMES:
+                if isinstance(value, str):
+                    r = api.get(f"/api/{kind}/search", params={name: value})
+                    assert r.status_code == 400, (kind, name, value, r.text)
+                    assert repr(name) in r.json()["error"], r.text
+                for action in ("retry", "delete"):
+                    r = api.post(f"/api/{kind}/search/{action}",  # Infinity for a float
+                                 content=json.dumps({name: value}),
+                                 headers={**headers, "Content-Type": "application/json"})
+                    assert r.status_code == 400, (kind, action, name, value, r.text)
+                    assert repr(name) in r.json()["error"], r.text
+            for cursor in ("nan:0", "-nan:3", "1_000:0", " 5:0", "x:0", "5:-1"):
+                r = api.get(f"/api/{kind}/search", params={"name": "x", "cursor": cursor})
+                assert r.status_code == 400, (kind, cursor, r.text)
+                assert "cursor" in r.json()["error"], r.text
+        # A cursor the server gave goes on as before.
+        assert api.get("/api/dead/search", params={"cursor": "17:0"}).status_code == 200
+    for args in (["dead", "ls", "--since", "inf"], ["dead", "rm", "--all", "--until", "1e306"],
+                 ["dead", "ls", "--cursor", "nan:0"]):
+        out = celery_cli("-A", "tests.apps.proj", "ext", *args, broker_url=broker_url)
+        assert out.returncode == 2, (args, out.returncode, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr
+        assert ("since" if "--since" in args else "until" if "--until" in args
+                else "cursor") in out.stderr, out.stderr

@@ -89,7 +89,7 @@ def test_a_limit_holds_cluster_wide_only_on_a_queue_of_its_own() -> None:
     assert limits.tasks == {"rates.own", "rates.routed"}
     assert limits.local == {"rates.shared": "celery"}  # shares "celery" with rates.other
 
-    @app.task(name="rates.bad", rate_limit="often")
+    @app.task(name="rates.bad", rate_limit="often", shared=False)  # not in later apps
     def bad() -> None: ...
 
     with pytest.raises(ValueError, match=r"task 'rates\.bad' has rate_limit='often'"):
@@ -249,3 +249,84 @@ def test_dashboard_api_sets_and_clears_a_rate_limit(redis_client: redis.Redis) -
         assert post(5).status_code == 400
         assert post(None).json() == {"name": "reports", "rate_limit": None}
         assert shown() is None
+
+
+# -- the accepted range (issue 27) ------------------------------------------------------
+#: Rates Celery parses that no queue can be held to: a wait longer than a day, or a
+#: job more often than one a microsecond.
+OUT_OF_RANGE = ("1e-300/s", "1e-13/s", "0.04/h", "2e6/s", "1.5e6/s", "1e400/s", 1e-9)
+
+
+def test_rates_outside_the_range_are_refused_naming_it() -> None:
+    for bad in OUT_OF_RANGE:
+        with pytest.raises(ValueError, match=r"from 1 job a day .* to 1,000,000/s"):
+            interval_us(bad)
+    assert interval_us("1000000/s") == 1
+    assert interval_us("0.042/h") == round(1_000_000 / (0.042 / 3600))
+    assert interval_us(1 / 86_400) == 86_400_000_000
+    app = Celery("ranges", set_as_current=False)
+
+    @app.task(name="slowest", rate_limit="1e-13/s", shared=False)
+    def slowest() -> None: ...
+
+    with pytest.raises(ValueError, match=r"task 'slowest' has rate_limit='1e-13/s'.*1 job a day"):
+        job_rate_limits(app)
+
+
+def test_cli_and_api_refuse_a_rate_outside_the_range(broker_url: str,
+                                                     redis_client: redis.Redis) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from starlette.testclient import TestClient
+
+    from celery_ext.admin.web import create_app
+
+    out = celery_cli("-A", "tests.apps.proj", "ext", "rate-limit", "reports", "1e-300/s",
+                     broker_url=broker_url)
+    assert out.returncode == 2 and "from 1 job a day" in out.stderr, out.stderr[-2000:]
+    with TestClient(create_app(Client(redis_client), sample_interval=60)) as api:
+        headers = {"X-CSRF-Token": api.get("/api/csrf").json()["csrf_token"]}
+        for rate in ("1e-300/s", "1e-13/s", "2e6/s"):
+            r = api.post("/api/queues/rate_limit", headers=headers,
+                         json={"name": "reports", "rate_limit": rate})
+            assert r.status_code == 400 and "from 1 job a day" in r.json()["error"], r.text
+    assert Client(redis_client).rate_limits() == {}
+
+
+def test_fetch_clamps_the_wait_of_a_limit_stored_out_of_range(redis_client: redis.Redis) -> None:
+    """A limit written before the range was checked (or by hand) still gives the pool a
+    wait it can sleep on: at most a day, never Redis's integer overflow."""
+    for i in range(2):
+        push(redis_client, "slow", json.dumps({"n": i}))
+    redis_client.hset(K.rate_limits, "slow", "1" + "0" * 306)
+    jobs, blocked, waits = fetch(redis_client, "slow")
+    assert len(jobs) == 1 and blocked == ["slow"]
+    assert 0 < waits["slow"] <= 86_400_000_000, waits
+    jobs, blocked, waits = fetch(redis_client, "slow")
+    assert jobs == [] and 0 < waits["slow"] <= 86_400_000_000, waits
+
+
+def test_remote_control_refuses_a_rate_outside_the_range_and_keeps_the_last(
+        proj_rate: Any, broker_url: str, redis_client: redis.Redis,
+        worker_factory: Factory) -> None:
+    """``celery control rate_limit`` with a rate out of range: the reply names the range,
+    the limit in Redis stays, and the worker takes later changes of any task (the
+    refused value is not left on the task to break every later reset)."""
+    start_workers(worker_factory, 1, app="tests.apps.proj_rate", pool="threads",
+                  concurrency=2)
+    client = Client(redis_client)
+    assert client.rate_limits() == {"rated": "20/s"}
+
+    def control(task: str, rate: str) -> str:
+        out = celery_cli("-A", "tests.apps.proj_rate", "control", "rate_limit", task, rate,
+                         broker_url=broker_url)
+        return str(out.stdout + out.stderr)
+
+    assert "1 job a day" in control("tests.apps.proj_rate.rated", "1e-13/s")
+    assert client.rate_limits() == {"rated": "20/s"}
+    assert "error" not in control("tests.apps.proj_rate.unrated", "3/s").lower()
+    limits = wait_for(lambda: (lambda got: got if len(got) == 2 else None)(
+        client.rate_limits()), 10, "the other task's limit")
+    assert limits["rated"] == "20/s" and sorted(limits.values()) == ["20/s", "3/s"], limits

@@ -272,6 +272,32 @@ def test_security(ext_client: Client) -> None:
         assert "access-control-allow-origin" not in r.headers
 
 
+def test_non_ascii_credentials_are_refused_like_any_wrong_one(ext_client: Client) -> None:
+    with TestClient(create_app(ext_client, token="s3cret", basic_auth="admin:pw")) as tc:
+        for user, password in (("é", "pw"), ("admin", "pé"), ("€", "€")):
+            auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+            r = tc.get("/api/queues", headers={"Authorization": auth})
+            assert r.status_code == 401, (user, password, r.text)
+        r = tc.get("/queues?token=%C3%A9", follow_redirects=False)
+        assert r.status_code == 401, r.text
+        r = tc.get("/api/queues", headers={"Authorization": "Bearer s3cr\u00e9t".encode(
+            "latin-1")})
+        assert r.status_code == 401, r.text
+        r = tc.get("/api/queues", headers={"Cookie": "celery_ext_auth=\u00e9".encode()})
+        assert r.status_code == 401, r.text
+        # Signed in, a non-ASCII CSRF token is a wrong one: 403.
+        auth = "Basic " + base64.b64encode(b"admin:pw").decode()
+        r = tc.post("/api/queues/pause", json={"name": "q1"},
+                    headers={"Authorization": auth, "X-CSRF-Token": "\u00e9".encode("latin-1")})
+        assert r.status_code == 403, r.text
+    # A non-ASCII secret works as given (user and password are UTF-8 in basic auth).
+    with TestClient(create_app(ext_client, basic_auth="jos\u00e9:p\u00e4ss")) as tc:
+        auth = "Basic " + base64.b64encode("jos\u00e9:p\u00e4ss".encode()).decode()
+        assert tc.get("/api/queues", headers={"Authorization": auth}).status_code == 200
+        auth = "Basic " + base64.b64encode("jos\u00e9:pass".encode()).decode()
+        assert tc.get("/api/queues", headers={"Authorization": auth}).status_code == 401
+
+
 def test_redis_down_is_a_503(tmp_path: Path) -> None:
     down = Client(redis.Redis(port=1, socket_connect_timeout=0.5), Settings())
     with TestClient(create_app(down)) as tc:

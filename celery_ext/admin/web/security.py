@@ -48,6 +48,13 @@ def is_loopback(host: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
+def _same_secret(given: str, expected: str) -> bool:
+    """Constant-time comparison of two texts as UTF-8 (``hmac.compare_digest`` refuses
+    ``str`` with non-ASCII characters: a credential like "é" would be a 500, not a 401)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                               expected.encode("utf-8", "surrogateescape"))
+
+
 def _token_digest(token: str) -> str:
     return hashlib.sha256(b"celery-ext-web:" + token.encode()).hexdigest()
 
@@ -96,7 +103,7 @@ class Guard:
         if not self.token:
             return False
         scheme, _, value = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip(), self.token)
+        return scheme.lower() == "bearer" and _same_secret(value.strip(), self.token)
 
     def _basic_ok(self, headers: Headers) -> bool:
         if not self.basic:
@@ -108,13 +115,12 @@ class Guard:
             user, _, password = base64.b64decode(value.strip()).decode().partition(":")
         except (binascii.Error, UnicodeDecodeError):
             return False
-        return (hmac.compare_digest(user, self.basic[0])
-                & hmac.compare_digest(password, self.basic[1]))
+        return _same_secret(user, self.basic[0]) & _same_secret(password, self.basic[1])
 
     def _cookie_ok(self, cookies: dict[str, str]) -> bool:
         value = cookies.get(AUTH_COOKIE)
         return bool(self.token_digest and value
-                    and hmac.compare_digest(value, self.token_digest))
+                    and _same_secret(value, self.token_digest))
 
     def _same_origin(self, scope: Scope, headers: Headers) -> bool:
         origin = headers.get("origin")
@@ -149,7 +155,7 @@ class Guard:
             query = dict(parse_qsl(scope.get("query_string", b"").decode()))
             given = query.pop("token", None)
             if (given and self.token and method == "GET"
-                    and hmac.compare_digest(given, self.token)):
+                    and _same_secret(given, self.token)):
                 target = path + ("?" + urlencode(query) if query else "")
                 response: Response = RedirectResponse(target, status_code=303)
                 response.headers.append(
@@ -174,7 +180,7 @@ class Guard:
                 await JSONResponse({"error": "cross-origin request refused"}, 403)(
                     scope, receive, send)
                 return
-            if not sent or not cookies.get(CSRF_COOKIE) or not hmac.compare_digest(
+            if not sent or not cookies.get(CSRF_COOKIE) or not _same_secret(
                     sent, cookies[CSRF_COOKIE]):
                 await JSONResponse({"error": "missing or wrong CSRF token"}, 403)(
                     scope, receive, send)

@@ -42,7 +42,9 @@
 -- (GCRA, Redis TIME): each job fetched pushes that time one interval past the later of
 -- itself and now, so no two jobs are fetched less than an interval apart in all pools.
 -- A queue not due yet is skipped, reported as blocked, counted in the stats, and its
--- wait returned, so the pool sleeps until then instead of polling.
+-- wait returned, so the pool sleeps until then instead of polling. A wait is at most
+-- MAX_WAIT_US (one day, the longest interval rate_limits.py accepts): an interval
+-- stored out of that range would otherwise overflow the integer reply.
 -- Fair shares (include/fair.lua, fair.py): when a candidate's level lists are empty, its keyed
 -- jobs are served one key per pop, in the order of its ring of active keys, which each
 -- pop rotates (LMOVE head to tail): a key with 10,000 jobs and a key with one get one
@@ -59,6 +61,7 @@
 -- or not due; waits = {{queue name, µs until its next job is due}, ...}.
 local TAG_WINDOW = 1024
 local FAIR_TRIES = 8
+local MAX_WAIT_US = 86400000000
 local NFIXED = 12
 local flags = ARGV[2]
 local ncand = #flags
@@ -175,7 +178,7 @@ for i = 1, ncand do
     tat[qname] = tat[qname] or tonumber(redis.call('HGET', KEYS[10], qname) or 0)
     if tat[qname] > now_us then
       skip[qname] = true
-      waits[#waits + 1] = {qname, tat[qname] - now_us}
+      waits[#waits + 1] = {qname, math.min(tat[qname] - now_us, MAX_WAIT_US)}
       redis.call('HINCRBY', KEYS[11], 'rate_limited', 1)
       redis.call('HINCRBY', KEYS[11], 'rate_limited:' .. qname, 1)
     end
@@ -246,7 +249,7 @@ for i = 1, ncand do
       elseif interval[qname] then
         skip[qname] = 'reported'
         blocked[#blocked + 1] = qname
-        waits[#waits + 1] = {qname, tat[qname] - now_us}
+        waits[#waits + 1] = {qname, math.min(tat[qname] - now_us, MAX_WAIT_US)}
       end
     end
   end

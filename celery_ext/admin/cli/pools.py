@@ -1,0 +1,89 @@
+"""Worker pools and the jobs they run: pools, busy workers, one job's status, asking a
+job to stop, and a reaper pass."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from celery_ext.admin.cli.command import ClientGetter, Output, Table, command
+from celery_ext.admin.cli.render import age, cell
+
+
+def pool_table(items: list[Any]) -> Table:
+    return Table(["POOL", "NODE", "PID", "TYPE", "STATE", "HEARTBEAT", "IN FLIGHT", "QUEUES"],
+                 [[p["pool_id"], p["node"], p["pid"], f"{p['pool_type']} x{p['concurrency']}",
+                   p["state"], age(p["heartbeat_age"]), p["in_flight"], len(p["queues"])]
+                  for p in items], "no worker pools")
+
+
+def busy_table(items: list[Any]) -> Table:
+    now = time.time()
+    return Table(
+        ["JOB ID", "JOB", "ARGS", "RUNNING", "PROGRESS", "CHECKIN", "STATE"],
+        [[b["job_id"], b["job_name"], b["args"], age(now - b["started_at"]),
+          f"{b['progress'] * 100:.0f}%" if b["progress"] is not None else "-",
+          b["checkin_message"],
+          "stop requested" if b["stop_requested"] else "stalled" if b["stalled"] else "running"]
+         for b in items], "no busy workers")
+
+
+@command("pools")
+def pools(client: ClientGetter) -> Output:
+    """Worker pools: host, pid, concurrency, heartbeat age, state."""
+    items = client().worker_pools()
+    return Output(items, [pool_table(items)])
+
+
+@command("busy")
+def busy(client: ClientGetter) -> Output:
+    """Busy workers: the jobs running now, with checkin progress."""
+    items = client().busy_workers()
+    return Output(items, [busy_table(items)])
+
+
+@command("stop", json_option=False)
+@click.argument("job_id")
+def stop(client: ClientGetter, job_id: str) -> str:
+    """Ask a running job to stop: its next checkin returns True."""
+    client().request_stop(job_id)
+    return f"asked job {job_id} to stop"
+
+
+@command("job")
+@click.argument("job_id")
+def job(client: ClientGetter, job_id: str) -> Output:
+    """One job's status by id (queued, scheduled, running, succeeded, failed, dead...)."""
+    st = client().job(job_id)
+    return Output(st, [f"{key:15} {cell(value, 200)}" for key, value in st.items()
+                       if value not in (None, False, "")])
+
+
+@command("reap")
+@click.option("--force", is_flag=True,
+              help="Reap every pool whose heartbeat is old now, without first watching "
+                   "Redis answer steadily. Right after a Redis outage or stall longer than "
+                   "dead_after this declares LIVE pools dead: their running jobs run twice.")
+def reap(client: ClientGetter, force: bool) -> Output:
+    """Run one reaper pass now: requeue the jobs of dead worker pools.
+
+    Each pool is judged by its own dead_after. Pools that look dead are first watched
+    for two of their heartbeat intervals and a second (seconds with the defaults), so
+    a Redis outage or stall is not taken for their death."""
+    result = client().reap(force=force)
+    text: list[str | Table] = []
+    if result.watched:
+        text.append(f"watched Redis answer steadily for {result.watched:.1f}s")
+    if result.skipped:
+        text.append(f"skipped: {result.skipped}")
+    if result or not result.skipped:
+        text.append(f"reaped {len(result.dead_pools)} dead pool(s): {len(result.requeued)} "
+                    f"job(s) requeued, {len(result.dead_jobs)} to the dead set")
+    return Output({"dead_pools": result.dead_pools, "requeued": result.requeued,
+                   "dead_jobs": result.dead_jobs, "skipped": result.skipped,
+                   "waiting": result.waiting, "watched": result.watched}, text)
+
+
+COMMANDS = [pools, busy, stop, job, reap]
