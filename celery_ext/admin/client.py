@@ -810,7 +810,7 @@ from celery_ext.admin.job_status import JobLookup, JobStatus  # noqa: E402
 from celery_ext.admin.search import Filters, SetSearch, parse_cursor  # noqa: E402
 from celery_ext.store.clock import now_s  # noqa: E402
 from celery_ext.store.history import HistoryReader, Runtime, Series  # noqa: E402
-from celery_ext.worker.periodic import PeriodicEntry, entry_rows, run_now, set_paused  # noqa: E402
+from celery_ext.worker.periodic_leader import PeriodicEntry, entry_rows, run_now, set_paused  # noqa: E402
 from celery_ext.worker.reaper import Reaper, ReapResult  # noqa: E402
 
 

@@ -97,7 +97,7 @@ from celery_ext.producer.scheduled import eta_delay_ms, retries_of, schedule, sc
 from celery_ext.store import scripts as _scripts
 from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import STAT_UNIQUE_HITS, Keys
-from celery_ext.worker.periodic import PeriodicRun, current_run, write_run_on_cluster
+from celery_ext.worker.periodic_leader import PeriodicRun, current_run, write_run_on_cluster
 
 #: Cluster: seconds between two additions of one job queue to the home registry by
 #: one producer process (the registry is a hint; readers never forget a cluster's).

@@ -47,7 +47,7 @@ from celery_ext.store.history import HistoryWriter, sample_queues
 from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
-from celery_ext.worker.periodic import Periodic
+from celery_ext.worker.periodic_leader import Periodic
 
 logger = logging.getLogger("celery_ext.worker.requeuer")
 

@@ -53,7 +53,7 @@ from celery_ext.worker.acks import AckSender, SyncAcks
 from celery_ext.worker.heartbeater import Heartbeater, current_pool_id
 from celery_ext.worker.inflight import InflightRecord, recover_tags
 from celery_ext.worker.observer import flush_observers
-from celery_ext.worker.periodic import Periodic
+from celery_ext.worker.periodic_leader import Periodic
 from celery_ext.worker.reaper import Reaper
 from celery_ext.worker.requeuer import Requeuer
 

@@ -27,7 +27,7 @@ from celery_ext.store.copies import copies, known_queues
 from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.keys import Keys
 from celery_ext.testing.server import ClusterGroup
-from celery_ext.worker.periodic import PeriodicRun, run_id, run_marker, write_run_on_cluster
+from celery_ext.worker.periodic_leader import PeriodicRun, run_id, run_marker, write_run_on_cluster
 from celery_ext.worker.reaper import Reaper
 from celery_ext.worker.requeuer import Requeuer
 from tests.helpers import celery_cli, message

@@ -25,7 +25,7 @@ from celery_ext.client import Client
 from celery_ext.config import Settings
 from celery_ext.store.clock import now_ms
 from celery_ext.store.keys import Keys
-from celery_ext.worker.periodic import Periodic, Step, due_times, next_due_ms, plan, run_id
+from celery_ext.worker.periodic_leader import Periodic, Step, due_times, next_due_ms, plan, run_id
 from tests.apps import proj
 from tests.helpers import Factory, Mode, celery_cli, start_workers, wait_for
 

@@ -64,7 +64,7 @@ from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
 from celery_ext.text import one_line
 
-logger = logging.getLogger("celery_ext.worker.periodic")
+logger = logging.getLogger("celery_ext.worker.periodic_leader")
 
 #: Message header naming the entry a run belongs to.
 HEADER = "celery_ext_periodic"
