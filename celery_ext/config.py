@@ -68,7 +68,7 @@ DEFAULT_PUBLISH_IDEMPOTENCY_TTL = 120.0
 #: requeuer; the plots keep the last sample of each minute and hour).
 DEFAULT_HISTORY_SAMPLE_INTERVAL = 60.0
 #: Whether worker pools run the app's ``beat_schedule`` (the requeuer's leader
-#: enqueues each due run; see ``periodic.py``). Only matters when there is one.
+#: enqueues each due run; see ``worker/periodic_leader.py``). Only matters when there is one.
 DEFAULT_PERIODIC = True
 #: A periodic run late by at most this many seconds (a leader failover, a slow pass)
 #: is still enqueued for its own due time; runs older than this are *missed*.

@@ -588,7 +588,7 @@ def periodic_resume(ctx: click.Context, name: str) -> None:
 @_friendly
 def periodic_run_now(ctx: click.Context, name: str) -> None:
     """Enqueue one run of an entry now, outside its schedule (also when paused)."""
-    from celery_ext.worker.periodic_leader import PeriodicError
+    from celery_ext.producer.periodic_run import PeriodicError
 
     try:
         job_id = _client(ctx).run_periodic_now(name)

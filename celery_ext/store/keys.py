@@ -87,7 +87,7 @@ Layout (``ns`` = namespace)::
                                      Kombu's retry of that publish writes nothing. <id>: one
                                      per publish call and job queue (``producer.publish_marker``);
                                      on a cluster also "periodic:<run's job id>", one per
-                                     periodic entry and due time (``periodic.run_marker``)
+                                     periodic entry and due time (``periodic_run.run_marker``)
     {ns}:history:m:<minute>  hash    job counts, runtime histograms ("*", "n:<job name>") and a
                                      queue-size sample ("q") of one minute (ms // 60000);
                                      expires 24 h after it (see history.py)
@@ -101,10 +101,11 @@ Layout (``ns`` = namespace)::
     {ns}:_kombu.binding_deadlines
                              Kombu's binding tables, on a cluster only (Kombu's own
                              names, without a tag, on one node)
-    {ns}:periodic            set     names of the periodic job entries (the leader's beat_schedule)
+    {ns}:periodic            set     names of the periodic job entries (the leader's beat_schedule;
+                                     worker/periodic_leader.py)
     {ns}:periodic:<name>     hash    one entry's state: next_due, last_due, last_run_at (ms),
                                      last_job_id, runs, missed, paused, outcome (+ its
-                                     outcome_job_id), error, task, schedule, spec (periodic.py)
+                                     outcome_job_id), error, task, schedule, spec
 """
 
 from __future__ import annotations

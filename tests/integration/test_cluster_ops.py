@@ -22,12 +22,12 @@ from celery_ext.admin.search import Filters
 from celery_ext.admin.web import create_app
 from celery_ext.client import Client
 from celery_ext.options.limits import write_limits
+from celery_ext.producer.periodic_run import PeriodicRun, run_id, run_marker, write_run_on_cluster
 from celery_ext.producer.scheduled import schedule_args
 from celery_ext.store.copies import copies, known_queues
 from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.keys import Keys
 from celery_ext.testing.server import ClusterGroup
-from celery_ext.worker.periodic_leader import PeriodicRun, run_id, run_marker, write_run_on_cluster
 from celery_ext.worker.reaper import Reaper
 from celery_ext.worker.requeuer import Requeuer
 from tests.helpers import celery_cli, message

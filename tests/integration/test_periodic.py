@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -23,9 +25,11 @@ from celery.schedules import crontab, schedule
 
 from celery_ext.client import Client
 from celery_ext.config import Settings
+from celery_ext.options.periodic_schedule import Step, due_times, next_due_ms, plan
+from celery_ext.producer.periodic_run import run_id
 from celery_ext.store.clock import now_ms
 from celery_ext.store.keys import Keys
-from celery_ext.worker.periodic_leader import Periodic, Step, due_times, next_due_ms, plan, run_id
+from celery_ext.worker.periodic_leader import Periodic
 from tests.apps import proj
 from tests.helpers import Factory, Mode, celery_cli, start_workers, wait_for
 
@@ -278,3 +282,26 @@ def test_dashboard_page_and_api(app: Any, redis_server: Any, redis_client: redis
         r = tc.post("/api/periodic/run", json={"name": "nope"}, headers=token)
         assert r.status_code == 404
     client.client.close()
+
+
+def test_periodic_signals_connect_when_the_transport_starts_not_at_import(
+        broker_url: str) -> None:
+    """Importing the package connects no signal; the transport's start (a worker's main
+    process before it forks, ``celery beat`` before ``beat_init``) connects the outcome
+    recorder and the beat warning, once however often it starts."""
+    code = f"""
+import celery_ext, celery_ext.transport, celery_ext.worker.periodic_leader as p
+from celery.signals import beat_init, task_postrun
+from kombu import Connection
+def count():
+    return (sum(r[1] is p._record_outcome for r in task_postrun.receivers),
+            sum(r[1] is p._warn_beat for r in beat_init.receivers))
+print(count())
+for _ in range(2):
+    Connection({broker_url!r}).transport
+print(count())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["(0,", "0)", "(1,", "1)"]
