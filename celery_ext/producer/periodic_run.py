@@ -34,6 +34,10 @@ from celery_ext.store.scripts import Scripts
 HEADER = "celery_ext_periodic"
 #: Message header holding the run's due time (ms, Redis clock); absent on a run-now.
 DUE_HEADER = "celery_ext_due"
+#: How long (ms) a job queue's copy remembers the latest due time of an entry pushed
+#: into it (cluster; refreshed by each run): a leader stalled between its check of the
+#: entry and its push for longer than this could push that due time again.
+RUN_RECORD_TTL_MS = 7 * 24 * 3600 * 1000
 #: A run's Celery end state -> the outcome recorded on its entry.
 OUTCOMES = {"SUCCESS": "success", "FAILURE": "failure", "RETRY": "retry"}
 
@@ -123,11 +127,14 @@ def write_run_on_cluster(client: Any, scripts: Scripts, keys: Keys, queue: str,
                          marker_ttl_ms: int, run: PeriodicRun) -> int:
     """A run of a periodic job on a cluster, where the entry (home copy) and the job
     queue (its own copy) are in different slots, so one script cannot check the entry
-    and push: first the run is enqueued in the queue's copy under the publish marker
-    of (entry, due time) (``enqueue.lua``: a second enqueue of it is a no-op), then
-    ``periodic_run.lua`` on the home copy records it and moves ``next_due`` on only if
-    it still holds the due time. A leader that dies in between leaves the due time
-    to the next leader, whose enqueue the marker makes a no-op: still exactly once.
+    and push: first the run is enqueued in the queue's copy, where ``enqueue.lua``
+    pushes it only if the copy's run record of the entry (``periodic_pushed``, the
+    latest due time pushed) is older, and records it in the same call; then
+    ``periodic_run.lua`` on the home copy records the run and moves ``next_due`` on only
+    if it still holds the due time. A leader that dies in between leaves the due time to
+    the next leader, and a leader stalled between its check and its push finds the due
+    time taken: the record makes either push a no-op, whatever the publish marker's
+    life (``publish_idempotency_ttl``, 0 = off): still exactly once.
 
     ``queue_keys``/``queue_args``: KEYS[1..3] and ARGV[1..4] of ``enqueue.lua`` in the
     queue's copy (the producer's). Returns the outcome as ``periodic_run.lua`` gives it.
@@ -140,10 +147,13 @@ def write_run_on_cluster(client: Any, scripts: Scripts, keys: Keys, queue: str,
         if state[1] == b"1":  # paused: the due time passes without a run
             return int(scripts("periodic_run", [home.periodic_entry(run.entry)],
                                [*run.script_args(), "", "", "", 0, ""]))
+    record_keys, record_args = ([copy.periodic_pushed(run.entry)],
+                                [run.due_ms, RUN_RECORD_TTL_MS]) if run.expected_ms is not None \
+        else ([], [])
     pushed = int(scripts("enqueue", [*queue_keys, copy.job_index, copy.job_index_done,
-                                     copy.published(run_marker(run))],
-                         [*queue_args, index_ttl_ms, max(1, marker_ttl_ms)]))
-    if pushed > 0:  # the home hints beside the copy's (a marker hit pushed nothing)
+                                     copy.published(run_marker(run)), *record_keys],
+                         [*queue_args, index_ttl_ms, max(1, marker_ttl_ms), *record_args]))
+    if pushed > 0:  # the home hints beside the copy's (a marker or record hit pushed nothing)
         client.sadd(home.queues, queue)
         if pushed == 1:
             client.sadd(home.ready, queue)

@@ -106,6 +106,11 @@ Layout (``ns`` = namespace)::
     {ns}:periodic:<name>     hash    one entry's state: next_due, last_due, last_run_at (ms),
                                      last_job_id, runs, missed, paused, outcome (+ its
                                      outcome_job_id), error, task, schedule, spec
+    {ns}:periodic_pushed:<name>
+                             string  cluster, in a job queue's copy: the latest due time (ms)
+                                     of entry <name> pushed into that queue; enqueue.lua
+                                     pushes no run of that due time or an earlier one again
+                                     (producer/periodic_run.py)
 """
 
 from __future__ import annotations
@@ -352,6 +357,10 @@ class Keys:
 
     def periodic_entry(self, name: str) -> str:
         return f"{self.prefix}periodic:{name}"
+
+    def periodic_pushed(self, name: str) -> str:
+        """A job queue's copy's record of the entry's latest due time pushed (cluster)."""
+        return f"{self.prefix}periodic_pushed:{name}"
 
 
 @lru_cache(maxsize=4096)
