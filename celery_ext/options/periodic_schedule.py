@@ -93,17 +93,25 @@ class Step:
 
 def plan(dues: list[int], following: int, now_ms: int, grace_ms: int, policy: str,
          paused: bool = False) -> list[Step]:
-    """What to do about the pending due times ``dues`` (oldest first) of one entry."""
+    """What to do about the pending due times ``dues`` (oldest first, all come) of one
+    entry. A due time is *missed* when a later one has come too (a leader failover,
+    every pool down, a pass slower than the period) or when it is more than ``grace_ms``
+    late; the policy (``periodic_missed``) decides what missed due times get: ``once``
+    one run for all of them (for the latest due time), ``skip`` none, ``all`` one each.
+    A due time that is not missed has its own run."""
     if not dues:
         return []
+    latest = dues[-1]
     if paused:
-        return [Step(dues[0], dues[-1], following, len(dues), False)]
-    if now_ms - dues[0] <= grace_ms or policy == "all":
+        return [Step(dues[0], latest, following, len(dues), False)]
+    on_time = now_ms - latest <= grace_ms
+    if policy == "all" or (len(dues) == 1 and on_time):
         nexts = [*dues[1:], following]
         return [Step(d, d, n, 0, True) for d, n in zip(dues, nexts, strict=True)]
-    if policy == "skip":
-        return [Step(dues[0], dues[-1], following, len(dues), False)]
-    return [Step(dues[0], dues[-1], following, len(dues) - 1, True)]  # "once"
+    if policy == "skip" and not on_time:
+        return [Step(dues[0], latest, following, len(dues), False)]
+    # "once": one run stands for them all; "skip": the latest, on time, runs on its own.
+    return [Step(dues[0], latest, following, len(dues) - 1, True)]
 
 
 def describe(sched: Any) -> str:
@@ -117,7 +125,9 @@ def describe(sched: Any) -> str:
     return repr(sched)
 
 
-def spec(entry: ScheduleEntry) -> str:
-    """What makes an entry's due times: when it changes, next_due is computed anew."""
-    return f"{entry.task} {entry.schedule!r}"
+def spec(entry: ScheduleEntry, tz: Any) -> str:
+    """What makes an entry's due times: its task, its schedule and the app's time zone
+    (a crontab's hours are the zone's). When it changes, next_due is computed anew; pools
+    whose apps have different time zones see each other's due times as changed."""
+    return f"{entry.task} {entry.schedule!r} {tz}"
 

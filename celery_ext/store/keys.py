@@ -106,6 +106,9 @@ Layout (``ns`` = namespace)::
     {ns}:periodic:<name>     hash    one entry's state: next_due, last_due, last_run_at (ms),
                                      last_job_id, runs, missed, paused, outcome (+ its
                                      outcome_job_id), error, task, schedule, spec
+    {ns}:periodic_leader     string  id of the pool that enqueues the periodic jobs (a lease
+                                     living the holder's dead_after; periodic_leader.py)
+    {ns}:periodic_handover   channel published when the periodic leader gives up its lease
     {ns}:periodic_pushed:<name>
                              string  cluster, in a job queue's copy: the latest due time (ms)
                                      of entry <name> pushed into that queue; enqueue.lua
@@ -357,6 +360,14 @@ class Keys:
 
     def periodic_entry(self, name: str) -> str:
         return f"{self.prefix}periodic:{name}"
+
+    @property
+    def periodic_leader(self) -> str:
+        return self.prefix + "periodic_leader"
+
+    @property
+    def periodic_handover(self) -> str:
+        return "{" + self.namespace + "}:periodic_handover"  # a channel: always the home's
 
     def periodic_pushed(self, name: str) -> str:
         """A job queue's copy's record of the entry's latest due time pushed (cluster)."""

@@ -1,46 +1,50 @@
 """Periodic jobs: the app's ``beat_schedule`` run by the worker pools, no ``celery beat``.
 
 Every worker pool whose app has a ``beat_schedule`` (and the setting ``periodic`` not
-turned off) gives its requeuer a :class:`Periodic`. Only the requeuer that holds the
-``{ns}:requeuer`` lease (the leader, see ``requeuer.py``) calls :meth:`Periodic.tick`;
-when it dies another pool takes the lease within ``promote_interval + 1 s`` plus one
-follower pass, and carries on from the state in Redis. Nothing here keeps time on a
-host: "now" is Redis ``TIME``, and due times are computed by the entry's own Celery
-schedule (``crontab``, ``schedule``/timedelta/number, ``solar``) asked what comes after
-a given moment, with that moment as its "now".
+turned off) runs a :class:`PeriodicLeader` thread. The one whose pool holds the lease
+``{ns}:periodic_leader`` runs :meth:`Periodic.tick`: it enqueues each due run and sleeps
+until the next due time. The lease lives the holder's own ``dead_after`` and the holder
+renews it at least every ``heartbeat_interval``; the others wait until it may run out
+(its ``PTTL``), so when the leading pool dies (SIGKILL, lost host) another takes over
+within the dead pool's ``dead_after``, the same time after which the reaper calls it
+dead; a pool that stops cleanly gives the lease up and wakes the others at once
+(``{ns}:periodic_handover``). The new leader carries on from the state in Redis. Nothing
+here keeps time on a host: "now" is Redis ``TIME``; due times are the entry's Celery
+schedule asked what comes after a given moment (``options/periodic_schedule.py``).
 
 Exactly once per due time
 -------------------------
 Each entry has a state hash ``{ns}:periodic:<name>`` whose ``next_due`` field is the
 first due time not yet enqueued. A run is published through Celery (celery.beat's own
 ``Scheduler.apply_async``: the entry's args, kwargs and options) with a deterministic
-job id per (namespace, entry, due time) and a :class:`PeriodicRun` in a context
-variable; the producer (``producer.Enqueuer``) sees it and writes the job with the
-``periodic_run`` script instead of a plain enqueue. The script pushes only if
-``next_due`` still holds the due time this run was planned from, and moves it on in
-the same call: two leaders (a slow one and its successor) or a publish that Kombu
-retries after a lost reply enqueue it once. A run whose job id was already recorded
-answers "done" (the retry of a publish whose write landed).
+job id per (namespace, entry, due time); the producer writes it with a script that
+pushes only if ``next_due`` still holds the due time this run was planned from, and
+moves it on in the same call (``producer/periodic_run.py``; on a cluster, two steps
+that a run record in the job queue's copy keeps exactly once). Two leaders (a stalled
+one and its successor) or a publish that Kombu retries after a lost reply enqueue a
+due time once.
 
 Late and missed runs
 --------------------
-Due times at most ``periodic_grace`` late (a failover, a slow pass) are each enqueued
-for their own due time. When the oldest pending due time is older than that (every
-pool was down), the due times are *missed* and ``periodic_missed`` decides: ``once``
-(default, like ``celery beat`` after a restart) enqueues one run for all of them,
-``skip`` none, ``all`` one per due time. A paused entry's due times pass without runs.
+A due time is *missed* when a later due time of its entry has come as well before a
+leader enqueues it (a failover, every pool down, a pass slower than the period), or
+when it is more than ``periodic_grace`` late. ``periodic_missed`` decides what missed
+due times get: ``once`` (default, as ``celery beat`` does) one run for all of them,
+``skip`` none (the latest due time still runs if it is at most ``periodic_grace`` late),
+``all`` one each. A paused entry's due times pass without runs.
 
 Outcomes
 --------
-A run carries the headers :data:`HEADER` (entry name) and :data:`DUE_HEADER`; when
-it ends, the process that ran it records success, failure or retry on the entry
-(``task_postrun``). Readers fall back to the result backend for a run with no
-recorded outcome (``admin/periodic_entries.py``).
+A run carries the headers ``celery_ext_periodic`` (entry name) and ``celery_ext_due``;
+when it ends, the process that ran it records success, failure or retry on the entry
+(``task_postrun``, :func:`connect_signals`). Readers fall back to the result backend
+for a run with no recorded outcome (``admin/periodic_entries.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -76,11 +80,16 @@ logger = logging.getLogger("celery_ext.worker.periodic_leader")
 #: A state hash of an entry no longer in the schedule is kept this long (ms), so a
 #: rolling deploy that drops and re-adds it keeps its pause flag and history.
 STALE_STATE_TTL_MS = 7 * 24 * 3600 * 1000
+#: Slowest the leader thread reacts to stop() while it waits.
+_STOP_POLL = 0.25
+#: A pool waiting for another's lease asks again this long (s) after it may have run
+#: out (the holder's renewal and this pool's clock need not agree to the millisecond).
+LEASE_SLACK = 0.01
 
 
 # -- the leader's part -----------------------------------------------------------------------
 class Periodic:
-    """Runs one app's ``beat_schedule`` from the requeuer that holds the lease."""
+    """Runs one app's ``beat_schedule`` while its :class:`PeriodicLeader` leads."""
 
     def __init__(self, app: Any, client: redis.Redis, settings: Settings,
                  entries: dict[str, ScheduleEntry] | None = None) -> None:
@@ -121,7 +130,7 @@ class Periodic:
         for name in names:
             entry = self.entries[name]
             first = next_due_ms(entry.schedule, now_ms, self.tz)
-            args += [name, spec(entry), first, entry.task, describe(entry.schedule)]
+            args += [name, spec(entry, self.tz), first, entry.task, describe(entry.schedule)]
         self.scripts("periodic_sync",
                      [k.periodic, *(k.periodic_entry(n) for n in names),
                       *(k.periodic_entry(n) for n in stale)],
@@ -129,10 +138,10 @@ class Periodic:
         self.synced = True
 
     def tick(self) -> float:
-        """The leader's call after each requeuer pass: :meth:`run_due` when the next due
-        time has come. Returns seconds until it wants to be called again. Redis errors
-        propagate (the requeuer retries); any other error is logged, never raised, so
-        the requeuer keeps promoting."""
+        """The leader's call each time it wakes: :meth:`run_due` when the next due time
+        has come. Returns seconds until it wants to be called again. Redis errors
+        propagate (the leader thread retries); any other error is logged, never raised,
+        so the leader keeps its lease."""
         left = self._wake_at - time.monotonic()
         if self.synced and left > 0:
             return left
@@ -150,7 +159,7 @@ class Periodic:
         """One pass: enqueue every due run. Returns seconds until the next due time
         (at most ``promote_interval``: paused and resumed entries are seen by then)."""
         now, rows = self._read()
-        if not self.synced or any(r[0] is None or r[1] != spec(self.entries[n])
+        if not self.synced or any(r[0] is None or r[1] != spec(self.entries[n], self.tz)
                                   for n, r in rows.items()):
             if not self.synced:
                 logger.info("celery_ext: this worker pool leads: it enqueues the periodic jobs")
@@ -214,6 +223,119 @@ class Periodic:
                                 [*run.script_args(), "", "", "", 0, one_line(error, 500)]))
 
 
+class PeriodicLeader:
+    """The thread that runs :class:`Periodic` while this pool holds the periodic lease
+    (``start()``/``stop()`` around the one-shot :meth:`step`; owned by the
+    ``WorkerPool``)."""
+
+    def __init__(self, periodic: Periodic, pool_id: str) -> None:
+        self.periodic = periodic
+        self.client: Any = periodic.client
+        self.settings = periodic.settings
+        self.keys = periodic.keys
+        self.scripts = periodic.scripts
+        self.pool_id = pool_id
+        #: The lease's life: this pool's dead_after, as the reaper judges the pool by.
+        self.lease_ms = int(self.settings.dead_after * 1000)
+        self.leader = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    def hold(self) -> tuple[bool, float]:
+        """Take the lease if it is free, renew it if this pool holds it. Returns (leads,
+        seconds until another pool's lease may run out)."""
+        leads, left_ms = self.scripts("periodic_lease", [self.keys.periodic_leader],
+                                      [self.pool_id, "hold", self.lease_ms, ""])
+        return bool(int(leads)), max(0, int(left_ms)) / 1000
+
+    def step(self) -> float:
+        """One round: hold the lease; while leading, :meth:`Periodic.tick`. Returns how
+        long to wait before the next round: until the next due time, but at most a
+        heartbeat interval (the lease is renewed well within its life) while leading;
+        until the holder's lease may run out while not."""
+        leads, left = self.hold()
+        if not leads:
+            if self.leader:
+                logger.info("celery_ext: another worker pool leads the periodic jobs now")
+            self.leader = False
+            self.periodic.synced = False  # it syncs again when it leads again
+            return left + LEASE_SLACK
+        self.leader = True
+        return min(self.periodic.tick(), self.settings.heartbeat_interval)
+
+    def release(self) -> None:
+        """Give up the lease (if held) and wake the other pools to take it."""
+        if not self.leader:
+            return
+        self.leader = False
+        self.scripts("periodic_lease", [self.keys.periodic_leader],
+                     [self.pool_id, "release", "", self.keys.periodic_handover])
+
+    # -- loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        pubsub: Any = None
+        while not self._stop.is_set():
+            try:
+                if pubsub is None:  # before the round: a handover meanwhile still wakes us
+                    pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                    pubsub.subscribe(self.keys.periodic_handover)
+                wait = self.step()
+                if self._failing:
+                    logger.info("celery_ext: periodic jobs leader reached Redis again")
+                    self._failing = False
+            except redis.RedisError as exc:
+                if not self._failing:
+                    logger.error("celery_ext: periodic jobs leader cannot reach Redis: %s "
+                                 "(will retry)", exc)
+                    self._failing = True
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:
+                        logger.debug("celery_ext: closing the handover listener failed",
+                                     exc_info=True)
+                    pubsub = None
+                self._stop.wait(min(self.settings.heartbeat_interval, 1.0))
+                continue
+            except Exception:
+                logger.exception("celery_ext: periodic jobs leader round failed (retried)")
+                wait = self.settings.heartbeat_interval
+            self._sleep(pubsub, wait)
+        if pubsub is not None:
+            pubsub.close()
+
+    def _sleep(self, pubsub: Any, seconds: float) -> None:
+        """Wait ``seconds``, or until a leader hands over (pub/sub), or stop()."""
+        deadline = time.monotonic() + seconds
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if pubsub is not None and pubsub.get_message(timeout=min(left, _STOP_POLL)):
+                return
+            if pubsub is None:
+                self._stop.wait(min(left, _STOP_POLL))
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="celery_ext-periodic",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        try:
+            self.release()
+        except redis.RedisError as exc:
+            logger.warning("celery_ext: could not hand over the periodic jobs: %s", exc)
+
+
 # -- signals: outcomes, and a warning for celery beat ----------------------------------------
 def _record_outcome(sender: Any = None, task_id: str | None = None, task: Any = None,
                     state: str | None = None, **kw: Any) -> None:
@@ -228,11 +350,18 @@ def _record_outcome(sender: Any = None, task_id: str | None = None, task: Any = 
     try:
         obs = Observer.for_app(task.app)
         if obs is not None:
-            obs.client.hset(obs.keys.periodic_entry(name), mapping={
-                "outcome": OUTCOMES.get(state or "", "failure"), "outcome_job_id": task_id})
+            record_outcome(obs.scripts, obs.keys, name, task_id, state)
     except Exception as exc:
         logger.warning("celery_ext: could not record the outcome of periodic job %s[%s]: %s",
                        one_line(name), one_line(task_id), exc)
+
+
+def record_outcome(scripts: Scripts, keys: Keys, name: str, job_id: str,
+                   state: str | None) -> bool:
+    """Record a run's end on its entry, unless the entry has no state any more (it left
+    the schedule and its state expired): returns whether it was recorded."""
+    return bool(scripts("periodic_outcome", [keys.periodic_entry(name)],
+                        [OUTCOMES.get(state or "", "failure"), job_id]))
 
 
 def _warn_beat(sender: Any = None, **kw: Any) -> None:
