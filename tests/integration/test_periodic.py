@@ -71,6 +71,13 @@ def test_next_due_is_celerys_answer_on_the_given_clock() -> None:
     # A due time is never its own successor; weekly on Monday at 09:30 Paris (CEST).
     weekly = crontab(minute=30, hour=9, day_of_week="mon", app=app)
     assert _utc(next_due_ms(weekly, at, tz)) == datetime(2026, 3, 30, 7, 30, tzinfo=UTC)
+    # Clocks go back (03:00 CEST -> 02:00 CET): Celery's crontab gives the repeated hour
+    # no runs (docs/periodic.md says so).
+    app.conf.timezone = "Europe/Berlin"
+    quarter = crontab(minute="*/15", app=app)
+    at_245 = _ms(datetime(2026, 10, 25, 0, 45, tzinfo=UTC))  # 02:45+02:00
+    assert _utc(next_due_ms(quarter, at_245, app.timezone)) == \
+        datetime(2026, 10, 25, 2, 0, tzinfo=UTC)  # 03:00+01:00, 75 minutes later
     every = schedule(timedelta(seconds=2.5), app=app)
     assert next_due_ms(every, at, tz) == at + 2500
     dues, following = due_times(every, at, at + 6000, tz)
