@@ -31,7 +31,7 @@ from celery_ext.producer.periodic_run import run_id
 from celery_ext.store.clock import now_ms
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
-from celery_ext.worker.periodic_leader import Periodic, record_outcome
+from celery_ext.worker.periodic_leader import Periodic, PeriodicLeader, record_outcome
 from tests.apps import proj
 from tests.helpers import Factory, Mode, celery_cli, start_workers, wait_for
 
@@ -171,6 +171,31 @@ def test_racing_leaders_enqueue_each_due_time_once_and_missed_runs_once(
         every = next(e for e in Client(redis_client).periodic() if e["name"] == name)
         assert every["missed"] - before["missed"] in (missed, missed + 1)
         assert every["runs"] == before["runs"] + 1 and every["last_due"] == due / 1000
+
+
+def test_the_periodic_lease_lives_dead_after_and_is_handed_over(
+        app: Any, redis_server: Any, redis_client: redis.Redis) -> None:
+    """One pool leads; another waits until the lease may run out (the leader's
+    dead_after); a clean stop gives it up and wakes the others; a lease set without a
+    life is taken."""
+    redis_client.delete(K.periodic_leader)
+    settings = Settings(dead_after=3.0, heartbeat_interval=1.0)
+    a, b = (PeriodicLeader(Periodic(app, redis_server.client(), settings), pool)
+            for pool in ("pool-a", "pool-b"))
+    assert a.hold() == (True, 3.0)
+    leads, left = b.hold()
+    assert not leads and 2.5 < left <= 3.0
+    assert a.step() <= settings.heartbeat_interval and a.leader  # leading: runs the entries
+    assert redis_client.hget(K.periodic_entry("every"), "next_due")
+    listener = redis_client.pubsub(ignore_subscribe_messages=True)
+    listener.subscribe(K.periodic_handover)
+    a.release()
+    assert wait_for(lambda: listener.get_message(timeout=0.1), 5, "the handover")["data"] == \
+        b"pool-a"
+    listener.close()
+    assert b.hold()[0] and not a.hold()[0]
+    redis_client.set(K.periodic_leader, "pool-gone")  # no life
+    assert a.hold()[0]
 
 
 def test_the_spec_holds_the_time_zone_and_a_gone_entry_gets_no_outcome(

@@ -19,7 +19,10 @@ if mode == 'release' then
   return 1
 end
 if holder and holder ~= poolId then
-  return {0, redis.call('PTTL', leaseKey)}
+  local leftMs = redis.call('PTTL', leaseKey)
+  if leftMs >= 0 then
+    return {0, leftMs}
+  end  -- a lease without a life (not set by this script) would never pass on: taken
 end
 redis.call('SET', leaseKey, poolId, 'PX', lifeMs)
 return {1, tonumber(lifeMs)}
