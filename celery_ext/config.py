@@ -67,14 +67,15 @@ DEFAULT_PUBLISH_IDEMPOTENCY_TTL = 120.0
 #: Seconds between two queue-size samples of the history (taken by the leading
 #: requeuer; the plots keep the last sample of each minute and hour).
 DEFAULT_HISTORY_SAMPLE_INTERVAL = 60.0
-#: Whether worker pools run the app's ``beat_schedule`` (the requeuer's leader
-#: enqueues each due run; see ``periodic.py``). Only matters when there is one.
+#: Whether worker pools run the app's ``beat_schedule`` (the pool holding the periodic
+#: lease enqueues each due run; see ``worker/periodic_leader.py``). Only matters when
+#: there is one.
 DEFAULT_PERIODIC = True
-#: A periodic run late by at most this many seconds (a leader failover, a slow pass)
-#: is still enqueued for its own due time; runs older than this are *missed*.
+#: A periodic due time later than this many seconds is *missed*, as is one that a later
+#: due time of its entry overtook (a leader failover, every pool down).
 DEFAULT_PERIODIC_GRACE = 30.0
-#: What the leader does with missed runs (every pool was down): "once" enqueues one
-#: run for all of them, "skip" none, "all" one per missed due time.
+#: What the leader does with missed due times: "once" enqueues one run for all of
+#: them, "skip" none (the latest still runs if not later than the grace), "all" one each.
 DEFAULT_PERIODIC_MISSED = "once"
 #: The values ``periodic_missed`` accepts.
 PERIODIC_MISSED_POLICIES = ("once", "skip", "all")

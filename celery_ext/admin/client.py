@@ -660,7 +660,7 @@ class Client:
         :meth:`celery_ext.reaper.Reaper.reap_now`)."""
         return Reaper(self.client, self.settings).reap_now(force=force)
 
-    # -- periodic jobs (celery_ext.periodic) ------------------------------------------------
+    # -- periodic jobs (admin/periodic_entries.py) ------------------------------------------------
     def periodic(self) -> list[PeriodicEntry]:
         """Every periodic job entry: schedule, next and last run, last outcome, paused."""
         return entry_rows(self.client, self.keys, self.app)
@@ -807,10 +807,10 @@ class SearchPage(TypedDict):
 
 # Imports of the dashboard/CLI facade above, kept with it so it stays one appended block.
 from celery_ext.admin.job_status import JobLookup, JobStatus  # noqa: E402
+from celery_ext.admin.periodic_entries import PeriodicEntry, entry_rows, run_now, set_paused  # noqa: E402
 from celery_ext.admin.search import Filters, SetSearch, parse_cursor  # noqa: E402
 from celery_ext.store.clock import now_s  # noqa: E402
 from celery_ext.store.history import HistoryReader, Runtime, Series  # noqa: E402
-from celery_ext.worker.periodic import PeriodicEntry, entry_rows, run_now, set_paused  # noqa: E402
 from celery_ext.worker.reaper import Reaper, ReapResult  # noqa: E402
 
 

@@ -93,11 +93,11 @@ from celery_ext.options.fair import message_fair_key, place_last
 from celery_ext.options.priority import level as priority_level
 from celery_ext.options.priority import message_priority
 from celery_ext.options.unique import UniqueRequest, take_pending
+from celery_ext.producer.periodic_run import PeriodicRun, current_run, write_run_on_cluster
 from celery_ext.producer.scheduled import eta_delay_ms, retries_of, schedule, schedule_args
 from celery_ext.store import scripts as _scripts
 from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import STAT_UNIQUE_HITS, Keys
-from celery_ext.worker.periodic import PeriodicRun, current_run, write_run_on_cluster
 
 #: Cluster: seconds between two additions of one job queue to the home registry by
 #: one producer process (the registry is a hint; readers never forget a cluster's).
@@ -321,8 +321,8 @@ class Enqueuer:
     def _write_run(self, queue: str, message: dict[str, Any], run: PeriodicRun,
                    uniq: UniqueRequest | None) -> None:
         """Push a periodic job's run with ``periodic_run``, which checks and moves its
-        entry's next due time in the same call (see ``periodic.py``); on a cluster, in
-        two steps made exactly once by a marker (``periodic.write_run_on_cluster``)."""
+        entry's next due time in the same call (see ``periodic_run.py``); on a cluster, in
+        two steps made exactly once by a marker (``periodic_run.write_run_on_cluster``)."""
         if self.keys.cluster:
             with self._acquire() as client:
                 run.outcome = write_run_on_cluster(

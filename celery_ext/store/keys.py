@@ -87,7 +87,7 @@ Layout (``ns`` = namespace)::
                                      Kombu's retry of that publish writes nothing. <id>: one
                                      per publish call and job queue (``producer.publish_marker``);
                                      on a cluster also "periodic:<run's job id>", one per
-                                     periodic entry and due time (``periodic.run_marker``)
+                                     periodic entry and due time (``periodic_run.run_marker``)
     {ns}:history:m:<minute>  hash    job counts, runtime histograms ("*", "n:<job name>") and a
                                      queue-size sample ("q") of one minute (ms // 60000);
                                      expires 24 h after it (see history.py)
@@ -101,10 +101,19 @@ Layout (``ns`` = namespace)::
     {ns}:_kombu.binding_deadlines
                              Kombu's binding tables, on a cluster only (Kombu's own
                              names, without a tag, on one node)
-    {ns}:periodic            set     names of the periodic job entries (the leader's beat_schedule)
+    {ns}:periodic            set     names of the periodic job entries (the leader's beat_schedule;
+                                     worker/periodic_leader.py)
     {ns}:periodic:<name>     hash    one entry's state: next_due, last_due, last_run_at (ms),
                                      last_job_id, runs, missed, paused, outcome (+ its
-                                     outcome_job_id), error, task, schedule, spec (periodic.py)
+                                     outcome_job_id), error, task, schedule, spec
+    {ns}:periodic_leader     string  id of the pool that enqueues the periodic jobs (a lease
+                                     living the holder's dead_after; periodic_leader.py)
+    {ns}:periodic_handover   channel published when the periodic leader gives up its lease
+    {ns}:periodic_pushed:<name>
+                             string  cluster, in a job queue's copy: the latest due time (ms)
+                                     of entry <name> pushed into that queue; enqueue.lua
+                                     pushes no run of that due time or an earlier one again
+                                     (producer/periodic_run.py)
 """
 
 from __future__ import annotations
@@ -351,6 +360,18 @@ class Keys:
 
     def periodic_entry(self, name: str) -> str:
         return f"{self.prefix}periodic:{name}"
+
+    @property
+    def periodic_leader(self) -> str:
+        return self.prefix + "periodic_leader"
+
+    @property
+    def periodic_handover(self) -> str:
+        return "{" + self.namespace + "}:periodic_handover"  # a channel: always the home's
+
+    def periodic_pushed(self, name: str) -> str:
+        """A job queue's copy's record of the entry's latest due time pushed (cluster)."""
+        return f"{self.prefix}periodic_pushed:{name}"
 
 
 @lru_cache(maxsize=4096)

@@ -62,6 +62,7 @@ from celery_ext.store.envelope import envelope_problem
 from celery_ext.store.keys import LEVEL_SEP, Keys
 from celery_ext.text import one_line
 from celery_ext.transport.readiness import ReadyQueues
+from celery_ext.worker import periodic_leader
 from celery_ext.worker.heartbeater import current_pool_id
 from celery_ext.worker.worker_pool import WorkerPool, on_loop_close, on_loop_tick, pool_for
 
@@ -1105,6 +1106,7 @@ class Transport(kredis.Transport):
         # Fix the pool id now, before a prefork pool forks: children then know which
         # pool owns the jobs they run (their busy records and checkins name it).
         current_pool_id()
+        periodic_leader.connect_signals()  # (celery beat: before its beat_init)
 
     #: The event loop (Celery's hub) the channels' timers run on, once registered.
     event_loop: Any = None

@@ -431,7 +431,7 @@ class DeadLetters(bootsteps.Step):
 
 class PeriodicJobs(bootsteps.StartStopStep):
     """Consumer step: the worker pool runs the app's ``beat_schedule`` (its requeuer's
-    leader enqueues each due run; see ``periodic.py``)."""
+    leader enqueues each due run; see ``periodic_leader.py``)."""
 
     name = "celery_ext.PeriodicJobs"
     requires = ("celery.worker.consumer.tasks:Tasks",)  # after the connection step

@@ -19,11 +19,6 @@ Timing without polling, and without a herd:
 * A producer that schedules a job earlier than every other publishes
   ``{ns}:schedule``; every requeuer wakes for it, as for a leader that stops and
   hands over. An idle pool thus sends one command per ``promote_interval``.
-
-The leader also runs the app's periodic jobs (``periodic``, a
-:class:`celery_ext.periodic.Periodic` given by the worker when its app has a
-``beat_schedule``): after each pass it enqueues the runs that are due and sleeps no
-longer than until the next one.
 """
 
 from __future__ import annotations
@@ -47,7 +42,6 @@ from celery_ext.store.history import HistoryWriter, sample_queues
 from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
-from celery_ext.worker.periodic import Periodic
 
 logger = logging.getLogger("celery_ext.worker.requeuer")
 
@@ -87,8 +81,6 @@ class Requeuer:
         self.promoted = 0
         self.history = HistoryWriter(client, settings)
         self._sampled_at: float | None = None
-        #: The app's periodic jobs, run while this requeuer leads (None: no schedule).
-        self.periodic: Periodic | None = None
 
     # -- one pass ------------------------------------------------------------------------
     def promote(self) -> PromoteResult:
@@ -203,11 +195,6 @@ class Requeuer:
                     wait = min(wait, self.settings.history_sample_interval)
                 if result.leader and result.next_due_in is not None:
                     wait = min(result.next_due_in, wait)
-                periodic = self.periodic
-                if periodic is not None and result.leader:
-                    wait = min(wait, periodic.tick())
-                elif periodic is not None:
-                    periodic.synced = False  # it syncs again when it leads again
                 wait = max(wait, self.settings.promote_min_interval)
                 self._sleep(pubsub, wait)
             except redis.RedisError as exc:

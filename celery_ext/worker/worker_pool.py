@@ -7,15 +7,17 @@ with or without ``install(app)`` (drop-in mode). It owns, in start order:
 
 1. the heartbeater: registration, then a heartbeat thread;
 2. the reaper: dead pools' jobs back to their queues;
-3. the requeuer: due scheduled and retry jobs to their queues, and, while it leads,
-   the app's periodic jobs (``run_periodic``);
+3. the requeuer: due scheduled and retry jobs to their queues;
+4. once the consumer runs and if the app has a ``beat_schedule``, the periodic leader
+   (``run_periodic``): the app's periodic jobs while this pool holds their lease;
 
 and, for the life of the process, what the process holds of the pool's in-flight
 record (:class:`Holdings`) with the connection its acks travel on. ``stop()`` runs
-in the reverse order: the requeuer hands over its lease, the reaper stops, the busy
-records and counters of this process are flushed, acks still unconfirmed are
-applied, every job still in the record goes back to the front of its queue, and
-the heartbeater deregisters the pool last (gocraft/work's ``WorkerPool.Stop``).
+in the reverse order: the periodic leader and the requeuer hand over their leases,
+the reaper stops, the busy records and counters of this process are flushed, acks
+still unconfirmed are applied, every job still in the record goes back to the front
+of its queue, and the heartbeater deregisters the pool last (gocraft/work's
+``WorkerPool.Stop``).
 
 *Reconciling.* The in-flight record must say what the pool really holds. A fetch
 whose reply was lost moved jobs into the record that the process never received;
@@ -53,7 +55,7 @@ from celery_ext.worker.acks import AckSender, SyncAcks
 from celery_ext.worker.heartbeater import Heartbeater, current_pool_id
 from celery_ext.worker.inflight import InflightRecord, recover_tags
 from celery_ext.worker.observer import stop_observers
-from celery_ext.worker.periodic import Periodic
+from celery_ext.worker.periodic_leader import Periodic, PeriodicLeader
 from celery_ext.worker.reaper import Reaper
 from celery_ext.worker.requeuer import Requeuer
 
@@ -144,6 +146,8 @@ class WorkerPool:
         self.reaper = Reaper(client_factory(), settings, own_pool_id=self.pool_id)
         self.requeuer = Requeuer(client_factory(), settings)
         self.holdings = Holdings()
+        #: The app's periodic jobs (``run_periodic``); None: no schedule.
+        self.periodic: PeriodicLeader | None = None
         # On a cluster a pool's acks go to the masters of their queues' copies: they
         # are applied synchronously there (one script per copy), not pipelined on one
         # connection.
@@ -193,6 +197,8 @@ class WorkerPool:
         if self.state != "running":
             return
         self.state = "stopped"
+        if self.periodic is not None:
+            self.periodic.stop()
         self.requeuer.stop()
         self.reaper.stop()
         stop_observers()
@@ -431,10 +437,15 @@ class WorkerPool:
         return "requeued" if requeued else "gone"
 
     def run_periodic(self, app: Any) -> None:
-        """Give the requeuer ``app``'s periodic jobs (its ``beat_schedule``, unless the
-        setting ``periodic`` is off): its leader enqueues them. Idempotent."""
-        if self.requeuer.periodic is None:
-            self.requeuer.periodic = Periodic.for_app(app, self.requeuer.client, self.settings)
+        """Start the periodic leader of ``app``'s ``beat_schedule`` (unless it has none or
+        the setting ``periodic`` is off): while this pool holds the periodic lease, it
+        enqueues each due run. Idempotent."""
+        if self.periodic is not None or self.state != "running":
+            return
+        periodic = Periodic.for_app(app, self.requeuer.client, self.settings)
+        if periodic is not None:
+            self.periodic = PeriodicLeader(periodic, self.pool_id)
+            self.periodic.start()
 
     def revive(self) -> None:
         """A fetch found the pool declared dead (its jobs were requeued): register again

@@ -30,7 +30,7 @@ app.conf.update(
     worker_hijack_root_logger=False,
     task_ignore_result=True,
 )
-if os.environ.get("TEST_PERIODIC") == "1":  # run by the pools (periodic.py)
+if os.environ.get("TEST_PERIODIC") == "1":  # run by the pools (worker/periodic_leader.py)
     app.conf.beat_schedule = {"tick": {"task": "tests.apps.proj_cluster.tick", "schedule": 1.0}}
 if os.environ.get("CELERY_EXT_NO_INSTALL") != "1":
     celery_ext.install(app)

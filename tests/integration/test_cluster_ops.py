@@ -12,6 +12,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from kombu.utils.encoding import bytes_to_str
@@ -22,12 +23,12 @@ from celery_ext.admin.search import Filters
 from celery_ext.admin.web import create_app
 from celery_ext.client import Client
 from celery_ext.options.limits import write_limits
+from celery_ext.producer.periodic_run import PeriodicRun, run_id, write_run_on_cluster
 from celery_ext.producer.scheduled import schedule_args
 from celery_ext.store.copies import copies, known_queues
 from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.keys import Keys
 from celery_ext.testing.server import ClusterGroup
-from celery_ext.worker.periodic import PeriodicRun, run_id, run_marker, write_run_on_cluster
 from celery_ext.worker.reaper import Reaper
 from celery_ext.worker.requeuer import Requeuer
 from tests.helpers import celery_cli, message
@@ -308,7 +309,17 @@ def test_views_cli_and_metrics_read_every_copy(cc: Client, cluster: ClusterGroup
         assert f'celery_ext_jobs_processed_total{{queue="{q}"}} {float(10 * n)}' in text
 
 
+class _LeaderDies(Exception):
+    """Raised where a leader in these tests stops between two of its round trips."""
+
+
 def test_periodic_run_on_a_cluster_is_enqueued_once_per_due_time(cc: Client) -> None:
+    """The entry's check (home copy) and the push (the queue's copy) are two round trips
+    on a cluster. With the publish marker off (``publish_idempotency_ttl`` 0: a 1 ms
+    marker), a leader that dies after its push and before moving ``next_due`` on, and
+    a leader stalled between its check and its push while the next leader runs the due
+    time, still leave one job per due time: the queue's copy keeps a run record of the
+    entry that ``enqueue.lua`` checks."""
     queue, name = "tasks.tick", "tick"
     copy, home = cc.keys.of(queue), cc.keys
     cc.client.hset(home.periodic_entry(name), mapping={"next_due": 1000})
@@ -316,24 +327,47 @@ def test_periodic_run_on_a_cluster_is_enqueued_once_per_due_time(cc: Client) -> 
     def run(due: int) -> PeriodicRun:
         return PeriodicRun(name, run_id(home.namespace, name, due), due, due, due + 1000)
 
-    def write(one: PeriodicRun, tag: str) -> int:
+    def write(one: PeriodicRun, tag: str, client: Any = None, scripts: Any = None) -> int:
         return write_run_on_cluster(
-            cc.client, cc.scripts, home, queue, [copy.queue(queue), copy.ready, copy.queues],
-            [json.dumps(message(tag, queue)), queue, home.wake_channel, 0], 0, 60_000, one)
+            client or cc.client, scripts or cc.scripts, home, queue,
+            [copy.queue(queue), copy.ready, copy.queues],
+            [json.dumps(message(tag, queue)), queue, home.wake_channel, 0], 0, 0, one)
+
+    def queued() -> list[str]:
+        return [json.loads(raw)["properties"]["delivery_tag"]
+                for raw in reversed(cc.client.lrange(copy.queue(queue), 0, -1))]
 
     assert write(run(1000), "a") == 1
     assert write(run(1000), "a") == 0  # a slow second leader: the due time has moved on
-    # A leader that died after its enqueue of due time 2000 and before moving next_due on:
-    # the next leader's enqueue finds the marker (nothing pushed) and only records it.
-    first = run(2000)
-    cc.scripts("enqueue", [copy.queue(queue), copy.ready, copy.queues, copy.job_index,
-                           copy.job_index_done, copy.published(run_marker(first))],
-               [json.dumps(message("b", queue)), queue, home.wake_channel, 0, 0, 60_000])
-    assert write(run(2000), "b2") == 1
-    assert [json.loads(raw)["properties"]["delivery_tag"]
-            for raw in reversed(cc.client.lrange(copy.queue(queue), 0, -1))] == ["a", "b"]
+
+    # A leader that dies after its push of due time 2000, before moving next_due on.
+    def dies_after_the_push(script: str, keys: list[str], args: list[Any]) -> Any:
+        if script == "periodic_run":
+            raise _LeaderDies
+        return cc.scripts(script, keys, args)
+
+    with pytest.raises(_LeaderDies):
+        write(run(2000), "b", scripts=dies_after_the_push)
+    time.sleep(0.01)  # its publish marker (1 ms) is gone
+    assert write(run(2000), "b2") == 1  # the next leader records the run, pushes nothing
+    assert queued() == ["a", "b"]
+
+    # A leader that checks due time 3000, then stalls while the next leader runs 3000 and
+    # 4000; it pushes after that.
+    class Stalls:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(cc.client, attr)
+
+        def hmget(self, *args: Any) -> Any:
+            reply = cc.client.hmget(*args)
+            assert write(run(3000), "c") == 1 and write(run(4000), "d") == 1
+            time.sleep(0.01)
+            return reply
+
+    assert write(run(3000), "c-stale", client=Stalls()) == 0
+    assert queued() == ["a", "b", "c", "d"]
     state = {bytes_to_str(f): bytes_to_str(v)
              for f, v in cc.client.hgetall(home.periodic_entry(name)).items()}
-    assert (state["next_due"], state["runs"], state["last_due"]) == ("3000", "2", "2000")
-    assert state["last_job_id"] == run(2000).job_id
+    assert (state["next_due"], state["runs"], state["last_due"]) == ("5000", "4", "4000")
+    assert state["last_job_id"] == run(4000).job_id
     assert queue.encode() in cc.client.smembers(home.queues)

@@ -311,16 +311,28 @@ def _get_json(base: str, path: str) -> Any:
 def test_periodic_jobs_run_once_per_due_time_on_a_cluster(
         cluster: ClusterGroup, namespace: str, records: tuple[str, redis.Redis],
         worker_factory: Callable[..., WorkerProcess]) -> None:
-    """Two pools run a 1-second ``beat_schedule`` entry: the leader enqueues each due
-    time once (enqueued in the job queue's copy, recorded on the home entry)."""
+    """Two pools run a 1-second ``beat_schedule`` entry with the publish marker off: the
+    leader enqueues each due time once (enqueued in the job queue's copy, recorded on the
+    home entry); SIGKILLed, the other pool takes over within its ``dead_after`` and
+    still enqueues each due time once."""
     record_url, rec = records
     url = cluster.url()
     env = {"CELERY_EXT_NAMESPACE": namespace, "CELERY_EXT_RECORD_URL": record_url,
-           "TEST_PERIODIC": "1", "CELERY_EXT_PROMOTE_INTERVAL": "0.5"}
-    for _ in range(2):
-        worker_factory(APP, broker_url=url, pool="threads", concurrency=2, env=env).start(
-            timeout=60)
+           "TEST_PERIODIC": "1", "CELERY_EXT_PROMOTE_INTERVAL": "0.5",
+           "CELERY_EXT_HEARTBEAT_INTERVAL": "0.5", "CELERY_EXT_DEAD_AFTER": "2",
+           "CELERY_EXT_PUBLISH_IDEMPOTENCY_TTL": "0"}
+    workers = [worker_factory(APP, broker_url=url, pool="threads", concurrency=2, env=env)
+               for _ in range(2)]
+    for w in workers:
+        w.start(timeout=60)
     wait_for(lambda: int(rec.get("tick_runs") or 0) >= 4, 30, "four periodic runs")
+    leads = "this worker pool leads: it enqueues the periodic jobs"
+    (first,) = wait_for(lambda: [w for w in workers if leads in w.log_text()], 10, "a leader")
+    first.stop(signal.SIGKILL, timeout=5)
+    before = int(rec.get("tick_runs") or 0)
+    (other,) = (w for w in workers if w is not first)
+    other.wait_for_log(leads, timeout=10)
+    wait_for(lambda: int(rec.get("tick_runs") or 0) >= before + 3, 30, "runs after the failover")
     runs_seen, ids = int(rec.get("tick_runs") or 0), rec.scard("tick_ids")
     assert runs_seen == ids, f"{runs_seen} runs of {ids} due times"
 

@@ -55,7 +55,7 @@ def periodic_resume(client: ClientGetter, name: str) -> str:
 @click.argument("name")
 def periodic_run_now(client: ClientGetter, name: str) -> str:
     """Enqueue one run of an entry now, outside its schedule (also when paused)."""
-    from celery_ext.worker.periodic import PeriodicError
+    from celery_ext.producer.periodic_run import PeriodicError
 
     try:
         job_id = client().run_periodic_now(name)

@@ -4,9 +4,9 @@
 -- KEYS[2 .. n+1]  entry state hashes {ns}:periodic:<name>, one per entry (n = ARGV[1])
 -- KEYS[n+2 ..]    state hashes of entries in the index the schedule no longer has
 -- ARGV[1]  n, the number of entries
--- ARGV[2 ..] five values per entry, in the order of KEYS[2 .. n+1]: name; spec (task
---          and schedule: a new spec means new due times); its first due time after
---          now (ms); task name; schedule as shown to people
+-- ARGV[2 ..] five values per entry, in the order of KEYS[2 .. n+1]: name; spec (task,
+--          schedule and the app's time zone: a new spec means new due times); its first
+--          due time after now (ms); task name; schedule as shown to people
 -- ARGV[2 + 5n ..] names of the stale entries, in the order of KEYS[n+2 ..]
 -- ARGV[last] how long (ms) a stale entry's state is kept (a re-added entry keeps its
 --          pause flag and history)
