@@ -109,20 +109,29 @@ class SetSearch:
                                                 int]:
         """One script call: (matches as (id, score ms), next cursor or None when the
         range is exhausted, entries scanned)."""
+        matches, nxt, scanned, _ = self._step(f, cursor, limit, chunk)
+        return matches, nxt, scanned
+
+    def _step(self, f: Filters, cursor: tuple[str, int] | None, limit: int,
+              chunk: int = SCAN_CHUNK, after: str = ""
+              ) -> tuple[list[tuple[str, float]], tuple[str, int] | None, int, str]:
+        """:meth:`step`, with the id of the last entry the previous step read (``after``:
+        the entries at the cursor's score up to it are passed over whatever the skip
+        says) and this step's last entry read."""
         start, stop = self._range(f)
         if cursor is not None:
             start = cursor[0]
         args: list[Any] = ["1" if self.newest_first else "0", start,
                            cursor[1] if cursor else 0, stop, chunk, max(1, limit),
-                           f.name, f.error, f.text]
+                           f.name, f.error, f.text, after if cursor else ""]
         if f.text:
             args += base64_patterns(f.text)
-        found, score, skip, scanned, done = self.scripts("search", [self.zset, self.records],
-                                                        args)
+        found, score, skip, scanned, done, last = self.scripts(
+            "search", [self.zset, self.records], args)
         flat = [bytes_to_str(v) for v in found]
         matches = [(flat[i], float(flat[i + 1])) for i in range(0, len(flat), 2)]
         nxt = None if int(done) else (bytes_to_str(score), int(skip))
-        return matches, nxt, int(scanned)
+        return matches, nxt, int(scanned), bytes_to_str(last)
 
     def page(self, f: Filters, cursor: tuple[str, int] | None, limit: int
              ) -> tuple[list[tuple[str, float]], tuple[str, int] | None, int]:
@@ -147,14 +156,20 @@ class SetSearch:
 
     def act(self, f: Filters, action: Callable[[list[str]], set[str]]) -> int:
         """Apply ``action`` (ids -> the ids it removed from their place in the set) to
-        every match, chunk by chunk; returns how many it removed."""
-        done_total, cursor = 0, None
+        every match, chunk by chunk; returns how many it removed.
+
+        Each step goes on after the last entry the previous one read, by its id: what
+        the action (or anyone else) removed or added meanwhile at the cursor's score
+        neither skips an entry nor reads one twice. The skip is only where the next
+        read starts; less what the action removed there, it stays right unless others
+        changed that score too (then the script reads the score from its start)."""
+        done_total, cursor, after = 0, None, ""
         while True:
-            matches, nxt, _ = self.step(f, cursor, SCAN_CHUNK)
+            matches, nxt, _, after = self._step(f, cursor, SCAN_CHUNK, after=after)
             if matches:
                 done = action([i for i, _ in matches])
                 done_total += len(done)
-                if nxt is not None:  # removed entries at the cursor's score are not skipped
+                if nxt is not None:
                     removed = sum(1 for i, s in matches if i in done and _same(s, nxt[0]))
                     nxt = (nxt[0], max(0, nxt[1] - removed))
             if nxt is None:
