@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any, TypedDict
+from typing import Any
 
 import redis
 from kombu.utils.encoding import bytes_to_str
 
+from celery_ext.admin.api_types import JobStatus
 from celery_ext.config import Settings
 from celery_ext.store.clock import now_ms
 from celery_ext.store.copies import copies
@@ -49,28 +50,6 @@ DEAD_SCAN = 50
 SCHEDULED_SCAN_MAX = 500
 #: Characters of repr(result) or of an error message kept in a status.
 TEXT_MAX = 1000
-
-
-class JobStatus(TypedDict):
-    job_id: str
-    # queued, scheduled, retrying, reserved, running, succeeded, failed, dead, revoked, finished
-    state: str
-    done: bool
-    job_name: str | None
-    progress: float | None  # 0..1 from the last checkin
-    message: str | None  # message of the last checkin
-    checkin_at: float | None
-    started_at: float | None
-    due_at: float | None  # scheduled / retrying: when it is due (Redis-clock seconds)
-    finished_at: float | None
-    result: str | None  # repr of the return value (succeeded), cut
-    error: str | None  # "ExcType: message" (failed, dead, retrying)
-    dead_id: str | None  # id in the dead set (dead)
-    stop_requested: bool
-    queue: str | None  # the job queue it is in or was fetched from (by the job index)
-    level: int | None  # queued: its priority level in that queue
-    pool: str | None  # reserved / running / finished: the worker pool (by the job index)
-    indexed: bool  # found in the job index (else searched for in the sets)
 
 
 def _cut(text: str, limit: int = TEXT_MAX) -> str:

@@ -16,7 +16,7 @@
 --          where reading starts, once the entry before that place is found to be passed
 -- ARGV[11..16] (with ARGV[9]) the text base64-encoded at the three byte alignments:
 --          pattern, offset of its first character in a 4-character group, ... (see
---          celery_ext/admin/search.py); a candidate is decoded and compared in full
+--          search.py, the admin side); a candidate is decoded and compared in full
 -- A record is "<meta json>\n<queue>\n<payload>"; the job name is meta.name, else the
 -- payload's "task" header, else the queue; the body is the payload's "body" string
 -- (base64 when the payload says so). Only the meta line is decoded as JSON.
