@@ -210,8 +210,8 @@ class Client:
     def busy_workers(self) -> list[BusyWorker]:
         return self.state.busy_workers()
 
-    def request_stop(self, job_id: str) -> None:
-        self.state.request_stop(job_id)
+    def request_stop(self, job_id: str) -> bool:
+        return self.state.request_stop(job_id)
 
     def counts(self) -> SetCounts:
         """Sizes of the scheduled, retry and dead sets (summed over the copies)."""

@@ -40,6 +40,7 @@ from celery_ext.store.dead_set import split_record
 from celery_ext.store.job_index import IndexEntry, lookup
 from celery_ext.store.job_index import parse as parse_entry
 from celery_ext.store.keys import Keys
+from celery_ext.store.stop_requests import requested
 
 #: States after which nothing changes any more (the widget stops watching); "finished":
 #: done, with no result backend to say how.
@@ -139,10 +140,11 @@ class JobLookup:
         k = self.keys
         with self.client.pipeline(transaction=False) as pipe:
             pipe.hget(k.checkins, job_id)
-            pipe.sismember(k.stop_requests, job_id)
+            pipe.zscore(k.stop_requests, job_id)
             pipe.hget(k.job_index, job_id)
             checkin, stop, raw_entry = pipe.execute()
-        status = new_status(job_id, stop_requested=bool(stop))
+        status = new_status(job_id, stop_requested=stop is not None and requested(
+            stop, now_ms(self.client)))
         if checkin:
             at, _, body = bytes_to_str(checkin).partition("\n")
             try:

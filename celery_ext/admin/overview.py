@@ -31,6 +31,7 @@ from celery_ext.store.queue_sizes import (
     queue_info_rows,
 )
 from celery_ext.store.scripts import Scripts
+from celery_ext.store.stop_requests import request_stop, requested
 
 __all__ = ["QUEUE_INFO_CHUNK", "BusyWorker", "PoolInfo", "QueueInfo", "State",
            "queue_info_rows"]
@@ -201,7 +202,7 @@ class State:
         with self.client.pipeline(transaction=False) as pipe:
             pipe.hmget(k.checkins, job_ids)
             for job_id in job_ids:
-                pipe.sismember(k.stop_requests, job_id)
+                pipe.zscore(k.stop_requests, job_id)
             checkins, *stops = pipe.execute()
         result: list[BusyWorker] = []
         for (pool_id, slot, started, record), raw, stop in zip(rows, checkins, stops,
@@ -225,10 +226,11 @@ class State:
                 progress=data.get("progress"),
                 stall_after=stall_after,
                 stalled=stall_after is not None and (now - last) / 1000 > float(stall_after),
-                stop_requested=bool(stop),
+                stop_requested=requested(stop, now),
             ))
         return sorted(result, key=lambda b: b["started_at"])
 
-    def request_stop(self, job_id: str) -> None:
-        """Ask a running job to stop: its next checkin returns True."""
-        self.client.sadd(self.keys.stop_requests, job_id)
+    def request_stop(self, job_id: str) -> bool:
+        """Ask a running job to stop: its next checkin returns True. False when the job
+        is not in flight (nothing is recorded; see :mod:`celery_ext.store.stop_requests`)."""
+        return request_stop(self.client, self.settings, job_id)
