@@ -24,6 +24,7 @@ from typing import Any
 
 from kombu.utils.encoding import bytes_to_str
 
+from celery_ext.store.copies import copies
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
 
@@ -175,6 +176,67 @@ class SetSearch:
             if nxt is None:
                 return done_total
             cursor = nxt
+
+
+#: A match of a search over the copies: (score ms, job id, the copy holding it).
+Match = tuple[float, str, Keys]
+
+
+def search_sets(client: Any, scripts: Scripts, keys: Keys, kind: str, filters: Filters,
+                start: tuple[str, int] | None, limit: int
+                ) -> tuple[list[Match], str | None, int]:
+    """Up to ``limit`` matches of the ``kind`` set from the cursor ``start`` (None: the
+    start), in set order; the cursor that goes on (None: no more); entries scanned."""
+    parts = copies(client, keys)
+    if len(parts) > 1:
+        return _search_copies(client, scripts, parts, kind, filters, start, max(1, limit))
+    search = SetSearch(client, scripts, keys, kind)
+    matches, nxt, scanned = search.page(filters, start, max(1, limit))
+    return ([(score, job_id, keys) for job_id, score in matches],
+            f"{nxt[0]}:{nxt[1]}" if nxt else None, scanned)
+
+
+def _search_copies(client: Any, scripts: Scripts, parts: list[Keys], kind: str,
+                   filters: Filters, start: tuple[str, int] | None, limit: int
+                   ) -> tuple[list[Match], str | None, int]:
+    """:func:`search_sets` over several copies (a cluster): each copy's matches from the
+    cursor's score, merged in set order (score, then id). The cursor's skip counts
+    the matches at its score already returned. A copy that stopped on the scan
+    budget bounds the page: only matches before its stopping score are sure."""
+    newest = kind == "dead"
+    skip = start[1] if start else 0
+    want = limit + skip
+    found: list[Match] = []
+    bound: float | None = None
+    more = False
+    scanned = 0
+    for k in parts:
+        search = SetSearch(client, scripts, k, kind)
+        matches, nxt, n = search.page(filters, (start[0], 0) if start else None, want)
+        scanned += n
+        found += [(score, i, k) for i, score in matches]
+        if nxt is not None and len(matches) < want:  # stopped by the scan budget
+            b = float(nxt[0])
+            bound = b if bound is None else (max(bound, b) if newest else min(bound, b))
+        elif nxt is not None:
+            more = True
+    found.sort(key=lambda e: (e[0], e[1]), reverse=newest)
+    if bound is not None:
+        found = [e for e in found if (e[0] > bound if newest else e[0] < bound)]
+    at = float(start[0]) if start else None
+    dropped = 0
+    while found and dropped < skip and found[0][0] == at:
+        found.pop(0)
+        dropped += 1
+    page, rest = found[:limit], found[limit:]
+    cursor = None
+    if page and (rest or more or bound is not None):
+        last = page[-1][0]
+        seen = sum(1 for e in page if e[0] == last) + (dropped if last == at else 0)
+        cursor = f"{last:.17g}:{seen}"
+    elif bound is not None:
+        cursor = f"{bound:.17g}:0"
+    return page, cursor, scanned
 
 
 def _same(score: float, cursor_score: str) -> bool:

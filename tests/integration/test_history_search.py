@@ -193,7 +193,7 @@ def test_search_filters_pages_and_bulk_actions(web: httpx.Client, redis_client: 
 def test_search_in_the_scheduled_and_retry_sets(redis_client: redis.Redis, broker_url: str
                                                 ) -> None:
     proj_web.configure(broker_url)
-    client = Client.for_app(proj_web.app)
+    client = Client.from_app(proj_web.app)
     try:
         for i in range(30):
             proj_web.echo.apply_async((f"later-{i}",), countdown=600 + i)
