@@ -1,6 +1,6 @@
 """One job's status by its id, for the job observer widget and ``celery ext job``.
 
-Where a job is comes from the job index (:mod:`celery_ext.job_index`): one read, kept by
+Where a job is comes from the job index (:mod:`celery_ext.store.job_index`): one read, kept by
 the same scripts that move the job, so it says queued (which queue, which priority
 level), in flight (which pool; ``running`` when that pool's busy records show it, else
 ``reserved``), scheduled, retrying, dead, or done (when, which pool); the result backend

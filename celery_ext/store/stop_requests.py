@@ -64,7 +64,7 @@ def in_flight(client: Any, keys: Keys, job_id: str) -> bool:
 def request_stop(client: Any, settings: Settings, job_id: str) -> bool:
     """Ask the job ``job_id`` to stop at its next checkin; False (and nothing written)
     when it is not in flight. The lapsed requests are dropped in the same MULTI."""
-    keys = Keys.for_settings(settings).home
+    keys = Keys.for_settings(settings)  # the home copy, where the requests live
     if not in_flight(client, keys, job_id):
         return False
     now = now_ms(client)

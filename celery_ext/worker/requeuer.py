@@ -21,7 +21,7 @@ Timing without polling, and without a herd:
   hands over. An idle pool thus sends one command per ``promote_interval``.
 
 The leader also runs the app's periodic jobs (``periodic``, a
-:class:`celery_ext.periodic.Periodic` given by the worker when its app has a
+:class:`celery_ext.worker.periodic.Periodic` given by the worker when its app has a
 ``beat_schedule``): after each pass it enqueues the runs that are due and sleeps no
 longer than until the next one.
 """
