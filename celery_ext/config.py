@@ -100,6 +100,9 @@ DEFAULT_WAIT_TIMEOUT_MS = 1000
 DEFAULT_JOB_INDEX = True
 #: Seconds a finished job's index entry (done, when, which pool) is kept.
 DEFAULT_JOB_INDEX_TTL = 3600.0
+#: Seconds a request to stop a running job holds (its checkins answer "stop" until the
+#: job ends or this passes): the bound on entries whose job's end nobody reports.
+DEFAULT_STOP_REQUEST_TTL = 24 * 3600.0
 
 _ENV_PREFIX = "CELERY_EXT_"
 _NAMESPACE_RE = re.compile(r"\A[A-Za-z0-9_.:-]{1,64}\Z")  # not "$": it accepts a trailing newline
@@ -142,6 +145,7 @@ class Settings:
     priority_steps: tuple[int, ...] = DEFAULT_PRIORITY_STEPS
     job_index: bool = DEFAULT_JOB_INDEX
     job_index_ttl: float = DEFAULT_JOB_INDEX_TTL
+    stop_request_ttl: float = DEFAULT_STOP_REQUEST_TTL
     #: The broker is a Redis/Valkey Cluster (``broker_transport_options={"cluster":
     #: True}``): job queues spread over its shards (keys.py, docs/cluster.md).
     cluster: bool = False
@@ -160,7 +164,7 @@ class Settings:
         for name in ("heartbeat_interval", "dead_after", "reap_interval", "idle_refresh_interval",
                      "promote_interval", "unique_ttl", "retry_backoff_base",
                      "retry_backoff_max", "reply_timeout", "history_sample_interval",
-                     "job_index_ttl"):
+                     "job_index_ttl", "stop_request_ttl"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"celery_ext: {name} must be > 0, got {getattr(self, name)!r}")
         if self.dead_after < 2 * self.heartbeat_interval:

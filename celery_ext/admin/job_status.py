@@ -1,6 +1,6 @@
 """One job's status by its id, for the job observer widget and ``celery ext job``.
 
-Where a job is comes from the job index (:mod:`celery_ext.job_index`): one read, kept by
+Where a job is comes from the job index (:mod:`celery_ext.store.job_index`): one read, kept by
 the same scripts that move the job, so it says queued (which queue, which priority
 level), in flight (which pool; ``running`` when that pool's busy records show it, else
 ``reserved``), scheduled, retrying, dead, or done (when, which pool); the result backend
@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any, TypedDict
+from typing import Any
 
 import redis
 from kombu.utils.encoding import bytes_to_str
 
+from celery_ext.admin.api_types import JobStatus
 from celery_ext.config import Settings
 from celery_ext.store.clock import now_ms
 from celery_ext.store.copies import copies
@@ -39,6 +40,7 @@ from celery_ext.store.dead_set import split_record
 from celery_ext.store.job_index import IndexEntry, lookup
 from celery_ext.store.job_index import parse as parse_entry
 from celery_ext.store.keys import Keys
+from celery_ext.store.stop_requests import requested
 
 #: States after which nothing changes any more (the widget stops watching); "finished":
 #: done, with no result backend to say how.
@@ -49,28 +51,6 @@ DEAD_SCAN = 50
 SCHEDULED_SCAN_MAX = 500
 #: Characters of repr(result) or of an error message kept in a status.
 TEXT_MAX = 1000
-
-
-class JobStatus(TypedDict):
-    job_id: str
-    # queued, scheduled, retrying, reserved, running, succeeded, failed, dead, revoked, finished
-    state: str
-    done: bool
-    job_name: str | None
-    progress: float | None  # 0..1 from the last checkin
-    message: str | None  # message of the last checkin
-    checkin_at: float | None
-    started_at: float | None
-    due_at: float | None  # scheduled / retrying: when it is due (Redis-clock seconds)
-    finished_at: float | None
-    result: str | None  # repr of the return value (succeeded), cut
-    error: str | None  # "ExcType: message" (failed, dead, retrying)
-    dead_id: str | None  # id in the dead set (dead)
-    stop_requested: bool
-    queue: str | None  # the job queue it is in or was fetched from (by the job index)
-    level: int | None  # queued: its priority level in that queue
-    pool: str | None  # reserved / running / finished: the worker pool (by the job index)
-    indexed: bool  # found in the job index (else searched for in the sets)
 
 
 def _cut(text: str, limit: int = TEXT_MAX) -> str:
@@ -160,10 +140,11 @@ class JobLookup:
         k = self.keys
         with self.client.pipeline(transaction=False) as pipe:
             pipe.hget(k.checkins, job_id)
-            pipe.sismember(k.stop_requests, job_id)
+            pipe.zscore(k.stop_requests, job_id)
             pipe.hget(k.job_index, job_id)
             checkin, stop, raw_entry = pipe.execute()
-        status = new_status(job_id, stop_requested=bool(stop))
+        status = new_status(job_id, stop_requested=stop is not None and requested(
+            stop, now_ms(self.client)))
         if checkin:
             at, _, body = bytes_to_str(checkin).partition("\n")
             try:

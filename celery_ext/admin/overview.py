@@ -3,80 +3,38 @@
 Everything here is read with a few pipelined round trips, whatever the number of
 queues: the known queue names come from the ``queues`` set, pools from the ``pools``
 zset. ``celery_ext.client`` is the facade the dashboard and the CLI use; this
-module is its pools/queues half.
-
-Queue sizes and latencies come from the ``queue_info`` script (one call per 500
-names), which returns each queue's size and the ``enqueued_at`` number of its oldest
-job, found in that job's last kilobyte: a 1 MiB job at the head of a queue costs a
-reader a few bytes, not a megabyte. The same script forgets names whose list is gone
-and that nothing configures (see ``queue_info.lua``), so the ``queues`` set holds
-the job queues that exist or are paused, limited, weighted or in flight, not every
-name ever used.
+module is its pools/queues half. Queue sizes and ages come from
+:mod:`celery_ext.store.queue_sizes`, which the worker side reads too; this module adds
+what only a person looks at (weights, limits, counters, fair keys, pools, busy workers).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, TypedDict
+from typing import Any
 
 import redis
 from kombu.utils.encoding import bytes_to_str
 
+from celery_ext.admin.api_types import BusyWorker, PoolInfo, QueueInfo
 from celery_ext.config import Settings
-from celery_ext.options.fair import FairInfo, fair_info
+from celery_ext.options.fair import fair_info
 from celery_ext.options.rate_limits import format_rate
 from celery_ext.store.clock import now_ms
-from celery_ext.store.copies import copies, known_queues, per_copy, run_scripts
+from celery_ext.store.copies import copies, per_copy
 from celery_ext.store.keys import Keys
 from celery_ext.store.liveness import Liveness
+from celery_ext.store.queue_sizes import (
+    QUEUE_INFO_CHUNK,
+    QueueSizes,
+    latency,
+    queue_info_rows,
+)
 from celery_ext.store.scripts import Scripts
+from celery_ext.store.stop_requests import request_stop, requested
 
-#: Queue names per ``queue_info`` call: bounds how long one call holds Redis.
-QUEUE_INFO_CHUNK = 500
-
-
-class QueueInfo(TypedDict):
-    name: str
-    size: int
-    latency: float | None  # seconds since the oldest queued job was enqueued
-    weight: int
-    paused: bool
-    max_concurrency: int | None
-    rate_limit: str | None  # cluster-wide, e.g. "20/s" (rate_limits.py)
-    in_flight: int
-    processed: int
-    failed: int
-    #: A queue with keyed jobs waiting: its active fair keys (count, biggest); else None.
-    fair: FairInfo | None
-
-
-class PoolInfo(TypedDict):
-    pool_id: str
-    node: str
-    host: str
-    pid: int | None
-    concurrency: str
-    pool_type: str
-    queues: list[str]
-    started_at: float | None
-    heartbeat_age: float | None  # seconds, by Redis time
-    state: str  # running, stopping, dead (heartbeat older than its dead_after), orphaned
-    in_flight: int
-
-
-class BusyWorker(TypedDict):
-    pool_id: str
-    slot: str
-    job_id: str
-    job_name: str
-    args: str
-    started_at: float
-    checkin_at: float | None
-    checkin_message: str | None
-    progress: float | None
-    stall_after: float | None
-    stalled: bool
-    stop_requested: bool
+__all__ = ["QUEUE_INFO_CHUNK", "BusyWorker", "PoolInfo", "QueueInfo", "State",
+           "queue_info_rows"]
 
 
 def _int(value: Any, default: int = 0) -> int:
@@ -84,19 +42,6 @@ def _int(value: Any, default: int = 0) -> int:
         return int(value)
     except (TypeError, ValueError):
         return default
-
-
-def _stamp(value: Any) -> float | None:
-    """An ``enqueued_at`` number as ``queue_info`` returns it (empty when unknown)."""
-    try:
-        return float(value) if value else None
-    except ValueError:
-        return None
-
-
-def queue_info_rows(reply: list[Any]) -> list[tuple[int, float | None]]:
-    """(size, oldest job's enqueued_at) per name of a ``queue_info`` reply."""
-    return [(int(reply[j]), _stamp(reply[j + 1])) for j in range(1, len(reply), 2)]
 
 
 class State:
@@ -107,57 +52,48 @@ class State:
         self.settings = settings or Settings()
         self.keys = Keys.for_settings(self.settings)
         self.scripts = Scripts(client)
+        self.sizes = QueueSizes(client, self.settings, self.scripts)
 
     # -- queues ------------------------------------------------------------------------
-    def _queue_info(self, names: list[str], stamps: bool
-                    ) -> tuple[float, list[tuple[int, float | None]]]:
-        """Redis time (s) and (size, oldest job's enqueued_at) of each name; size -1 for
-        a name forgotten now (see ``queue_info.lua``)."""
-        time_ms, rows = None, []
-        for i in range(0, len(names), QUEUE_INFO_CHUNK):
-            reply = self.scripts("queue_info",
-                                 *self.queue_info_call(names[i:i + QUEUE_INFO_CHUNK], stamps))
-            time_ms = int(reply[0])
-            rows += queue_info_rows(reply)
-        if time_ms is None:
-            time_ms = now_ms(self.client)
-        return time_ms / 1000, rows
-
     def queue_info_call(self, names: list[str], stamps: bool) -> tuple[list[str], list[str]]:
         """KEYS and ARGV of one ``queue_info`` call (at most ``QUEUE_INFO_CHUNK`` names)."""
-        k = self.keys
-        steps = self.settings.priority_steps
-        return ([k.queues, k.ready, k.paused, k.limits, k.weights, k.running,
-                 *(key for n in names for key in k.queue_levels(n, steps))],
-                ["1" if stamps else "0", *names])
+        return self.sizes.call(names, stamps)
 
     def queue_names(self) -> list[str]:
-        """Names of the job queues, sorted; gone ones are forgotten on the way (on one
-        node; a cluster's registry is not trimmed by readers, see queue_info.lua)."""
-        if self.keys.cluster:
-            return known_queues(self.client, self.keys)
-        names = sorted(bytes_to_str(n) for n in self.client.smembers(self.keys.queues))
-        _, rows = self._queue_info(names, stamps=False)
-        return [name for name, (size, _) in zip(names, rows, strict=True) if size >= 0]
+        """Names of the job queues, sorted (see :meth:`QueueSizes.names`)."""
+        return self.sizes.names()
 
     def job_queues(self, offset: int = 0, limit: int | None = None,
                    prefix: str | None = None) -> list[QueueInfo]:
         """One page of job queues with size, latency, weight and counters."""
-        k = self.keys
-        if k.cluster:
-            return self._job_queues_copies(offset, limit, prefix)
-        if offset or limit is not None:  # forget gone names first, or pages would shift
-            names = self.queue_names()
-        else:  # every name: the one queue_info pass below forgets the gone ones
-            names = sorted(bytes_to_str(n) for n in self.client.smembers(k.queues))
-        names = [n for n in names if not prefix or n.startswith(prefix)]
-        names = names[offset:offset + limit if limit is not None else None]
-        now, info = self._queue_info(names, stamps=True)
-        rows = [(name, size, stamp) for name, (size, stamp) in zip(names, info, strict=True)
-                if size >= 0]
+        now, rows = self.sizes.sizes(offset, limit, prefix)
         if not rows:
             return []
         names = [name for name, _, _ in rows]
+        reads = self._copies_reads(names) if self.keys.cluster else self._reads(names)
+        fair = fair_info(self.client, self.keys, names)
+        result: list[QueueInfo] = []
+        for (name, size, stamp), (weight, paused, limit_, running, processed, failed,
+                                  rate) in zip(rows, reads, strict=True):
+            result.append(QueueInfo(
+                name=name,
+                size=size,
+                latency=latency(now, size, stamp),
+                weight=_int(weight, self.settings.default_weight),
+                paused=paused,
+                max_concurrency=_int(limit_) if limit_ is not None else None,
+                rate_limit=format_rate(_int(rate)) if _int(rate) > 0 else None,
+                in_flight=max(0, _int(running)),
+                processed=_int(processed),
+                failed=_int(failed),
+                fair=fair.get(name),
+            ))
+        return result
+
+    def _reads(self, names: list[str]) -> list[tuple[Any, bool, Any, Any, Any, Any, Any]]:
+        """Per queue (one node, one pipeline): weight, paused, concurrency limit, jobs
+        in flight, processed, failed, rate limit, as stored."""
+        k = self.keys
         with self.client.pipeline(transaction=False) as pipe:
             pipe.hmget(k.weights, names)
             pipe.smembers(k.paused)
@@ -168,35 +104,13 @@ class State:
             pipe.hmget(k.rate_limits, names)
             weights, paused, limits, running, processed, failed, rates = pipe.execute()
         paused_names = {bytes_to_str(p) for p in paused}
-        fair = fair_info(self.client, k, names)
-        result: list[QueueInfo] = []
-        for i, (name, size, stamp) in enumerate(rows):
-            result.append(QueueInfo(
-                name=name,
-                size=size,
-                latency=max(0.0, now - stamp) if stamp is not None else (0.0 if not size else None),
-                weight=_int(weights[i], self.settings.default_weight),
-                paused=name in paused_names,
-                max_concurrency=_int(limits[i]) if limits[i] is not None else None,
-                rate_limit=format_rate(_int(rates[i])) if _int(rates[i]) > 0 else None,
-                in_flight=max(0, _int(running[i])),
-                processed=_int(processed[i]),
-                failed=_int(failed[i]),
-                fair=fair.get(name),
-            ))
-        return result
+        return [(weights[i], name in paused_names, limits[i], running[i], processed[i],
+                 failed[i], rates[i]) for i, name in enumerate(names)]
 
-    def _job_queues_copies(self, offset: int, limit: int | None,
-                           prefix: str | None) -> list[QueueInfo]:
-        """:meth:`job_queues` on a cluster: the known queues, each read in its own copy
-        (``queue_info`` per copy and one pipeline of per-copy reads, grouped by master);
-        weights from the home copy. Nothing is forgotten (the registry is a hint)."""
-        names = [n for n in known_queues(self.client, self.keys)
-                 if not prefix or n.startswith(prefix)]
-        names = names[offset:offset + limit if limit is not None else None]
-        if not names:
-            return []
-        now, info = self.queue_rows(names)
+    def _copies_reads(self, names: list[str]
+                      ) -> list[tuple[Any, bool, Any, Any, Any, Any, Any]]:
+        """:meth:`_reads` on a cluster: each queue's values read in its own copy (one
+        pipeline, grouped by master); weights from the home copy."""
         k = self.keys
         weights = self.client.hmget(k.home.weights, names)
         with self.client.pipeline(transaction=False) as pipe:  # by master on a cluster
@@ -206,41 +120,8 @@ class State:
                 pipe.hget(c.stats, f"processed:{name}").hget(c.stats, f"failed:{name}")
                 pipe.hget(c.rate_limits, name)
             flat = pipe.execute()
-        reads = [flat[j:j + 6] for j in range(0, len(flat), 6)]
-        fair = fair_info(self.client, k, names)
-        result: list[QueueInfo] = []
-        for i, (name, (size, stamp)) in enumerate(zip(names, info, strict=True)):
-            paused, limit_, running, processed, failed, rate = reads[i]
-            result.append(QueueInfo(
-                name=name,
-                size=size,
-                latency=max(0.0, now - stamp) if stamp is not None else (0.0 if not size else None),
-                weight=_int(weights[i], self.settings.default_weight),
-                paused=bool(paused),
-                max_concurrency=_int(limit_) if limit_ is not None else None,
-                rate_limit=format_rate(_int(rate)) if _int(rate) > 0 else None,
-                in_flight=max(0, _int(running)),
-                processed=_int(processed),
-                failed=_int(failed),
-                fair=fair.get(name),
-            ))
-        return result
-
-    def queue_rows(self, names: list[str]) -> tuple[float, list[tuple[int, float | None]]]:
-        """Redis time (s) and (size, oldest job's enqueued_at) of each name, each read
-        by ``queue_info`` in its own copy (a cluster: the script is cross-slot over
-        several queues). A copy's own registry may lose the name there; the size is 0."""
-        calls = []
-        for name in names:
-            c = self.keys.of(name)
-            calls.append(("queue_info",
-                          [c.queues, c.ready, c.paused, c.limits, c.weights, c.running,
-                           *c.queue_levels(name, self.settings.priority_steps)],
-                          ["1", name]))
-        replies = run_scripts(self.client, self.scripts, calls)
-        now = (int(replies[0][0]) if replies else now_ms(self.client)) / 1000
-        return now, [(max(0, size), stamp) for reply in replies
-                     for size, stamp in queue_info_rows(reply)]
+        return [(weights[i], bool(flat[6 * i]), *flat[6 * i + 1:6 * i + 6])
+                for i in range(len(names))]
 
     def totals(self) -> dict[str, int]:
         """Processed/failed/retried counters over all queues (for throughput plots),
@@ -321,7 +202,7 @@ class State:
         with self.client.pipeline(transaction=False) as pipe:
             pipe.hmget(k.checkins, job_ids)
             for job_id in job_ids:
-                pipe.sismember(k.stop_requests, job_id)
+                pipe.zscore(k.stop_requests, job_id)
             checkins, *stops = pipe.execute()
         result: list[BusyWorker] = []
         for (pool_id, slot, started, record), raw, stop in zip(rows, checkins, stops,
@@ -345,10 +226,11 @@ class State:
                 progress=data.get("progress"),
                 stall_after=stall_after,
                 stalled=stall_after is not None and (now - last) / 1000 > float(stall_after),
-                stop_requested=bool(stop),
+                stop_requested=requested(stop, now),
             ))
         return sorted(result, key=lambda b: b["started_at"])
 
-    def request_stop(self, job_id: str) -> None:
-        """Ask a running job to stop: its next checkin returns True."""
-        self.client.sadd(self.keys.stop_requests, job_id)
+    def request_stop(self, job_id: str) -> bool:
+        """Ask a running job to stop: its next checkin returns True. False when the job
+        is not in flight (nothing is recorded; see :mod:`celery_ext.store.stop_requests`)."""
+        return request_stop(self.client, self.settings, job_id)

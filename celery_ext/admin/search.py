@@ -26,6 +26,7 @@ from typing import Any
 
 from kombu.utils.encoding import bytes_to_str
 
+from celery_ext.store.copies import copies
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
 
@@ -123,20 +124,29 @@ class SetSearch:
                                                 int]:
         """One script call: (matches as (id, score ms), next cursor or None when the
         range is exhausted, entries scanned)."""
+        matches, nxt, scanned, _ = self._step(f, cursor, limit, chunk)
+        return matches, nxt, scanned
+
+    def _step(self, f: Filters, cursor: tuple[str, int] | None, limit: int,
+              chunk: int = SCAN_CHUNK, after: str = ""
+              ) -> tuple[list[tuple[str, float]], tuple[str, int] | None, int, str]:
+        """:meth:`step`, with the id of the last entry the previous step read (``after``:
+        the entries at the cursor's score up to it are passed over whatever the skip
+        says) and this step's last entry read."""
         start, stop = self._range(f)
         if cursor is not None:
             start = cursor[0]
         args: list[Any] = ["1" if self.newest_first else "0", start,
                            cursor[1] if cursor else 0, stop, chunk, max(1, limit),
-                           f.name, f.error, f.text]
+                           f.name, f.error, f.text, after if cursor else ""]
         if f.text:
             args += base64_patterns(f.text)
-        found, score, skip, scanned, done = self.scripts("search", [self.zset, self.records],
-                                                        args)
+        found, score, skip, scanned, done, last = self.scripts(
+            "search", [self.zset, self.records], args)
         flat = [bytes_to_str(v) for v in found]
         matches = [(flat[i], float(flat[i + 1])) for i in range(0, len(flat), 2)]
         nxt = None if int(done) else (bytes_to_str(score), int(skip))
-        return matches, nxt, int(scanned)
+        return matches, nxt, int(scanned), bytes_to_str(last)
 
     def page(self, f: Filters, cursor: tuple[str, int] | None, limit: int
              ) -> tuple[list[tuple[str, float]], tuple[str, int] | None, int]:
@@ -161,19 +171,86 @@ class SetSearch:
 
     def act(self, f: Filters, action: Callable[[list[str]], set[str]]) -> int:
         """Apply ``action`` (ids -> the ids it removed from their place in the set) to
-        every match, chunk by chunk; returns how many it removed."""
-        done_total, cursor = 0, None
+        every match, chunk by chunk; returns how many it removed.
+
+        Each step goes on after the last entry the previous one read, by its id: what
+        the action (or anyone else) removed or added meanwhile at the cursor's score
+        neither skips an entry nor reads one twice. The skip is only where the next
+        read starts; less what the action removed there, it stays right unless others
+        changed that score too (then the script reads the score from its start)."""
+        done_total, cursor, after = 0, None, ""
         while True:
-            matches, nxt, _ = self.step(f, cursor, SCAN_CHUNK)
+            matches, nxt, _, after = self._step(f, cursor, SCAN_CHUNK, after=after)
             if matches:
                 done = action([i for i, _ in matches])
                 done_total += len(done)
-                if nxt is not None:  # removed entries at the cursor's score are not skipped
+                if nxt is not None:
                     removed = sum(1 for i, s in matches if i in done and _same(s, nxt[0]))
                     nxt = (nxt[0], max(0, nxt[1] - removed))
             if nxt is None:
                 return done_total
             cursor = nxt
+
+
+#: A match of a search over the copies: (score ms, job id, the copy holding it).
+Match = tuple[float, str, Keys]
+
+
+def search_sets(client: Any, scripts: Scripts, keys: Keys, kind: str, filters: Filters,
+                start: tuple[str, int] | None, limit: int
+                ) -> tuple[list[Match], str | None, int]:
+    """Up to ``limit`` matches of the ``kind`` set from the cursor ``start`` (None: the
+    start), in set order; the cursor that goes on (None: no more); entries scanned."""
+    parts = copies(client, keys)
+    if len(parts) > 1:
+        return _search_copies(client, scripts, parts, kind, filters, start, max(1, limit))
+    search = SetSearch(client, scripts, keys, kind)
+    matches, nxt, scanned = search.page(filters, start, max(1, limit))
+    return ([(score, job_id, keys) for job_id, score in matches],
+            f"{nxt[0]}:{nxt[1]}" if nxt else None, scanned)
+
+
+def _search_copies(client: Any, scripts: Scripts, parts: list[Keys], kind: str,
+                   filters: Filters, start: tuple[str, int] | None, limit: int
+                   ) -> tuple[list[Match], str | None, int]:
+    """:func:`search_sets` over several copies (a cluster): each copy's matches from the
+    cursor's score, merged in set order (score, then id). The cursor's skip counts
+    the matches at its score already returned. A copy that stopped on the scan
+    budget bounds the page: only matches before its stopping score are sure."""
+    newest = kind == "dead"
+    skip = start[1] if start else 0
+    want = limit + skip
+    found: list[Match] = []
+    bound: float | None = None
+    more = False
+    scanned = 0
+    for k in parts:
+        search = SetSearch(client, scripts, k, kind)
+        matches, nxt, n = search.page(filters, (start[0], 0) if start else None, want)
+        scanned += n
+        found += [(score, i, k) for i, score in matches]
+        if nxt is not None and len(matches) < want:  # stopped by the scan budget
+            b = float(nxt[0])
+            bound = b if bound is None else (max(bound, b) if newest else min(bound, b))
+        elif nxt is not None:
+            more = True
+    found.sort(key=lambda e: (e[0], e[1]), reverse=newest)
+    if bound is not None:
+        found = [e for e in found if (e[0] > bound if newest else e[0] < bound)]
+    at = float(start[0]) if start else None
+    dropped = 0
+    while found and dropped < skip and found[0][0] == at:
+        found.pop(0)
+        dropped += 1
+    page, rest = found[:limit], found[limit:]
+    cursor = None
+    if page and (rest or more or bound is not None):
+        last = page[-1][0]
+        seen = sum(1 for e in page if e[0] == last) + (dropped if last == at else 0)
+        cursor = f"{last:.17g}:{seen}"
+    elif bound is not None:
+        cursor = f"{bound:.17g}:0"
+    return page, cursor, scanned
 
 
 def _same(score: float, cursor_score: str) -> bool:

@@ -57,7 +57,9 @@ Layout (``ns`` = namespace)::
                                      (removed at 0; fair.py)
     {ns}:busy:<id>           hash    slot -> "<started ms>\n<job json>" jobs a pool runs now
     {ns}:checkins            hash    job id -> "<ms>\n<json>" last checkin of a running job
-    {ns}:stop                set     job ids someone asked to stop (checkin returns True)
+    {ns}:stop_requests       zset    job id -> ms when the request lapses: running jobs
+                                     someone asked to stop (checkin returns True;
+                                     stop_requests.py)
     {ns}:stats               hash    "processed"/"failed"/"retried"[":<queue>"] -> count; and
                                      "recovered" (jobs the reaper requeued), "pools_reaped",
                                      "poison_pills" (dead-lettered after max_recoveries),
@@ -276,7 +278,7 @@ class Keys:
 
     @property
     def stop_requests(self) -> str:
-        return self.prefix + "stop"
+        return self.prefix + "stop_requests"
 
     @property
     def stats(self) -> str:

@@ -34,13 +34,13 @@ from typing import Any
 import redis
 from kombu.utils.encoding import bytes_to_str
 
-from celery_ext.admin.overview import State
 from celery_ext.config import Settings
 from celery_ext.options.priority import level
 from celery_ext.store.copies import copies, queue_of, run_scripts, set_counts
 from celery_ext.store.history import HistoryWriter, sample_queues
 from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import Keys
+from celery_ext.store.queue_sizes import QueueSizes
 from celery_ext.store.scripts import Scripts
 
 logger = logging.getLogger("celery_ext.worker.requeuer")
@@ -151,7 +151,7 @@ class Requeuer:
         ``history_sample_interval``, so the plots have it with no dashboard running)."""
         scheduled, retry, dead = set_counts(self.client, self.keys)
         self._sampled_at = time.monotonic()
-        self.history.gauge(sample_queues(State(self.client, self.settings), {
+        self.history.gauge(sample_queues(QueueSizes(self.client, self.settings, self.scripts), {
             "scheduled": int(scheduled), "retry": int(retry), "dead": int(dead)}))
 
     def release(self) -> None:

@@ -371,3 +371,21 @@ def test_periodic_run_on_a_cluster_is_enqueued_once_per_due_time(cc: Client) -> 
     assert (state["next_due"], state["runs"], state["last_due"]) == ("5000", "4", "4000")
     assert state["last_job_id"] == run(4000).job_id
     assert queue.encode() in cc.client.smembers(home.queues)
+
+
+def test_stop_requests_find_jobs_in_flight_in_their_queues_copy(cc: Client,
+                                                                cluster: ClusterGroup) -> None:
+    """A job's index entry lives in its queue's copy, the stop requests in the home
+    copy: a request finds the job in flight on whichever master, and its checkin (a
+    home-copy script) answers "stop"; a job in flight nowhere is refused."""
+    queues = spread_queues(cluster, cc.keys)
+    for q in queues:
+        cc.client.hset(cc.keys.of(q).job_index, f"id-{q}", f"inflight\n1\n{q}\n{q}-0\nhost:5:p")
+        cc.client.sadd(cc.keys.queues, q)  # the home registry, as every enqueue writes it
+    assert all(cc.request_stop(f"id-{q}") for q in queues)
+    assert not cc.request_stop("id-nobody")
+    assert cc.client.zcard(cc.keys.stop_requests) == len(queues)
+    k = cc.keys
+    stop, _state, _now = cc.scripts("checkin", [k.checkins, k.stop_requests, k.pool("host:5:p")],
+                                    [f"id-{queues[0]}", "{}"])
+    assert stop == 1

@@ -13,12 +13,13 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from kombu.utils.encoding import bytes_to_str
 
 with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; httpx still works
     warnings.simplefilter("ignore")
     from starlette.testclient import TestClient
 
-from celery_ext.admin.search import Filters, base64_patterns
+from celery_ext.admin.search import SCAN_CHUNK, Filters, SetSearch, base64_patterns
 from celery_ext.admin.web import create_app
 from celery_ext.client import Client
 from celery_ext.config import Settings
@@ -26,7 +27,15 @@ from celery_ext.store.history import HistoryWriter, bucket_bounds, bucket_of, pe
 from celery_ext.store.keys import Keys
 from tests.apps import proj_web
 from tests.helpers import celery_cli
-from tests.webutil import env_for, fill_dead, run_cli, start_web, stop_all, wait_for
+from tests.webutil import (
+    env_for,
+    fill_dead,
+    run_cli,
+    start_web,
+    stop_all,
+    task_payload,
+    wait_for,
+)
 from tests.workers import WorkerProcess
 
 K = Keys("celery_ext")
@@ -191,7 +200,7 @@ def test_search_filters_pages_and_bulk_actions(web: httpx.Client, redis_client: 
 def test_search_in_the_scheduled_and_retry_sets(redis_client: redis.Redis, broker_url: str
                                                 ) -> None:
     proj_web.configure(broker_url)
-    client = Client.for_app(proj_web.app)
+    client = Client.from_app(proj_web.app)
     try:
         for i in range(30):
             proj_web.echo.apply_async((f"later-{i}",), countdown=600 + i)
@@ -244,3 +253,58 @@ def test_bad_search_filters_are_a_400_naming_the_filter(redis_client: redis.Redi
         assert "Traceback" not in out.stderr
         assert ("since" if "--since" in args else "until" if "--until" in args
                 else "cursor") in out.stderr, out.stderr
+
+
+#: One score for every job of the bulk-action test: a burst within one millisecond.
+BURST_MS = 1_700_000_000_000
+
+
+def _burst(redis_client: redis.Redis, kind: str, n: int) -> None:
+    """``n`` jobs j0000... in the ``kind`` set at one score, every other one named
+    ``a.match``: dead-lettered by the ``dead`` script, or scheduled records as
+    ``schedule.lua`` writes them."""
+    names = ["a.match" if i % 2 == 0 else "a.other" for i in range(n)]
+    if kind == "dead":
+        fill_dead(redis_client, [(f"j{i:04d}", names[i], "KeyError", [f"job-{i}"])
+                                 for i in range(n)])
+    else:
+        redis_client.hset(K.scheduled_jobs, mapping={
+            f"j{i:04d}": f'{{"name": "{names[i]}"}}\n{names[i]}\n'
+                         f'{task_payload(f"j{i:04d}", names[i], [i])}' for i in range(n)})
+    redis_client.zadd(getattr(K, kind), {f"j{i:04d}": BURST_MS for i in range(n)})
+
+
+@pytest.mark.parametrize("kind", ["dead", "scheduled"])
+def test_bulk_action_misses_no_match_when_others_remove_entries_at_its_cursor(
+        redis_client: redis.Redis, kind: str) -> None:
+    """A bulk action walks a set chunk by chunk; while it acts on one chunk, someone
+    else removes jobs it has already passed (a person deleting them, the requeuer
+    promoting them), all at the score its cursor stands on (a burst within one
+    millisecond). Every match is still acted on: none is skipped because the entries
+    before the cursor became fewer. The dead set is walked newest first (members of
+    one score in reverse byte order), the scheduled set oldest first."""
+    n = 2 * SCAN_CHUNK + 200
+    _burst(redis_client, kind, n)
+    zset = getattr(K, kind)
+    client = Client(redis_client)
+    first_chunk = [bytes_to_str(i) for i in redis_client.zrange(zset, 0, SCAN_CHUNK - 1,
+                                                                  desc=kind == "dead")]
+    others = [i for i in first_chunk if int(i[1:]) % 2][:100]  # passed, not matching
+    calls = 0
+
+    def act_and_meanwhile_others_remove(ids: list[str]) -> set[str]:
+        nonlocal calls
+        calls += 1
+        if kind == "dead":
+            done = {i for i in ids if client.delete_dead(i)}
+        else:  # "run now": due at once, out of the cursor's score
+            done = {i for i in ids if client.run_scheduled_now(i)}
+        if calls == 1:
+            assert redis_client.zrem(zset, *others) == len(others)
+        return done
+
+    search = SetSearch(redis_client, client.scripts, K, kind)
+    acted = search.act(Filters(name="a.match"), act_and_meanwhile_others_remove)
+    assert acted == n // 2
+    left = {bytes_to_str(i) for i in redis_client.zrangebyscore(zset, BURST_MS, BURST_MS)}
+    assert left == {f"j{i:04d}" for i in range(1, n, 2)} - set(others)

@@ -1,4 +1,5 @@
-"""Observer counters: summed in memory, written to the stats hash in one command."""
+"""Observer counters: summed in memory, written to the stats hash in one command; busy
+records; stop requests, answered by checkins."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import time
 
 import redis
 
+from celery_ext.admin.job_status import JobLookup
 from celery_ext.admin.overview import State
 from celery_ext.config import Settings
 from celery_ext.store.keys import Keys
@@ -68,3 +70,40 @@ def test_busy_record_is_made_when_written_and_survives_a_bad_repr(
     obs.job_finished("job-ok", "obs.long", "processed")
     obs.job_finished("job-bad", "obs.long", "failed")
     assert state.busy_workers() == []  # written records are cleared with their jobs
+
+
+def test_stop_requests_are_taken_for_jobs_in_flight_only_and_lapse(
+        redis_client: redis.Redis) -> None:
+    """The stop requests cannot grow without bound: asking to stop a job that is not in
+    flight (never was, or ended) records nothing; a running job's request is answered
+    by its checkins until the job ends, which removes it, or ``stop_request_ttl``
+    passes; each request drops the lapsed ones."""
+    settings = Settings(stop_request_ttl=0.5)
+    state = State(redis_client, settings)
+    lookup = JobLookup(redis_client, settings)
+
+    def checkin(job_id: str) -> bool:  # a fresh observer: checkins are throttled per job
+        return Observer(redis_client, settings, "pool-obs").checkin(job_id, "step", 0.5)[0]
+
+    assert not any(state.request_stop(f"nobody-{i}") for i in range(1000))
+    assert not redis_client.exists(K.stop_requests)
+
+    # In flight by its checkin record (the job index may be off)...
+    assert checkin("job-1") is False
+    assert state.request_stop("job-1") is True
+    assert checkin("job-1") is True and lookup.status("job-1")["stop_requested"]
+    # ... or by the job index, which says where every job is.
+    redis_client.hset(K.job_index, mapping={"job-2": "inflight\n1\nq\ntag-2\npool-obs",
+                                            "job-3": "done\n1\nq\ntag-3\npool-obs"})
+    assert state.request_stop("job-2") is True and state.request_stop("job-3") is False
+
+    time.sleep(0.6)  # both lapse: no checkin answers them any more
+    assert checkin("job-1") is False and not lookup.status("job-1")["stop_requested"]
+    obs = Observer(redis_client, settings, "pool-obs")
+    obs.checkin("job-4")
+    assert state.request_stop("job-4") is True
+    assert redis_client.zrange(K.stop_requests, 0, -1) == [b"job-4"]  # lapsed ones dropped
+
+    obs.job_finished("job-4", "obs.long", "processed")  # its end removes its request
+    assert not redis_client.exists(K.stop_requests)
+    assert state.request_stop("job-4") is False  # ended: not in flight

@@ -1,7 +1,7 @@
 -- busy: record (or clear) the job an execution slot of a pool is running.
 -- KEYS[1]  busy hash of the pool        {ns}:busy:<pool id>
 -- KEYS[2]  checkins hash                {ns}:checkins
--- KEYS[3]  stop requests set            {ns}:stop
+-- KEYS[3]  stop requests zset           {ns}:stop_requests (the job's entry goes with it)
 -- KEYS[4]  stats hash                   {ns}:stats
 -- ARGV[1]  slot id (pid, or pid-thread)
 -- ARGV[2]  "start", "end", or "lost": the process running the job died (reported by
@@ -30,11 +30,11 @@ elseif ARGV[2] == 'lost' then
     end
   end
   redis.call('HDEL', KEYS[2], jobId)
-  redis.call('SREM', KEYS[3], jobId)
+  redis.call('ZREM', KEYS[3], jobId)
 else
   redis.call('HDEL', busyKey, ARGV[1])
   redis.call('HDEL', KEYS[2], ARGV[3])
-  redis.call('SREM', KEYS[3], ARGV[3])
+  redis.call('ZREM', KEYS[3], ARGV[3])
   if ARGV[6] and ARGV[6] ~= '' then
     redis.call('HINCRBY', KEYS[4], ARGV[6] .. ':' .. ARGV[5], 1)
     redis.call('HINCRBY', KEYS[4], ARGV[6], 1)

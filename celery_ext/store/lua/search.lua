@@ -10,25 +10,60 @@
 -- ARGV[7]  job name that must match exactly ("" = any)
 -- ARGV[8]  error filter ("" = any): the record's exc_type, or a part of its error text
 -- ARGV[9]  text that the job's message body must contain ("" = any)
--- ARGV[10..15] (with ARGV[9]) the text base64-encoded at the three byte alignments:
+-- ARGV[10] id of the last entry the previous step read ("" = none, for a cursor that
+--          names none): entries at the start score up to it in set order are passed
+--          over, however many others removed or added there meanwhile; ARGV[3] is then
+--          where reading starts, once the entry before that place is found to be passed
+-- ARGV[11..16] (with ARGV[9]) the text base64-encoded at the three byte alignments:
 --          pattern, offset of its first character in a 4-character group, ... (see
---          celery_ext/search.py); a candidate is decoded and compared in full
+--          search.py, the admin side); a candidate is decoded and compared in full
 -- A record is "<meta json>\n<queue>\n<payload>"; the job name is meta.name, else the
 -- payload's "task" header, else the queue; the body is the payload's "body" string
 -- (base64 when the payload says so). Only the meta line is decoded as JSON.
--- Returns {matches, next score, next skip, scanned, done}: matches = {id, score, ...};
--- the next step starts at (next score, next skip); done = 1 when the range is exhausted.
+-- Returns {matches, next score, next skip, scanned, done, last id}: matches = {id, score,
+-- ...}; the next step starts at (next score, next skip, last id: the last entry read);
+-- done = 1 when the range is exhausted.
 local zsetKey, recordsKey = KEYS[1], KEYS[2]
 local newestFirst, start, skip, stop = ARGV[1] == '1', ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local chunk, wantMatches = tonumber(ARGV[5]), tonumber(ARGV[6])
 local wantName, wantError, wantText = ARGV[7], ARGV[8], ARGV[9]
+local afterId = ARGV[10]
 
-local entries
-if newestFirst then
-  entries = redis.call('ZRANGE', zsetKey, start, stop, 'BYSCORE', 'REV', 'LIMIT', skip, chunk, 'WITHSCORES')
-else
-  entries = redis.call('ZRANGE', zsetKey, start, stop, 'BYSCORE', 'LIMIT', skip, chunk, 'WITHSCORES')
+local function entriesFrom(offset, count)
+  if newestFirst then
+    return redis.call('ZRANGE', zsetKey, start, stop, 'BYSCORE', 'REV', 'LIMIT', offset, count,
+                      'WITHSCORES')
+  end
+  return redis.call('ZRANGE', zsetKey, start, stop, 'BYSCORE', 'LIMIT', offset, count,
+                    'WITHSCORES')
 end
+
+-- Whether a sorts before b byte by byte, as a sorted set orders the members of one
+-- score (Lua's "<" follows the server's locale).
+local function bytesBefore(a, b)
+  for i = 1, math.min(#a, #b) do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x < y end
+  end
+  return #a < #b
+end
+
+-- Whether the entry id (at the start score) comes at or before afterId in set order.
+local function passed(id)
+  if id == afterId then return true end
+  if newestFirst then return bytesBefore(afterId, id) end
+  return bytesBefore(id, afterId)
+end
+
+-- The entries before place skip are all at the start score: if the last of them is
+-- passed, so are they all, and reading starts there; else (entries before the cursor
+-- were removed) from the start score's first entry.
+local offset = skip
+if afterId ~= '' and skip > 0 then
+  local probe = entriesFrom(skip - 1, 1)
+  if not (probe[1] and probe[2] == start and passed(probe[1])) then offset = 0 end
+end
+local entries = entriesFrom(offset, chunk)
 
 local B64 = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/'
 local b64value = {}
@@ -85,7 +120,7 @@ local function textMatches(payload)
   end
   local n = #wantText
   for a = 0, 2 do
-    local pattern, lead = ARGV[10 + a * 2], tonumber(ARGV[11 + a * 2])
+    local pattern, lead = ARGV[11 + a * 2], tonumber(ARGV[12 + a * 2])
     if pattern and pattern ~= '' then
       local pos = string.find(body, pattern, 1, true)
       while pos do
@@ -117,7 +152,7 @@ local function errorMatches(meta)
 end
 
 local matches, scanned = {}, 0
-local lastScore, sameScore = start, skip
+local lastScore, sameScore, lastId = start, offset, afterId
 for i = 1, #entries, 2 do
   local id, score = entries[i], entries[i + 1]
   scanned = scanned + 1
@@ -126,7 +161,11 @@ for i = 1, #entries, 2 do
   else
     lastScore, sameScore = score, 1
   end
-  local rec = redis.call('HGET', recordsKey, id)
+  local rec = nil
+  if afterId == '' or score ~= start or not passed(id) then
+    lastId = id
+    rec = redis.call('HGET', recordsKey, id)
+  end
   if rec then
     local nl1 = string.find(rec, '\n', 1, true)
     local nl2 = nl1 and string.find(rec, '\n', nl1 + 1, true)
@@ -150,4 +189,4 @@ end
 -- Done when this step read every entry it was given and the range had fewer than asked.
 local done = 0
 if scanned == #entries / 2 and #entries / 2 < chunk then done = 1 end
-return {matches, lastScore, sameScore, scanned, done}
+return {matches, lastScore, sameScore, scanned, done, lastId}
