@@ -132,6 +132,8 @@ def test_pages_and_api_against_a_live_worker(
 
     r = api.post("/api/busy/stop", json={"job_id": running.id}, headers=headers)
     assert r.status_code == 200
+    r = api.post("/api/busy/stop", json={"job_id": "no-such-job"}, headers=headers)
+    assert r.status_code == 404 and "in flight" in r.json()["error"]
     assert running.get(timeout=20)["stopped_at"] < 200
 
     sched_id = sched["items"][0]["id"]

@@ -46,10 +46,12 @@ def busy(client: ClientGetter) -> Output:
 
 @command("stop", json_option=False)
 @click.argument("job_id")
-def stop(client: ClientGetter, job_id: str) -> str:
+def stop(client: ClientGetter, job_id: str) -> Output:
     """Ask a running job to stop: its next checkin returns True."""
-    client().request_stop(job_id)
-    return f"asked job {job_id} to stop"
+    if client().request_stop(job_id):
+        return Output(None, [f"asked job {job_id} to stop"])
+    return Output(None, error=f"job {job_id} is not in flight: only a fetched or running "
+                              "job can be asked to stop")
 
 
 @command("job")

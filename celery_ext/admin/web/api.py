@@ -294,7 +294,9 @@ async def rate_limit(request: Request) -> JSONResponse:
 
 async def stop(request: Request) -> JSONResponse:
     job_id = _str_field(await _json_body(request), "job_id")
-    await run_in_threadpool(_client(request).request_stop, job_id)
+    if not await run_in_threadpool(_client(request).request_stop, job_id):
+        raise HTTPException(404, "no such job in flight (only a fetched or running job "
+                                 "can be asked to stop)")
     return JSONResponse({"job_id": job_id, "stop_requested": True})
 
 
