@@ -20,6 +20,9 @@ from celery_ext.config import Settings
 from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.job_index import IndexEntry, lookup
 from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
+from celery_ext.worker.heartbeater import Heartbeater
+from celery_ext.worker.inflight import recover_tags
 from celery_ext.worker.reaper import Reaper
 from tests.apps import proj
 from tests.helpers import Factory, Mode, start_workers, wait_for
@@ -238,3 +241,32 @@ def test_purged_and_deleted_queues_take_their_jobs_entries_with_them(
 def worker_pool(client: redis.Redis) -> str:
     (pool,) = client.zrange(K.pools, 0, -1)
     return str(pool.decode())
+
+
+def test_purge_takes_the_recovery_counts_of_its_jobs_with_it(
+        broker_url: str, redis_client: redis.Redis) -> None:
+    """Jobs recovered from a lost pool carry a recovery count in ``{ns}:redelivery``
+    (by delivery tag); purging their queue removes the counts with the jobs, at every
+    priority level and fair key, and leaves another queue's job's count alone."""
+    proj.configure(broker_url)
+    settings = Settings()
+    queue, other = "tests.apps.proj.noop", "tests.apps.proj.record"
+    for _ in range(3):
+        proj.noop.apply_async()
+    proj.noop.apply_async(priority=9)
+    proj.noop.apply_async(fair_key="tenant-a")
+    proj.record.apply_async(("kept",))
+    pool = Heartbeater(redis_client, settings, "host:1:purge")
+    pool.register()
+    steps = settings.priority_steps
+    status, jobs, *_ = Scripts(redis_client)(
+        "fetch", K.fetch(pool.pool_id, [queue] * 5 + [other], steps),
+        [pool.pool_id, "1" * 6, *[queue] * 5, other, 0])
+    assert status == 1 and len(jobs) == 6
+    tags = [job[1].decode() for job in jobs]
+    _, requeued, _ = recover_tags(redis_client, settings, pool.pool_id, tags, mode="job")
+    assert sorted(requeued) == sorted(tags)
+    assert redis_client.hlen(K.redelivery) == 6  # one recovery each
+    with proj.app.connection_for_write() as conn:
+        assert conn.default_channel.queue_purge(queue) == 5
+    assert redis_client.hkeys(K.redelivery) == [tags[-1].encode()]
