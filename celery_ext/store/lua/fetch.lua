@@ -190,7 +190,7 @@ for i = 1, ncand do
           tag = base .. '~' .. n
         end
         redis.call('HINCRBY', KEYS[6], qname, 1)
-        if fkey and fair_limits[qname] then
+        if fkey then  -- counted with a per-key limit or not (include/fair.lua)
           redis.call('HINCRBY', KEYS[6], qname .. '\n' .. fkey, 1)
         end
         tracked = true
