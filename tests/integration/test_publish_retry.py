@@ -208,9 +208,9 @@ def test_a_retried_publish_waits_for_the_replication_of_the_write_it_found(
     (SIGSTOP: the primary still counts it as connected) since before the first attempt,
     the retry raises NotReplicated instead of returning as if a replica had the job."""
     primary, replica = replicated
-    with primary.client() as c:
+    with primary.client() as c, replica.client() as r:
         c.flushall()
-    wait_for(lambda: replica.client().dbsize() == 0, 10, "the flush to replicate")
+        wait_for(lambda: r.dbsize() == 0, 10, "the flush to replicate")
     script, name, options = REPLICATED_CASES[case]
     proxy = Proxy(("127.0.0.1", primary.port)).start()
     app = replicated_app(f"celery-ext://127.0.0.1:{proxy.port}/0")
