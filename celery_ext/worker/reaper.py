@@ -283,7 +283,8 @@ class Reaper:
         return self._last_ok - self._steady_since >= self.settings.dead_after * 1000
 
     def tick(self) -> ReapResult | None:
-        """One loop step: note Redis' answer for the stall guard, then reap if steady."""
+        """One loop step: note Redis' answer for the stall guard, reap if steady, then
+        trim the job index (:meth:`trim_index`; after the reap, which matters more)."""
         try:
             now = now_ms(self.client)
         except redis.RedisError:
@@ -293,11 +294,15 @@ class Reaper:
         if self._last_ok is None or now - self._last_ok > gap_limit:
             self._steady_since = now  # first contact, or after a stall: start over
         self._last_ok = now
-        self.trim_index()
-        if not self.steady():
-            return None
-        self.passes += 1
-        return self.reap(steady_ms=now - (self._steady_since or now))
+        result = None
+        if self.steady():
+            self.passes += 1
+            result = self.reap(steady_ms=now - (self._steady_since or now))
+        try:
+            self.trim_index()
+        except redis.RedisError as exc:
+            logger.warning("celery_ext: job index trim skipped: %s", exc)
+        return result
 
     def trim_index(self) -> int:
         """Expire the job index's finished entries past their TTL, a bounded step per
