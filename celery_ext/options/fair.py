@@ -29,8 +29,8 @@ ring (``fetch.lua``). Every later move reads the key from the payload in the scr
 Per-key concurrency: the task option ``fair_max_concurrency=N`` caps the jobs of one
 key in flight in all pools (needs ``acks_late``, as ``max_concurrency``). Worker
 pools write it at start into ``{ns}:limits`` as the field ``"<queue>\\n"``; the jobs
-of each key in flight are counted (while the queue has such a limit) in ``{ns}:running``
-as ``"<queue>\\n<key>"``.
+of each key in flight are counted in ``{ns}:running`` as ``"<queue>\\n<key>"``, with a
+limit or not, so that a limit written while a key's jobs run counts them (docs/fair.md).
 """
 
 from __future__ import annotations

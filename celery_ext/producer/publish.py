@@ -48,6 +48,16 @@ where the pool's reconcile or the reaper runs it again. Waiting there would cost
 round trip on the hot path to turn a possible duplicate into none, which is not the
 promise (delivery is at-least-once). Jobs added to a publish batch are covered when
 the batch is flushed (one ``WAIT`` for the whole batch).
+
+A retried publish (above) may find its marker: the first attempt's script ran and the
+connection broke before ``WAIT`` answered. ``WAIT`` counts the replicas that have this
+connection's last write, and a connection that wrote nothing has nothing to wait
+for: it would return at once with every replica counted, though none may have the
+job. So a script that finds the marker renews the marker's TTL (``PEXPIRE``, a write
+that also goes through when Redis is full): the replication stream is one ordered
+log, so a replica that has this write has the first attempt's too, and the ``WAIT``
+after it covers the job the retry found, or raises ``NotReplicated``.
+
 One connection per channel
 --------------------------
 A publish is one script call, and most of its client-side cost was redis-py's client

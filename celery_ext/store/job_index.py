@@ -21,8 +21,11 @@ done       delivery tag           pool id (of the last run)
 
 ``ms`` is the Redis time of the move. Bounds: a live entry is replaced as the job moves
 and removed when the job is deleted (forget, dead-set trim); a ``done`` entry is kept
-``job_index_ttl`` seconds (each finish trims up to 20 expired ones, so the index holds
-the live jobs plus the jobs finished within the TTL). A move of one copy of a job never
+``job_index_ttl`` seconds: each finish trims up to 20 expired ones, and every worker
+pool's reaper trims up to :data:`TRIM_STEP` per copy at each of its ticks
+(:func:`trim_finished`), so entries expire also when nothing runs after them, and the
+index holds the live jobs plus the jobs finished within the TTL (and what the trims
+have not reached yet). A move of one copy of a job never
 overwrites the entry of another copy with the same task id: Celery schedules a retry
 under the task id before the failed run is acked, so that ack leaves the entry saying
 ``retry``.
@@ -41,11 +44,15 @@ from typing import Any, TypedDict
 from kombu.utils.encoding import bytes_to_str
 
 from celery_ext.config import Settings
-from celery_ext.store.copies import copies, per_copy
+from celery_ext.store.copies import copies, per_copy, run_scripts
 from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
 
 #: The states an entry can say.
 STATES = ("queued", "inflight", "scheduled", "retry", "dead", "done")
+#: Most finished entries one periodic trim call handles in one copy: bounds the time
+#: Redis spends in it at each reaper tick (about 1 ms per 1,000).
+TRIM_STEP = 1000
 
 
 class IndexEntry(TypedDict):
@@ -87,3 +94,18 @@ def lookup(client: Any, keys: Keys, task_id: str) -> IndexEntry | None:
         if raw is not None:
             return parse(raw)
     return None
+
+
+def trim_finished(client: Any, scripts: Scripts, keys: Keys, settings: Settings) -> int:
+    """Delete the finished entries whose ``job_index_ttl`` has passed, at most
+    :data:`TRIM_STEP` in each copy (one script call per copy; on a cluster one pipeline
+    per master), and return how many were handled. Finishes trim only the entries of
+    their own copy, and only while jobs finish; the reaper runs this at every tick, so
+    the entries of a queue that stopped running jobs expire too. Nothing with the
+    index off."""
+    ttl = index_ttl_ms(settings)
+    if not ttl:
+        return 0
+    calls = [("job_index_trim", index_keys(copy), [ttl, TRIM_STEP])
+             for copy in copies(client, keys)]
+    return sum(int(n) for n in run_scripts(client, scripts, calls))

@@ -52,8 +52,7 @@ Layout (``ns`` = namespace)::
     {ns}:inflight_pools      set     pool ids that may own in-flight jobs (finds orphans)
     {ns}:redelivery          hash    delivery tag -> times recovered from a dead pool
     {ns}:running             hash    queue name -> jobs of it in flight in all pools;
-                                     "<queue>\n<fair key>" -> that key's jobs in flight,
-                                     counted while its queue has a per-key limit
+                                     "<queue>\n<fair key>" -> that key's jobs in flight
                                      (removed at 0; fair.py)
     {ns}:busy:<id>           hash    slot -> "<started ms>\n<job json>" jobs a pool runs now
     {ns}:checkins            hash    job id -> "<ms>\n<json>" last checkin of a running job

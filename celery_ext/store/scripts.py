@@ -8,10 +8,10 @@ recover, heartbeat, deregister, unique_release, and bind for a worker's queue
 bindings) start with ``#!lua flags=allow-oom``:
 when Redis reaches ``maxmemory`` a pool must still drain, finish, return and
 dead-letter jobs and stay alive (each is atomic: refused whole or run whole, never
-stopped half-way at its first growing write). So does queue_info, which only reads
-and removes: the dashboard and the CLI must work on a full Redis. New work (enqueue,
-schedule, promote) is refused, so memory cannot grow without bound. Flags need
-Redis 7.0+ / Valkey.
+stopped half-way at its first growing write). So do queue_info, which only reads
+and removes: the dashboard and the CLI must work on a full Redis, and job_index_trim,
+which frees memory. New work (enqueue, schedule, promote) is refused, so memory
+cannot grow without bound. Flags need Redis 7.0+ / Valkey.
 
 A line ``-- @include <fragment>`` in a script is replaced by ``lua/include/<fragment>.lua``:
 the job index's helpers (``include/job_index.lua``) are shared by every script that moves a job.
@@ -35,7 +35,7 @@ SCRIPT_NAMES = (
     "enqueue", "fetch", "ack", "requeue", "heartbeat", "deregister", "dead", "recover",
     "checkin", "busy", "schedule", "promote", "enqueue_unique", "unique_release", "dead_retry",
     "bind", "stats", "forget", "queue_info", "history", "search", "periodic_run",
-    "periodic_sync", "periodic_lease", "periodic_outcome", "purge",
+    "periodic_sync", "periodic_lease", "periodic_outcome", "purge", "job_index_trim",
 )
 
 

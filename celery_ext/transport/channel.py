@@ -416,11 +416,11 @@ class Channel(kredis.Channel):
 
     def _drop_lists(self, client: Any, queue: str) -> int:
         """Delete every list of a job queue (levels, fair ring and sub-queues) and the
-        index entries of the jobs in them, in one script (``purge.lua``). Returns how
-        many jobs were removed."""
+        index entries and recovery counts of the jobs in them, in one script
+        (``purge.lua``). Returns how many jobs were removed."""
         k = self.keys.of(queue)
-        return int(self.scripts("purge", [k.ready, k.job_index, *self._levels(queue)], [queue],
-                                client=client))
+        return int(self.scripts("purge", [k.ready, k.job_index, k.redelivery,
+                                          *self._levels(queue)], [queue], client=client))
 
     def _purge(self, queue: str) -> int:
         with self.conn_or_acquire() as client:

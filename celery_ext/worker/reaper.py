@@ -11,6 +11,10 @@ steadily for long enough: in a worker, ``dead_after`` of its own contact and the
 pool's :attr:`~celery_ext.liveness.Liveness.confirm_ms`; in a one-shot process,
 ``reap_now()`` first watches Redis for the confirm time of the pools that look dead
 (``force=True`` skips the watch).
+
+Each tick also trims the job index's finished entries past their TTL, a bounded step
+per copy (:meth:`Reaper.trim_index`), so they expire when no later job of their queue
+finishes.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from kombu.utils.encoding import bytes_to_str
 from celery_ext.config import Settings
 from celery_ext.store.clock import now_ms
 from celery_ext.store.copies import copies, per_copy, queue_of, run_scripts
+from celery_ext.store.job_index import trim_finished
 from celery_ext.store.keys import STAT_POOLS_REAPED, Keys
 from celery_ext.store.liveness import LIVENESS_FIELDS, Liveness
 from celery_ext.store.scripts import Scripts
@@ -278,7 +283,8 @@ class Reaper:
         return self._last_ok - self._steady_since >= self.settings.dead_after * 1000
 
     def tick(self) -> ReapResult | None:
-        """One loop step: note Redis' answer for the stall guard, then reap if steady."""
+        """One loop step: note Redis' answer for the stall guard, reap if steady, then
+        trim the job index (:meth:`trim_index`; after the reap, which matters more)."""
         try:
             now = now_ms(self.client)
         except redis.RedisError:
@@ -288,10 +294,22 @@ class Reaper:
         if self._last_ok is None or now - self._last_ok > gap_limit:
             self._steady_since = now  # first contact, or after a stall: start over
         self._last_ok = now
-        if not self.steady():
-            return None
-        self.passes += 1
-        return self.reap(steady_ms=now - (self._steady_since or now))
+        result = None
+        if self.steady():
+            self.passes += 1
+            result = self.reap(steady_ms=now - (self._steady_since or now))
+        try:
+            self.trim_index()
+        except redis.RedisError as exc:
+            logger.warning("celery_ext: job index trim skipped: %s", exc)
+        return result
+
+    def trim_index(self) -> int:
+        """Expire the job index's finished entries past their TTL, a bounded step per
+        copy (:func:`~celery_ext.store.job_index.trim_finished`): finishes trim only
+        while jobs finish, so each tick does it whatever runs. It judges no pool, so it
+        does not wait for the stall guard."""
+        return trim_finished(self.client, self.scripts, self.keys, self.settings)
 
     def _run(self) -> None:
         interval = self.settings.reap_interval

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import warnings
 from typing import Any
 
@@ -182,6 +183,35 @@ def test_per_key_limit_holds_across_two_pools(
     ran = order(rec)
     assert ran.index("B3") < ran.index("A11")  # B was not waiting behind A's backlog
     wait_for(lambda: not fair_leftovers(redis_client), 10, "no fair key left")
+
+
+def test_a_per_key_limit_set_while_jobs_run_counts_the_jobs_already_in_flight(
+        installed: Any, rec: redis.Redis, redis_client: redis.Redis,
+        worker_factory: Factory) -> None:
+    """A per-key limit written while jobs of the key run (a pool started with a release
+    that declares it, beside pools whose release does not) admits no more jobs than
+    the limit: the jobs fetched before it count. Pool A runs 4 jobs of key X with no
+    limit in Redis; pool B starts and writes fair_max_concurrency=5: B takes 1 more,
+    not 4."""
+    held, queue = installed.held, installed.held.name
+    options = {"pool": "threads", "concurrency": 4,
+               "extra_args": ["--prefetch-multiplier", "1"]}
+    worker_factory(APP, **options).start(timeout=60)
+    assert redis_client.hdel(K.limits, f"{queue}\n") == 1  # as pool A's release has none
+    for i in range(8):
+        held.apply_async(("X", i))
+    wait_for(lambda: len(order(rec, "fair:started")) == 4, 30, "pool A's 4 jobs running")
+    worker_factory(APP, **options).start(timeout=60)  # writes the limit
+    assert redis_client.hget(K.limits, f"{queue}\n") == b"5"
+    try:
+        wait_for(lambda: len(order(rec, "fair:started")) >= 5, 30, "pool B's first job")
+        time.sleep(1.5)  # what pool B would take beyond the limit, it takes by now
+        assert len(order(rec, "fair:started")) == 5
+        assert redis_client.hget(K.running, f"{queue}\nX") == b"5"
+    finally:
+        rec.set("fair:open", 1)
+    wait_for(lambda: len(order(rec, "fair:started")) == 8, 30, "the other 3 jobs")
+    wait_for(lambda: not fair_leftovers(redis_client), 10, "no count left")
 
 
 # -- in-process ------------------------------------------------------------------------------

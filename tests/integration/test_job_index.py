@@ -20,6 +20,9 @@ from celery_ext.config import Settings
 from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.job_index import IndexEntry, lookup
 from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
+from celery_ext.worker.heartbeater import Heartbeater
+from celery_ext.worker.inflight import recover_tags
 from celery_ext.worker.reaper import Reaper
 from tests.apps import proj
 from tests.helpers import Factory, Mode, start_workers, wait_for
@@ -238,3 +241,96 @@ def test_purged_and_deleted_queues_take_their_jobs_entries_with_them(
 def worker_pool(client: redis.Redis) -> str:
     (pool,) = client.zrange(K.pools, 0, -1)
     return str(pool.decode())
+
+
+def test_purge_takes_the_recovery_counts_of_its_jobs_with_it(
+        broker_url: str, redis_client: redis.Redis) -> None:
+    """Jobs recovered from a lost pool carry a recovery count in ``{ns}:redelivery``
+    (by delivery tag); purging their queue removes the counts with the jobs, at every
+    priority level and fair key, and leaves another queue's job's count alone."""
+    proj.configure(broker_url)
+    settings = Settings()
+    queue, other = "tests.apps.proj.noop", "tests.apps.proj.record"
+    for _ in range(3):
+        proj.noop.apply_async()
+    proj.noop.apply_async(priority=9)
+    proj.noop.apply_async(fair_key="tenant-a")
+    proj.record.apply_async(("kept",))
+    pool = Heartbeater(redis_client, settings, "host:1:purge")
+    pool.register()
+    steps = settings.priority_steps
+    status, jobs, *_ = Scripts(redis_client)(
+        "fetch", K.fetch(pool.pool_id, [queue] * 5 + [other], steps),
+        [pool.pool_id, "1" * 6, *[queue] * 5, other, 0])
+    assert status == 1 and len(jobs) == 6
+    tags = [job[1].decode() for job in jobs]
+    _, requeued, _ = recover_tags(redis_client, settings, pool.pool_id, tags, mode="job")
+    assert sorted(requeued) == sorted(tags)
+    assert redis_client.hlen(K.redelivery) == 6  # one recovery each
+    with proj.app.connection_for_write() as conn:
+        assert conn.default_channel.queue_purge(queue) == 5
+    assert redis_client.hkeys(K.redelivery) == [tags[-1].encode()]
+
+
+def test_finished_entries_expire_without_later_jobs_of_their_queue(
+        broker_url: str, redis_client: redis.Redis, worker_factory: Factory) -> None:
+    """100 jobs finish with job_index_ttl=1 s and nothing runs after them: the pool's
+    periodic trim (its reaper's tick) removes their entries once the TTL has passed,
+    without a later finish in that queue to trim them."""
+    proj.configure(broker_url)
+    ttl = 1.0
+    start_workers(worker_factory, 1, app="tests.apps.proj",
+                  env={"CELERY_EXT_JOB_INDEX_TTL": str(ttl), "CELERY_EXT_REAP_INTERVAL": "0.5"})
+    ids = [proj.noop.apply_async().id for _ in range(100)]
+    assert redis_client.hlen(K.job_index) == 100  # written at enqueue
+
+    def finished() -> bool:  # done, or done and trimmed already
+        return all(r is None or r.startswith(b"done\n")
+                   for r in redis_client.hmget(K.job_index, ids))
+    wait_for(finished, 60, "100 jobs done")
+    assert redis_client.llen(K.queue(proj.noop.name)) == 0
+    wait_for(lambda: not redis_client.hlen(K.job_index), ttl + 4,
+             "the finished entries to expire")
+    assert not redis_client.exists(K.job_index_done)
+
+
+def test_the_periodic_trim_reaches_every_copy_of_a_cluster_in_bounded_steps(
+        cluster_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a cluster each job queue's copy has its own index: the reaper's trim deletes
+    the expired finished entries in every copy, at most TRIM_STEP per copy and call;
+    a finished entry within its TTL stays, and an entry live again (a task id reused)
+    only leaves the finished set."""
+    from celery_ext.client import Client
+    from celery_ext.store import job_index
+
+    client = Client.from_url(cluster_url, cluster=True, namespace="cl_trim")
+    r, keys = client.client, client.keys
+    settings = Settings(cluster=True, namespace="cl_trim", job_index_ttl=1.0)
+    queues = [f"trim.q{i}" for i in range(4)]
+    monkeypatch.setattr(job_index, "TRIM_STEP", 2)
+    try:
+        r.sadd(keys.queues, *queues)
+        now = int(r.time()[0]) * 1000
+        for q in queues:
+            k = keys.of(q)
+            for n in range(3):
+                r.hset(k.job_index, f"{q}:old{n}", f"done\n{now - 5000}\n{q}\nt\np")
+                r.zadd(k.job_index_done, {f"{q}:old{n}": now - 4000 + n})
+            r.hset(k.job_index, f"{q}:fresh", f"done\n{now}\n{q}\nt\np")
+            r.zadd(k.job_index_done, {f"{q}:fresh": now + 60_000})
+            r.hset(k.job_index, f"{q}:live", f"queued\n{now}\n{q}\n0\n")
+            r.zadd(k.job_index_done, {f"{q}:live": now - 9000})
+        reaper = Reaper(r, settings)
+        assert reaper.trim_index() == 2 * len(queues)  # a bounded step in each copy
+        assert reaper.trim_index() == 2 * len(queues)
+        assert reaper.trim_index() == 0
+        for q in queues:
+            k = keys.of(q)
+            assert sorted(x.decode() for x in r.hkeys(k.job_index)) == [f"{q}:fresh",
+                                                                         f"{q}:live"]
+            assert r.zrange(k.job_index_done, 0, -1) == [f"{q}:fresh".encode()]
+    finally:
+        for q in queues:
+            r.delete(keys.of(q).job_index, keys.of(q).job_index_done)
+        r.delete(keys.queues)
+        r.close()

@@ -10,6 +10,8 @@ job must be stored once and run once.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,7 +21,9 @@ import redis
 from celery import Celery
 from kombu import Connection, Exchange, Queue
 
+import celery_ext
 from celery_ext.config import DEFAULT_PUBLISH_IDEMPOTENCY_TTL
+from celery_ext.errors import NotReplicated
 from celery_ext.producer.publish import PUBLISH_ID
 from celery_ext.store import scripts
 from celery_ext.store.keys import Keys
@@ -148,3 +152,96 @@ def test_one_publish_to_two_queues_stores_a_job_in_each(
     assert redis_client.llen(K.queue("twin_a")) == 3
     assert redis_client.llen(K.queue("twin_b")) == 3
     assert len(list(redis_client.scan_iter(K.published("*")))) == 6
+
+
+# -- wait_replicas: a retried publish waits for the write it found --------------------------
+@pytest.fixture(scope="module")
+def replicated() -> Iterator[tuple[RedisServer, RedisServer]]:
+    """A primary and one replica in sync (no sentinels: the test decides what fails)."""
+    with RedisServer(appendonly=False) as primary:
+        replica = RedisServer(appendonly=False,
+                              extra_args=["--replicaof", primary.host, str(primary.port),
+                                          "--repl-diskless-sync-delay", "0"])
+        with replica:
+            wait_for(lambda: in_sync(primary, replica), 15, "the replica to sync")
+            yield primary, replica
+
+
+def in_sync(primary: RedisServer, replica: RedisServer) -> bool:
+    with replica.client() as r, primary.client() as p:
+        link = r.info("replication").get("master_link_status") == "up"
+        return link and p.info("replication").get("connected_slaves") == 1
+
+
+def replicated_app(url: str) -> Celery:
+    """A producer with ``wait_replicas=1`` and a plain and a unique job."""
+    app = Celery("replicated_producer", broker=url, set_as_current=False)
+    app.conf.broker_transport_options = {"wait_replicas": 1, "wait_timeout_ms": 300}
+    app.conf.task_ignore_result = True
+    celery_ext.install(app)
+
+    @app.task(name="replicated.plain", shared=False)
+    def plain(n: int) -> None: ...
+
+    @app.task(name="replicated.unique", shared=False, unique=True)
+    def unique(n: int) -> None: ...
+
+    return app
+
+
+#: case -> (the script whose reply is lost, job name, apply_async options beyond RETRY)
+REPLICATED_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "queued": ("enqueue", "replicated.plain", {}),
+    "scheduled": ("schedule", "replicated.plain", {"countdown": 60.0}),
+    "unique": ("enqueue_unique", "replicated.unique", {}),
+}
+
+
+@pytest.mark.parametrize("replica_state", ["up", "paused"])
+@pytest.mark.parametrize("case", list(REPLICATED_CASES))
+def test_a_retried_publish_waits_for_the_replication_of_the_write_it_found(
+        replicated: tuple[RedisServer, RedisServer], case: str, replica_state: str) -> None:
+    """wait_replicas=1: the first attempt's script runs and its reply is lost; Kombu's
+    retry finds the publish marker and writes no job. Its WAIT, on a fresh connection,
+    must still cover the first attempt's write: with the replica up the publish returns
+    and the replica has the job; with the replica paused
+    (SIGSTOP: the primary still counts it as connected) since before the first attempt,
+    the retry raises NotReplicated instead of returning as if a replica had the job."""
+    primary, replica = replicated
+    with primary.client() as c, replica.client() as r:
+        c.flushall()
+        wait_for(lambda: r.dbsize() == 0, 10, "the flush to replicate")
+    script, name, options = REPLICATED_CASES[case]
+    proxy = Proxy(("127.0.0.1", primary.port)).start()
+    app = replicated_app(f"celery-ext://127.0.0.1:{proxy.port}/0")
+    try:
+        task = app.tasks[name]
+        task.apply_async((0,), **options, **RETRY)  # connected, scripts loaded
+        proxy.cut_on_reply(scripts.sha(script).encode())
+        if replica_state == "paused":
+            os.kill(replica.pid or 0, signal.SIGSTOP)
+        try:
+            if replica_state == "paused":
+                with pytest.raises(NotReplicated, match="0 of 1 replica"):
+                    task.apply_async((1,), **options, **RETRY)
+            else:
+                task.apply_async((1,), **options, **RETRY)
+        finally:
+            if replica_state == "paused":
+                os.kill(replica.pid or 0, signal.SIGCONT)
+        assert proxy.replies_cut == 1  # the fault happened inside the round trip
+    finally:
+        app.close()
+        proxy.stop()
+    with primary.client() as c:
+        assert len(stored_jobs(c, name)) == 2  # the warm-up and this one, not a third
+    if replica_state == "up":
+        with replica.client() as r:
+            assert len(stored_jobs(r, name)) == 2
+
+
+def stored_jobs(client: redis.Redis, queue: str) -> list[bytes]:
+    """Jobs of ``queue`` in its job queue and in the scheduled set."""
+    jobs = client.lrange(K.queue(queue), 0, -1)
+    return jobs + [rec for rec in client.hvals(K.scheduled_jobs)
+                   if rec.split(b"\n", 2)[1] == queue.encode()]

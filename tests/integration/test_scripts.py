@@ -58,5 +58,5 @@ def test_every_script_loads_and_calls_only_helpers_it_defines(
 
 
 def _fragment_files() -> list[Traversable]:
-    folder = resources.files("celery_ext").joinpath("scripts")
-    return [p for p in folder.iterdir() if p.name.startswith("_")]
+    folder = resources.files("celery_ext.store").joinpath("lua", "include")
+    return [p for p in folder.iterdir() if p.name.endswith(".lua")]

@@ -19,8 +19,10 @@
 -- `celery inspect`/`control` call) use the same path but are not job queues: they are
 -- not recorded in the known queues set (queue_info.lua drops such names too).
 -- Returns the queue length after the push, or -1 when the publish marker was there
--- already (a retry of a publish whose write landed) or the run record holds the run's
--- due time or a later one (another leader pushed it): nothing pushed again.
+-- already (a retry of a publish whose write landed: nothing pushed again; the marker's
+-- TTL is renewed, a write that replicates after the first attempt's, so the WAIT that
+-- follows on this connection covers that write: see publish.py) or the run record holds
+-- the run's due time or a later one (another leader pushed it).
 -- @include fair
 local queueKey, readyKey, queuesKey, markerKey = KEYS[1], KEYS[2], KEYS[3], KEYS[6]
 local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]
@@ -32,6 +34,7 @@ if runRecordKey and tonumber(redis.call('GET', runRecordKey) or '-1') >= tonumbe
   return -1
 end
 if markerKey and not redis.call('SET', markerKey, '1', 'NX', 'PX', markerTtlMs) then
+  redis.call('PEXPIRE', markerKey, markerTtlMs)
   return -1
 end
 if runRecordKey then redis.call('SET', runRecordKey, runDueMs, 'PX', runRecordTtlMs) end

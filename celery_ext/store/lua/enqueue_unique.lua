@@ -20,7 +20,8 @@
 -- Returns {1, task id} when enqueued, {0, holder} when a job with the same key is
 -- pending (nothing pushed; the same task id published twice counts as pending),
 -- {0, task id} when the publish marker was there already: a retry of a publish
--- that pushed its job (nothing pushed again).
+-- that pushed its job (nothing pushed again; the marker's TTL is renewed, so the WAIT
+-- that follows covers the first attempt's write, as in enqueue.lua).
 -- @include fair
 local lockKey, queueKey, readyKey, queuesKey, markerKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[7]
 local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]
@@ -31,6 +32,7 @@ local markerTtlMs = ARGV[9]
 if markerKey then
   local pushed = redis.call('GET', markerKey)
   if pushed then
+    redis.call('PEXPIRE', markerKey, markerTtlMs)
     return {0, pushed}
   end
 end

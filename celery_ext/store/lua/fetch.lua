@@ -24,14 +24,10 @@
 -- ARGV[4 + n] (optional) "1" = keep the job index: each tracked job's entry says
 --          inflight in this pool under its delivery tag (O(1): the task id is read
 --          from the payload's last bytes)
--- Delivery tag: Kombu writes "properties" last, with "delivery_tag" after its other
--- properties, and our producers add only "enqueued_at" after it (a republished
--- message, e.g. by celery migrate, may add delivery_mode/priority): the tag is looked
--- for in the last TAG_WINDOW bytes only, the last occurrence winning, so the cost
--- does not grow with the payload. A job whose tag is not there (another client's
--- layout) gets "untagged-<sha1 of its length, first and last 512 bytes>": the same
--- on every fetch, so its recovery count holds across requeues; a duplicate gets a
--- "~<n>" suffix as below.
+-- Delivery tag: read from the payload's last bytes (include/delivery_tag.lua); a job
+-- without one (another client's layout) gets "untagged-<sha1 ...>", the same on every
+-- fetch, so its recovery count holds across requeues; a duplicate gets a "~<n>"
+-- suffix as below.
 -- A tracked job over max_payload_bytes is recorded in flight as usual, but its
 -- payload is not shipped: the reply carries its size (an integer) instead, and the
 -- worker moves it to the dead set (reason too_large).
@@ -59,7 +55,6 @@
 -- empties = names of candidate queues found or left empty; blocked = names of
 -- candidate queues skipped (paused, at their limit or not due) or left at their limit
 -- or not due; waits = {{queue name, µs until its next job is due}, ...}.
-local TAG_WINDOW = 1024
 local FAIR_TRIES = 8
 local MAX_WAIT_US = 86400000000
 local NFIXED = 12
@@ -71,23 +66,7 @@ local max_payload = tonumber(ARGV[3 + ncand] or 0) or 0
 local indexed = ARGV[4 + ncand] == '1'
 -- @include job_index
 
--- The message's own delivery tag, from the end of the payload only (see above): the
--- last occurrence in its last `window` bytes, or nil.
-local function tag_in(payload, window)
-  local tag, from = nil, math.max(1, #payload - window + 1)
-  while true do
-    local _, e = string.find(payload, '"delivery_tag": "', from, true)
-    if not e then return tag end
-    local q = string.find(payload, '"', e + 1, true)
-    if not q then return tag end
-    tag = string.sub(payload, e + 1, q - 1)
-    from = q + 1
-  end
-end
-local function tag_of(payload)
-  -- Our producers' tag ends about 60 bytes before the end: look there first.
-  return tag_in(payload, 128) or tag_in(payload, TAG_WINDOW)
-end
+-- @include delivery_tag
 -- Per queue name, the first level (1 = the first) that may hold jobs: the levels
 -- before it were found empty by an earlier candidate of this call.
 local level_from = {}
@@ -204,10 +183,6 @@ for i = 1, ncand do
       redis.call('SREM', KEYS[3], qname)
     else
       local tag = tag_of(payload)
-      if not tag or tag == '' then
-        tag = 'untagged-' .. redis.sha1hex(#payload .. '\n' .. string.sub(payload, 1, 512)
-                                           .. '\n' .. string.sub(payload, -512))
-      end
       local track = string.sub(flags, i, i) == '1'
       if track then
         -- A tag this pool already owns (a duplicated or forged message) gets a
@@ -218,7 +193,7 @@ for i = 1, ncand do
           tag = base .. '~' .. n
         end
         redis.call('HINCRBY', KEYS[6], qname, 1)
-        if fkey and fair_limits[qname] then
+        if fkey then  -- counted with a per-key limit or not (include/fair.lua)
           redis.call('HINCRBY', KEYS[6], qname .. '\n' .. fkey, 1)
         end
         tracked = true

@@ -23,7 +23,9 @@
 -- Returns {1, due ms, task id} when scheduled, {0, 0, holder} when a unique job
 -- with the same key is already pending (nothing stored; the same task id
 -- published twice counts as pending), {0, 0, marker value} when the publish marker
--- was there already: a retry of a publish that stored its job (nothing stored again).
+-- was there already: a retry of a publish that stored its job (nothing stored again;
+-- the marker's TTL is renewed, so the WAIT that follows covers the first attempt's
+-- write, as in enqueue.lua).
 local targetKey, jobsKey, otherKey, queuesKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local jobId, delayMs, metaJson, queueName = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local payload, scheduleChannel = ARGV[5], ARGV[6]
@@ -39,6 +41,7 @@ end
 if markerKey then
   local stored = redis.call('GET', markerKey)
   if stored then
+    redis.call('PEXPIRE', markerKey, markerTtlMs)
     return {0, 0, stored}
   end
 end

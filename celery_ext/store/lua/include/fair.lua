@@ -5,7 +5,7 @@
 --   <queue key>\6\23<key>  list  the sub-queue of one key, first in first out
 -- Both are the queue key plus a suffix, so they carry its hash tag: a script given the
 -- queue key (or one of its level keys) in KEYS addresses them in the same slot.
--- A key's jobs in flight, counted while its queue has a per-key limit: field
+-- A key's jobs in flight, counted whether its queue has a per-key limit or not: field
 -- "<queue name>\n<key>" of {ns}:running (removed at 0); the limit: field
 -- "<queue name>\n" of {ns}:limits (keys.py).
 local FAIR_SEP = '\6\23'
@@ -49,9 +49,12 @@ local function push_front(queueKey, levelKey, payload)
 end
 
 -- A job left the in-flight record (`rec` = "<queue>\n<payload>"): its fair key's count
--- in the running hash goes down (removed at 0). Fetch counts a keyed job only when its
--- queue has a per-key limit, so a key without a count is left alone: a limit set while
--- jobs are in flight counts the jobs fetched from then on, and no count ever drifts.
+-- in the running hash goes down (removed at 0). Fetch counts every keyed job it records
+-- in flight, whether its queue has a per-key limit or not: a limit written while jobs
+-- of a key run finds them counted, so it admits no job beyond it (were only the jobs
+-- fetched under a limit counted, those fetched before it would run uncounted beside
+-- the limit's share, and their acks would take the others' counts down). A key without
+-- a count (a job fetched by a release that counted only under a limit) is left alone.
 -- Returns the count left, or nil (an unkeyed or uncounted job).
 local function fair_release(running, qname, rec)
   local key = fair_of(rec)

@@ -61,20 +61,33 @@ local function jix_set(idx, id, state, queue, ref, detail)
   redis.call('HSET', idx, id, state .. '\n' .. jix_now() .. '\n' .. queue .. '\n'
              .. (ref or '') .. '\n' .. (detail or ''))
 end
--- A finished job: the entry is kept ttl ms; each finish trims a few expired ones.
+-- Trim up to `limit` finished entries whose time in `done` is up: an entry that still
+-- says done is deleted once `ttl` ms have passed since its finish, or, finished later
+-- than its time says (a TTL longer than the finisher's), kept under its new time; an
+-- entry that became live again (a task id reused) or is gone only leaves `done`.
+-- Returns how many members of `done` were handled.
+local function jix_trim(idx, done, ttl, limit)
+  local now = jix_now()
+  local old = redis.call('ZRANGE', done, '-inf', now, 'BYSCORE', 'LIMIT', 0, limit)
+  for _, oid in ipairs(old) do
+    local f = jix_get(idx, oid)
+    local due = f and f[1] == 'done' and tonumber(f[2]) + ttl
+    if due and due > now then
+      redis.call('ZADD', done, due, oid)
+    else
+      if due then redis.call('HDEL', idx, oid) end
+      redis.call('ZREM', done, oid)
+    end
+  end
+  return #old
+end
+-- A finished job: the entry is kept ttl ms; each finish trims a few expired ones (and
+-- the pools' periodic trim, job_index_trim.lua, the rest).
 local function jix_finish(idx, done, ttl, id, queue, ref, detail)
   if not id then return end
   jix_set(idx, id, 'done', queue, ref, detail)
-  local now = jix_now()
-  redis.call('ZADD', done, now + ttl, id)
-  local old = redis.call('ZRANGE', done, '-inf', now, 'BYSCORE', 'LIMIT', 0, 20)
-  for _, oid in ipairs(old) do
-    local f = jix_get(idx, oid)
-    if f and f[1] == 'done' and tonumber(f[2]) + ttl <= now then
-      redis.call('HDEL', idx, oid)
-    end
-    redis.call('ZREM', done, oid)
-  end
+  redis.call('ZADD', done, jix_now() + ttl, id)
+  jix_trim(idx, done, ttl, 20)
 end
 -- A job deleted from a set: its entry goes if it still points at that record.
 local function jix_drop(idx, id, state, ref)
