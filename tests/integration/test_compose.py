@@ -119,7 +119,7 @@ def test_the_app_services_run_the_image_built_from_compose_dockerfile(
             "celery-ext://valkey:6379/")
     assert len(images) == 1  # one image, built once
     dockerfile = (COMPOSE / "Dockerfile").read_text()
-    for part in ("celery_ext", "tasks", "config"):
+    for part in ("celery_ext", "tasks"):
         assert f"COPY {part} " in dockerfile
     assert "[web,flower]" in dockerfile
 
