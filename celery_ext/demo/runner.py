@@ -226,7 +226,9 @@ class Demo:
             f"  curl {web_url}api/health",
             f"jobs: {args.rate:g}/s of short, long (checking in), flaky (retrying, some into "
             f"the dead set), scheduled, unique and rate-limited; a periodic one every 10 s; "
-            f"pool demo-b is SIGKILLed after {args.kill_after:g}s",
+            + (f"pool demo-b is SIGKILLed after {args.kill_after:g}s"
+               if not args.seconds or args.kill_after < args.seconds
+               else "no pool is killed (--kill-after is past --seconds)"),
         ]
 
     def loop(self) -> int:
