@@ -1,16 +1,16 @@
 """celery_ext: Celery on Redis/Valkey as a real job system.
 
 Importing this package registers the ``celery-ext://`` (and ``celery-exts://``,
-TLS, and their ``+sentinel`` forms) broker URL schemes with Kombu. ``install(app)``
-adds the job-system defaults: one job queue per task name, weighted round-robin,
-jobs owned until finished.
+TLS, and their ``+sentinel`` forms) broker URL schemes with Kombu, and does nothing
+else. ``install(app)`` adds the job-system defaults: one job queue per task name,
+weighted round-robin, jobs owned until finished. Flower support is asked for where
+Flower runs (:func:`celery_ext.admin.flower.enable`, one line in Flower's config).
 """
 
 from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
-from celery_ext.admin.flower import enable as _enable_flower
 from celery_ext.config import OUR_SCHEMES, SCHEME, TLS_SCHEME
 from celery_ext.install import install
 from celery_ext.worker.observer import checkin
@@ -24,7 +24,5 @@ for _scheme in OUR_SCHEMES:
     # (Kombu itself reads "celery-ext+sentinel://h" as transport "celery-ext"; the
     # full scheme is looked up when it fails over to another sentinel URL.)
     TRANSPORT_ALIASES.setdefault(_scheme, TRANSPORT)
-# Flower's broker page and queue lengths for our schemes (only if Flower is used).
-_enable_flower()
 
 __all__ = ["SCHEME", "TLS_SCHEME", "TRANSPORT", "__version__", "checkin", "install"]

@@ -1,16 +1,20 @@
-"""Example jobs for celery_ext: ``celery -A tasks worker`` runs them.
+"""The example app under its short name in a checkout: ``celery -A tasks worker``.
 
-- ``send_notice``: a short job (weight 5: its queue is picked five times as often);
-- ``build_report``: a long job that checks in with progress and stops cleanly when
-  its worker shuts down or someone asks it to;
-- ``sync_account``: a flaky job that retries with backoff and, when it keeps
-  failing, ends in the dead set, from where a person can retry it;
-- ``refresh_cache``: a unique job (a duplicate enqueued while one is pending is dropped);
-- ``call_partner_api``: a rate-limited job (Celery's ``rate_limit``).
+The app and its jobs live in the package, :mod:`celery_ext.demo.app`, so that the
+wheel carries them and ``python -m celery_ext.demo`` runs from any folder; this name
+keeps the checkout's commands (README, docs/cli.md, compose/) short. Job names are the
+package's (``celery_ext.demo.app.send_notice``, ...).
 """
 
-from .app import app
-from .jobs import build_report, call_partner_api, refresh_cache, send_notice, sync_account
+from celery_ext.demo.app import (
+    app,
+    build_report,
+    call_partner_api,
+    purge_sessions,
+    refresh_cache,
+    send_notice,
+    sync_account,
+)
 
-__all__ = ["app", "build_report", "call_partner_api", "refresh_cache", "send_notice",
-           "sync_account"]
+__all__ = ["app", "build_report", "call_partner_api", "purge_sessions", "refresh_cache",
+           "send_notice", "sync_account"]

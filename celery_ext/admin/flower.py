@@ -1,11 +1,16 @@
 """Flower support: its broker page and ``/api/queues/length`` for ``celery-ext://``.
 
 Flower picks its broker code by URL scheme (amqp, redis, rediss, ...) and answers
-404 for any other. :func:`enable` (run when ``celery_ext`` is imported) teaches it
-ours: :class:`CeleryExtBroker` reads each job queue's true length from our keys
-(``Keys.queue(name)``), its in-flight count and the live pools consuming it. If
-Flower is imported after ``celery_ext``, the patch is applied as its broker module
-loads. Nothing here imports Flower unless it is installed and used.
+404 for any other. :func:`enable` teaches it ours: :class:`CeleryExtBroker` reads each
+job queue's true length from our keys (``Keys.queue(name)``), its in-flight count and
+the live pools consuming it. Nothing patches Flower unless asked: ``import celery_ext``
+leaves it alone, and the Flower process asks with one line of its config file
+(Flower reads ``flowerconfig.py`` from its working directory, or ``--conf=PATH``)::
+
+    from celery_ext.admin.flower import enable; enable()
+
+If Flower is not loaded yet when :func:`enable` runs, the patch is applied as its broker
+module loads. Nothing here imports Flower.
 
 Checkin progress: ``task.checkin()`` emits a ``task-progress`` event. Left alone,
 Celery's event state turns it into a custom state ``PROGRESS`` (the task no longer
@@ -195,7 +200,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 def enable() -> None:
-    """Patch Flower now if it is loaded, else as soon as it is (no import of Flower)."""
+    """Give Flower our broker page, queue lengths and checkin progress: now if Flower is
+    loaded (as it is when its config file runs), else as soon as it is. Idempotent."""
     module = sys.modules.get(_BROKER_MODULE)
     if module is not None:
         _on_flower_loaded(module)

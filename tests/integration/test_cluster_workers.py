@@ -266,9 +266,12 @@ def test_flower_and_unique_jobs_on_a_cluster(
     app = producer(url, namespace, install=True)
     client = celery_ext.client.Client.for_app(app)
     port = free_port()
+    # Flower's config line (docs/dashboard.md), in flowerconfig.py where Flower runs.
+    (tmp_path / "flowerconfig.py").write_text(
+        "from celery_ext.admin.flower import enable; enable()\n")
     flower = ManagedProcess(
         [sys.executable, "-m", "celery", "-A", APP, "flower", f"--port={port}",
-         "--address=127.0.0.1"], log_path=tmp_path / "flower.log",
+         "--address=127.0.0.1"], log_path=tmp_path / "flower.log", cwd=tmp_path,
         env=env_for(url, FLOWER_UNAUTHENTICATED_API="1", **env), ready_pattern=r"Visit me at")
     base = f"http://127.0.0.1:{port}"
     paused = f"{APP}.job4"

@@ -12,11 +12,13 @@ and one-shot init script are run against real servers to build a cluster.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +121,12 @@ def test_the_app_services_run_the_image_built_from_compose_dockerfile(
             "celery-ext://valkey:6379/")
     assert len(images) == 1  # one image, built once
     dockerfile = (COMPOSE / "Dockerfile").read_text()
-    for part in ("celery_ext", "tasks", "config"):
+    for part in ("celery_ext", "tasks"):
         assert f"COPY {part} " in dockerfile
+    # Flower's config file, with the line that gives Flower our broker page.
+    assert "COPY compose/flowerconfig.py ./flowerconfig.py" in dockerfile
+    assert "WORKDIR /app" in dockerfile
+    assert services["flower"]["command"][-1] == "--conf=/app/flowerconfig.py"
     assert "[web,flower]" in dockerfile
 
 
@@ -214,6 +220,59 @@ def test_the_health_checks_pass_against_real_services_and_fail_for_another_pool(
         assert run(web_check, CELERY_EXT_WEB_TOKEN="wrong").returncode != 0
     finally:
         web.stop(timeout=10)
+
+
+def test_the_flower_service_shows_true_queue_lengths(
+        resolved: dict[str, Any], worker_factory: Factory, broker_url: str,
+        redis_client: redis.Redis, tmp_path: Path) -> None:
+    """The Flower service's command, run as the container would (its config file at
+    the path the image gives it replaced by compose/flowerconfig.py), against a real
+    pool of the example app: its health check passes and /api/queues/length reports a
+    job queue's true length, which Flower has only through that config file's line."""
+    pytest.importorskip("flower", reason="flower is not installed")
+    from celery import Celery
+
+    import celery_ext
+    from celery_ext.client import Client
+
+    flower_service = resolved["services"]["flower"]
+    worker_factory("tasks", concurrency=1).start()
+    port = free_port()
+    argv = [a.replace("5555", str(port)).replace("/app/flowerconfig.py",
+                                                 str(COMPOSE / "flowerconfig.py"))
+            for a in flower_service["command"][1:]]
+    env = {**os.environ, "CELERY_EXT_BROKER_URL": broker_url, "PYTHONPATH": str(REPO_ROOT),
+           "FLOWER_UNAUTHENTICATED_API": "1"}
+    flower = ManagedProcess([sys.executable, "-m", "celery", *argv, "--address=127.0.0.1"],
+                            log_path=tmp_path / "flower.log", cwd=tmp_path, env=env,
+                            ready_pattern=r"Visit me at")
+    producer = celery_ext.install(Celery("producer", broker=broker_url))
+    client = Client.from_url(broker_url)
+    name = "celery_ext.demo.app.send_notice"  # the example app's short job
+    try:
+        client.pause(name)
+        for i in range(3):
+            producer.send_task(name, (i,))
+        flower.start(timeout=30)
+        check = [a.replace("5555", str(port)) for a in flower_service["healthcheck"]["test"][1:]]
+        check[0] = sys.executable  # the container's `python`
+        assert subprocess.run(check, capture_output=True, timeout=30).returncode == 0
+
+        def lengths() -> dict[str, Any] | None:
+            # Flower lists the queues its last look at the workers found (until it has
+            # one, the default queue only).
+            base = f"http://127.0.0.1:{port}/api"
+            with urllib.request.urlopen(f"{base}/workers?refresh=1", timeout=10):
+                pass
+            with urllib.request.urlopen(f"{base}/queues/length", timeout=10) as reply:
+                queues = {q["name"]: q for q in json.loads(reply.read())["active_queues"]}
+            return queues.get(name)
+
+        queue = wait_for(lengths, 30, "Flower's length of the example app's job queue")
+        assert (queue["messages_ready"], queue["consumers"]) == (3, 1)
+    finally:
+        client.resume(name)
+        flower.stop(timeout=10)
 
 
 # -- the cluster variant -----------------------------------------------------------------------

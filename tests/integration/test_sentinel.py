@@ -296,6 +296,9 @@ def test_flower_broker_page_through_sentinels(sentinel_url: str) -> None:
 
     import flower.utils.broker as fb
 
+    from celery_ext.admin.flower import enable
+
+    enable()  # what Flower's config line does in the Flower process
     producer_app(sentinel_url).send_task("tests.apps.proj.record", args=["flower"])
     broker = fb.Broker(sentinel_url, broker_options={"master_name": MASTER})
     [queue] = asyncio.run(broker.queues(["tests.apps.proj.record"]))

@@ -1,4 +1,21 @@
-"""The example jobs."""
+"""The example app: ``celery -A celery_ext.demo.app worker`` runs its jobs.
+
+Two lines turn a Celery app into a celery_ext app: a ``celery-ext://`` broker URL (in
+:mod:`celery_ext.demo.celeryconfig`) and ``celery_ext.install(app)``. Its jobs:
+
+- ``send_notice``: a short job (weight 5: its queue is picked five times as often);
+- ``build_report``: a long job that checks in with progress and stops cleanly when
+  its worker shuts down or someone asks it to;
+- ``sync_account``: a flaky job that retries with backoff and, when it keeps
+  failing, ends in the dead set, from where a person can retry it;
+- ``refresh_cache``: a unique job (a duplicate enqueued while one is pending is dropped);
+- ``call_partner_api``: a rate-limited job (Celery's ``rate_limit``);
+- ``purge_sessions``: a periodic job (the config's ``beat_schedule``), enqueued by the
+  worker pools themselves, no ``celery beat``.
+
+It ships in the wheel, so ``python -m celery_ext.demo`` runs it from any folder; a
+checkout's ``tasks`` package is this app under a shorter name.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +23,13 @@ import random
 import time
 from typing import Any
 
-from .app import app
+from celery import Celery
+
+import celery_ext
+
+app = Celery("demo")
+app.config_from_object("celery_ext.demo.celeryconfig")
+celery_ext.install(app)
 
 
 class TransientError(Exception):
@@ -52,3 +75,10 @@ def call_partner_api(request_id: int) -> str:
     """A rate-limited job: Celery's ``rate_limit`` option, at most 2 starts a second."""
     time.sleep(0.05)
     return f"partner request {request_id} answered"
+
+
+@app.task
+def purge_sessions() -> str:
+    """A periodic job (``beat_schedule``): one run per due time, whichever pools live."""
+    time.sleep(0.05)
+    return "expired sessions purged"

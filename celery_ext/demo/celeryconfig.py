@@ -1,7 +1,7 @@
-"""Example Celery configuration using the celery_ext transport.
+"""Example Celery configuration using the celery_ext transport (the demo app's).
 
-Load it with ``app.config_from_object("config.celeryconfig")``. The broker URL comes
-from ``CELERY_EXT_BROKER_URL`` (the demo sets it to an embedded server); results go
+Load it with ``app.config_from_object("celery_ext.demo.celeryconfig")``. The broker
+URL comes from ``CELERY_EXT_BROKER_URL`` (the demo sets it to an embedded server); results go
 to the same server, db 1, over plain ``redis://``, unless ``CELERY_EXT_RESULT_BACKEND``
 names another (a Redis Cluster has no db 1, and Celery's Redis backend does not speak
 cluster: the cluster compose file gives results a server of their own).
@@ -39,3 +39,10 @@ result_expires = 24 * 3600
 # Results also record the worker that ran the job (the demo shows where a killed
 # pool's jobs ran again).
 result_extended = True
+
+# Periodic jobs: the worker pools enqueue each due run themselves (one of them, the
+# requeuer's leader), exactly once; no `celery beat` to run (docs/periodic.md). Every
+# 10 s, so that the demo shows runs soon after it starts.
+beat_schedule = {
+    "purge-sessions": {"task": "celery_ext.demo.app.purge_sessions", "schedule": 10.0},
+}

@@ -1,1 +1,0 @@
-"""Example Celery configuration for a celery_ext app (see celeryconfig.py)."""
