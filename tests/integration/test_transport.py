@@ -33,7 +33,7 @@ from kombu.transport.virtual import Empty
 from celery_ext.store import scripts
 from celery_ext.store.keys import Keys
 from celery_ext.testing.server import RedisServer, ServerError, find_server_binary
-from celery_ext.transport.channel import fetch_waits
+from celery_ext.transport.qos import fetch_waits
 from tests.apps import proj
 from tests.debian_redis import debian_redis_server
 from tests.helpers import celery_cli, free_port, inflight, node_name, only_pool, wait_for
