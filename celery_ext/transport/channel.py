@@ -57,10 +57,6 @@ from celery_ext.transport.wakeup import MultiChannelPoller, Wakeups
 from celery_ext.worker.heartbeater import current_pool_id
 from celery_ext.worker.worker_pool import WorkerPool, on_loop_close, on_loop_tick, pool_for
 
-# A process that publishes through this transport computes the fair keys of its jobs
-# (fair.py); this module is imported before its first publish, in drop-in mode too.
-connect_fair_keys()
-
 
 class Channel(kredis.Channel):
     """Redis channel whose queues are job queues with crash-safe, weighted fetch."""
@@ -305,6 +301,10 @@ class Transport(kredis.Transport):
         # Fix the pool id now, before a prefork pool forks: children then know which
         # pool owns the jobs they run (their busy records and checkins name it).
         current_pool_id()
+        # A process that publishes through this transport computes the fair keys of its
+        # jobs (options/fair.py), in drop-in mode too: Celery makes the transport of its
+        # producer's connection before it sends ``before_task_publish``. (Idempotent.)
+        connect_fair_keys()
 
     #: The event loop (Celery's hub) the channels' timers run on, once registered.
     event_loop: Any = None
