@@ -373,7 +373,7 @@ def test_a_fetch_whose_reply_is_lost_on_a_cluster_is_returned(
             conn.transport.cycle._register_BRPOP(channel)
             time.sleep(0.4)
             with pytest.raises(channel.connection_errors):
-                channel.check_fetch_reply()
+                channel.fetcher.check_reply()
         finally:
             os.kill(home.pid, signal.SIGCONT)
 

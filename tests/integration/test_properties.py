@@ -41,7 +41,7 @@ from celery_ext.store.dead_set import dead_letter, parse_dead_record, split_reco
 from celery_ext.store.envelope import envelope_problem
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
-from celery_ext.transport.channel import Channel
+from celery_ext.transport.fetch import body_problem
 from celery_ext.transport.round_robin import WeightedRoundRobin
 
 # -- the weighted scheduler --------------------------------------------------------------------
@@ -319,11 +319,11 @@ def test_an_envelope_that_passes_the_checks_makes_a_kombu_message(raw: Any) -> N
     becomes a Message without raising (what failed there stopped the worker)."""
     channel = SimpleNamespace(codecs=VirtualChannel.codecs)
     channel.decode_body = lambda body, enc=None: VirtualChannel.decode_body(channel, body, enc)
-    problem = envelope_problem(raw) or Channel._body_problem(channel, raw)
+    problem = envelope_problem(raw) or body_problem(channel, raw)
     if problem is not None:
         assert isinstance(problem, str) and "\n" not in problem
         return
-    raw["properties"]["delivery_tag"] = "t"  # as _decode does (fetch's tag)
+    raw["properties"]["delivery_tag"] = "t"  # as Fetcher.decode does (fetch's tag)
     message = KombuMessage(raw, channel=channel)
     assert message.headers is None or isinstance(message.headers, dict)
     assert message.delivery_info is None or isinstance(message.delivery_info, dict)

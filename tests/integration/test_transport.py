@@ -33,7 +33,7 @@ from kombu.transport.virtual import Empty
 from celery_ext.store import scripts
 from celery_ext.store.keys import Keys
 from celery_ext.testing.server import RedisServer, ServerError, find_server_binary
-from celery_ext.transport.channel import fetch_waits
+from celery_ext.transport.qos import fetch_waits
 from tests.apps import proj
 from tests.debian_redis import debian_redis_server
 from tests.helpers import celery_cli, free_port, inflight, node_name, only_pool, wait_for
@@ -180,15 +180,15 @@ def test_a_wake_up_read_before_a_fetchs_empty_reply_is_not_lost(broker_url: str)
                                  callbacks=[lambda body, msg: got.append(body)])
         consumer.consume()
         conn.transport.cycle._register_WAKE(channel)  # as the event loop's poll does
-        channel._wake_read()  # the subscribe confirmation
+        channel.wakeups.read()  # the subscribe confirmation
         assert channel._ready.sched.active == {"wake.race"}
 
         cycle = conn.transport.cycle
         cycle._register_BRPOP(channel)  # sends a fetch: the queue is empty
         assert channel.client.connection.can_read(timeout=5)  # ...and Redis ran it
         other.Producer().publish("hello", routing_key="wake.race", declare=[queue])
-        assert channel.wakeclient.connection.can_read(timeout=5)
-        channel._wake_read()  # the wake-up is read first...
+        assert channel.wakeups.client.connection.can_read(timeout=5)
+        channel.wakeups.read()  # the wake-up is read first...
         with pytest.raises(Empty):
             channel._brpop_read()  # ...then the fetch's reply: nothing, queue empty
         assert channel._ready.sched.active == {"wake.race"}
@@ -220,8 +220,8 @@ def test_a_subscription_confirmed_during_a_fetch_rereads_the_ready_set(
         assert channel.client.connection.can_read(timeout=5)
         other.Producer().publish("hello", routing_key="sub.pushed", declare=[queues[1]])
         cycle._register_WAKE(channel)  # subscribed after that push
-        assert channel.wakeclient.connection.can_read(timeout=5)
-        channel._wake_read()  # the subscribe confirmation, during the fetch
+        assert channel.wakeups.client.connection.can_read(timeout=5)
+        channel.wakeups.read()  # the subscribe confirmation, during the fetch
         with pytest.raises(Empty):
             channel._brpop_read()
         assert channel._ready.sched.active == {"sub.pushed"}
@@ -541,7 +541,7 @@ def test_task_consumer_declares_job_queues_in_one_round_trip(
         consumer.consume()
         assert round_trips == ["execute"]  # not LLEN + MULTI/SADD/EXEC per queue
         assert sizes["tests.apps.proj.add"] == 3 and sizes["many.7"] == 0
-        assert not channel._predeclared_sizes and not channel._prebound
+        assert not channel.job_queues._predeclared_sizes and not channel.job_queues._prebound
         assert channel._ready.sched.queues == {q.name for q in queues}
         member = "\x06\x16".join(["many.7", "", "many.7"]).encode()
         for key in ("_kombu.binding.celery", "_kombu.binding_permanent.celery"):

@@ -1,0 +1,209 @@
+"""Idle wake-ups: what makes a channel fetch again once its queues looked empty.
+
+When every consumed queue is empty, nothing is polled. The channel listens on the
+``wake`` pub/sub channel (announced by ``enqueue`` when a queue becomes non-empty) and
+re-reads the ``ready`` set once per ``idle_refresh_interval`` in case a notification
+was missed. A wake-up read while a fetch is on the wire outlives that fetch's "empty"
+reply (``readiness.ReadyQueues``). A rate-limited queue whose next job is not due yet
+(``options/rate_limits.py``) comes back in the fetch reply with its wait; the channel
+sets one event-loop timer for the earliest such time and fetches from the other queues
+meanwhile.
+
+:class:`Wakeups` does this for one channel; :class:`MultiChannelPoller`, Kombu's
+poller, listens on the wake-up connections beside the fetch and fanout ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import suppress
+from time import monotonic
+from typing import TYPE_CHECKING, Any
+
+from kombu.transport import redis as kredis
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.eventio import READ
+
+if TYPE_CHECKING:
+    from celery_ext.transport.channel import Channel
+
+logger = logging.getLogger("celery_ext.transport.wakeup")
+
+
+class Wakeups:
+    """The wake-up listener, the ready-set refresh and the rate-limit timer of one
+    channel."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        #: The connection the subscription was sent on (False: not sent on the
+        #: registered one; None: it failed).
+        self.listening: Any = False
+        self._client: Any = None
+        self._last_refresh = 0.0
+        #: The event-loop timer that wakes rate-limited queues, and when it fires.
+        self._timer: Any = None
+        self._timer_at: float | None = None
+
+    # -- the wake pub/sub --------------------------------------------------------------
+    @property
+    def client(self) -> Any:
+        """Pub/Sub connection that hears which job queues became non-empty."""
+        if self._client is None:
+            self._client = self.channel._create_client(asynchronous=True).pubsub()
+        return self._client
+
+    def subscribe(self) -> None:
+        c = self.client
+        if c.connection._sock is None:
+            c.connection.connect()
+        self.listening = c.connection
+        c.subscribe(self.channel.keys.wake_channel)
+
+    def read(self) -> bool:
+        """Read every wake-up waiting on the connection (the poller's ``WAKE``
+        handler)."""
+        c = self.client
+        try:
+            self._on_wake(c.parse_response())
+            while c.connection is not None and c.connection.can_read(timeout=0):
+                self._on_wake(c.parse_response())
+        except self.channel.connection_errors:
+            self.listening = None
+            raise
+        return False
+
+    def _on_wake(self, response: Any) -> None:
+        if not isinstance(response, list | tuple) or len(response) < 3:
+            return
+        kind = bytes_to_str(response[0])
+        if kind == "message":
+            self.channel._ready.woken([bytes_to_str(response[2])])
+        elif kind == "subscribe":
+            self.channel._ready.subscribed()
+
+    # -- the ready set -----------------------------------------------------------------
+    def maybe_refresh_ready(self) -> None:
+        """Re-read the ready set if some consumed queue is believed empty (1 command);
+        let the worker pool look at its acks and in-flight record."""
+        channel = self.channel
+        if channel._worker_pool is not None:
+            channel._worker_pool.tick()
+        channel._ready.release_due(monotonic())
+        if channel._ready.all_active():
+            return
+        now = monotonic()
+        if now - self._last_refresh < channel.settings.idle_refresh_interval * 0.9:
+            return
+        self._last_refresh = now
+        self.refresh_ready()
+
+    def refresh_ready(self) -> None:
+        """Mark every consumed queue in the ``ready`` set active (1 command), after the
+        topology's look at the queues' own lists when one is due (a cluster's)."""
+        channel = self.channel
+        found = channel.topology.recheck(lambda: [q for q in channel._active_queues
+                                                  if q not in channel.active_fanout_queues])
+        if found:
+            channel._ready.woken(found)
+        with channel.conn_or_acquire() as client:
+            ready = client.smembers(channel.keys.ready)
+        channel._ready.woken([bytes_to_str(name) for name in ready], refresh=True)
+
+    # -- rate limits -------------------------------------------------------------------
+    def throttle(self, waits: list[tuple[str, float]]) -> None:
+        """Rate-limited queues whose next job is due in so many seconds: keep them
+        inactive until then, with one event-loop timer for the earliest."""
+        self.channel._ready.throttle(waits, monotonic())
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        due = self.channel._ready.next_due()
+        loop = getattr(self.channel.connection, "event_loop", None)
+        if due is None or loop is None:
+            return  # no loop: MultiChannelPoller.get waits no longer than ``due``
+        if self._timer_at is not None and self._timer_at <= due:
+            return  # the timer already set fires first
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = due
+        self._timer = loop.call_later(max(0.0, due - monotonic()), self._timer_due)
+
+    def _timer_due(self) -> None:
+        self._timer = self._timer_at = None
+        self.channel._ready.release_due(monotonic())
+        self._arm_timer()
+
+    def close(self) -> None:
+        """Cancel the timer and drop the wake-up connection (the channel closes)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = self._timer_at = None
+        wake = self._client
+        if wake is not None:
+            with suppress(Exception):
+                conn, wake.connection = wake.connection, None
+                if conn is not None:
+                    conn.disconnect()
+
+
+class MultiChannelPoller(kredis.MultiChannelPoller):
+    """Adds the WAKE pub/sub listener and the idle refresh to Kombu's poller."""
+
+    def on_poll_start(self) -> None:
+        self._update_brpop_polling()
+        for channel in self._channels:
+            # Not ``channel.active_queues``: Kombu rebuilds that list on every call, a
+            # cost that grows with the number of job queues, on every loop turn.
+            fanout = channel.active_fanout_queues
+            if any(q not in fanout for q in channel._active_queues):
+                self._register_WAKE(channel)
+                if channel.qos.can_consume():
+                    self._register_BRPOP(channel)
+            if channel.active_fanout_queues:
+                self._register_LISTEN(channel)
+
+    def _register_WAKE(self, channel: Channel) -> None:
+        wakeups = channel.wakeups
+        if not self._client_registered(channel, wakeups.client, "WAKE"):
+            wakeups.listening = False
+            self._register(channel, wakeups.client, "WAKE")
+        if not wakeups.listening:
+            wakeups.subscribe()
+
+    def on_readable(self, fileno: int) -> None:
+        chan_type = self._fd_to_chan.get(fileno)
+        if chan_type is not None and chan_type[1] == "WAKE":
+            # Reading a wake-up never consumes prefetch credit: always drain it,
+            # or a level-triggered poller would spin on the readable socket.
+            chan_type[0].handlers["WAKE"]()
+            return
+        super().on_readable(fileno)
+
+    def handle_event(self, fileno: int, event: int) -> Any:
+        # Kombu's handle_event reports every readable socket as a delivery, so
+        # drain_events() (pidbox replies, kombu consumers) would return on a wake-up
+        # that delivered nothing. Read it and let drain_events() keep waiting.
+        chan_type = self._fd_to_chan.get(fileno)
+        if chan_type is not None and chan_type[1] == "WAKE" and event & READ:
+            self.on_readable(fileno)
+            return None
+        return super().handle_event(fileno, event)
+
+    def maybe_refresh_ready(self) -> None:
+        for channel in list(self._channels):
+            channel.fetcher.check_reply()  # raises: the consumer reconnects
+            try:
+                channel.wakeups.maybe_refresh_ready()
+            except channel.connection_errors:
+                logger.debug("celery_ext: ready refresh failed, will retry", exc_info=True)
+
+    def get(self, callback: Any, timeout: float | None = None) -> Any:
+        self.maybe_refresh_ready()
+        # Without an event loop (a plain Kombu consumer) no timer wakes a rate-limited
+        # queue: wait no longer than until it is due.
+        due = [d for d in (c._ready.next_due() for c in self._channels) if d is not None]
+        if due:
+            wait = max(0.0, min(due) - monotonic())
+            timeout = wait if timeout is None else min(timeout, wait)
+        return super().get(callback, timeout=timeout)
