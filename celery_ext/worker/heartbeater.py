@@ -23,6 +23,7 @@ from celery_ext.config import Settings
 from celery_ext.store.keys import Keys
 from celery_ext.store.liveness import registration_fields
 from celery_ext.store.scripts import Scripts
+from celery_ext.worker.background import BackgroundLoop
 
 logger = logging.getLogger("celery_ext.worker.heartbeater")
 
@@ -57,9 +58,11 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-class Heartbeater:
+class Heartbeater(BackgroundLoop):
     """Registers one pool and keeps its heartbeat fresh (``start()``/``stop()``,
     ``heartbeat()`` is the one-shot step tests call)."""
+
+    thread_name = "celery_ext-heartbeat"
 
     def __init__(self, client: redis.Redis, settings: Settings, pool_id: str,
                  info: dict[str, Any] | None = None) -> None:
@@ -77,8 +80,7 @@ class Heartbeater:
         self.scripts = Scripts(client)
         self.registered = False
         self.reregistrations = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        BackgroundLoop.__init__(self)
         self._failing = False
         #: Called after the pool found it had been reaped and registered again.
         self.on_reregistered: list[Callable[[], None]] = []
@@ -144,17 +146,11 @@ class Heartbeater:
         if self._thread is not None:
             return
         self.register()
-        self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._run, name="celery_ext-heartbeat", daemon=True)
-        self._thread.start()
+        super().start()
 
     def stop(self, deregister: bool = True) -> None:
         """Stop the thread; deregister unless the pool should look dead (tests)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self.stop_loop()
         if deregister and self.registered:
             try:
                 left = self.scripts(

@@ -44,7 +44,6 @@ for a run with no recorded outcome (``admin/periodic_entries.py``).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -74,14 +73,13 @@ from celery_ext.producer.periodic_run import (
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
 from celery_ext.text import one_line
+from celery_ext.worker.background import BackgroundLoop
 
 logger = logging.getLogger("celery_ext.worker.periodic_leader")
 
 #: A state hash of an entry no longer in the schedule is kept this long (ms), so a
 #: rolling deploy that drops and re-adds it keeps its pause flag and history.
 STALE_STATE_TTL_MS = 7 * 24 * 3600 * 1000
-#: Slowest the leader thread reacts to stop() while it waits.
-_STOP_POLL = 0.25
 #: A pool waiting for another's lease asks again this long (s) after it may have run
 #: out (the holder's renewal and this pool's clock need not agree to the millisecond).
 LEASE_SLACK = 0.01
@@ -223,10 +221,12 @@ class Periodic:
                                 [*run.script_args(), "", "", "", 0, one_line(error, 500)]))
 
 
-class PeriodicLeader:
+class PeriodicLeader(BackgroundLoop):
     """The thread that runs :class:`Periodic` while this pool holds the periodic lease
     (``start()``/``stop()`` around the one-shot :meth:`step`; owned by the
     ``WorkerPool``)."""
+
+    thread_name = "celery_ext-periodic"
 
     def __init__(self, periodic: Periodic, pool_id: str) -> None:
         self.periodic = periodic
@@ -238,8 +238,7 @@ class PeriodicLeader:
         #: The lease's life: this pool's dead_after, as the reaper judges the pool by.
         self.lease_ms = int(self.settings.dead_after * 1000)
         self.leader = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        BackgroundLoop.__init__(self)
         self._failing = False
 
     def hold(self) -> tuple[bool, float]:
@@ -307,29 +306,10 @@ class PeriodicLeader:
 
     def _sleep(self, pubsub: Any, seconds: float) -> None:
         """Wait ``seconds``, or until a leader hands over (pub/sub), or stop()."""
-        deadline = time.monotonic() + seconds
-        while not self._stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            if pubsub is not None and pubsub.get_message(timeout=min(left, _STOP_POLL)):
-                return
-            if pubsub is None:
-                self._stop.wait(min(left, _STOP_POLL))
-
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="celery_ext-periodic",
-                                        daemon=True)
-        self._thread.start()
+        self._wait_for_message(pubsub, seconds)
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self.stop_loop()
         try:
             self.release()
         except redis.RedisError as exc:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -39,6 +38,7 @@ from celery_ext.store.job_index import trim_finished
 from celery_ext.store.keys import STAT_POOLS_REAPED, Keys
 from celery_ext.store.liveness import LIVENESS_FIELDS, Liveness
 from celery_ext.store.scripts import Scripts
+from celery_ext.worker.background import BackgroundLoop
 from celery_ext.worker.inflight import pairs_of, recover_call, recover_reply, recover_tags
 
 logger = logging.getLogger("celery_ext.worker.reaper")
@@ -74,8 +74,10 @@ class ReapResult:
         return bool(self.dead_pools or self.requeued or self.dead_jobs)
 
 
-class Reaper:
+class Reaper(BackgroundLoop):
     """Finds dead and vanished pools and returns their jobs to the front of their queues."""
+
+    thread_name = "celery_ext-reaper"
 
     def __init__(self, client: redis.Redis, settings: Settings,
                  own_pool_id: str | None = None) -> None:
@@ -84,8 +86,7 @@ class Reaper:
         self.keys = Keys.for_settings(settings)
         self.scripts = Scripts(client)
         self.own_pool_id = own_pool_id
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        BackgroundLoop.__init__(self)
         # Stall guard: Redis time (ms) since which this reaper has reached Redis at
         # every pass without a gap; None until the first successful pass.
         self._steady_since: int | None = None
@@ -325,15 +326,5 @@ class Reaper:
                 logger.exception("celery_ext: reaper pass failed")
             wait = interval * random.uniform(0.8, 1.2)
 
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="celery_ext-reaper", daemon=True)
-        self._thread.start()
-
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self.stop_loop()

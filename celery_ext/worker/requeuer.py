@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -42,11 +41,10 @@ from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import Keys
 from celery_ext.store.queue_sizes import QueueSizes
 from celery_ext.store.scripts import Scripts
+from celery_ext.worker.background import BackgroundLoop
 
 logger = logging.getLogger("celery_ext.worker.requeuer")
 
-#: Slowest the thread reacts to stop() while waiting for the next pass.
-_STOP_POLL = 0.25
 #: Published on the schedule channel by a leader that stops (followers take over).
 HANDOVER = "handover"
 
@@ -63,8 +61,10 @@ class PromoteResult:
     calls: int = 0
 
 
-class Requeuer:
+class Requeuer(BackgroundLoop):
     """Promotes due scheduled jobs and retries of one namespace."""
+
+    thread_name = "celery_ext-requeuer"
 
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.client = client
@@ -74,8 +74,7 @@ class Requeuer:
         self.id = uuid.uuid4().hex
         self.lease_ms = int((settings.promote_interval + 1) * 1000)
         self.leader = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        BackgroundLoop.__init__(self)
         self._failing = False
         self.passes = 0
         self.promoted = 0
@@ -216,27 +215,10 @@ class Requeuer:
     def _sleep(self, pubsub: Any, seconds: float) -> None:
         """Wait ``seconds``, or until a job is scheduled earlier or the leader hands
         over (pub/sub), or stop()."""
-        deadline = time.monotonic() + seconds
-        while not self._stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            if pubsub.get_message(timeout=min(left, _STOP_POLL)) is not None:
-                return
-
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="celery_ext-requeuer",
-                                        daemon=True)
-        self._thread.start()
+        self._wait_for_message(pubsub, seconds)
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self.stop_loop()
         try:
             self.release()
         except redis.RedisError as exc:
