@@ -12,7 +12,7 @@ from kombu.connection import maybe_channel
 from kombu.utils.objects import cached_property
 
 from celery_ext.options.unique import patch_send_task
-from celery_ext.producer.publish import Producer, ProducerPool
+from celery_ext.producer.publish import Producer, Producers
 from celery_ext.worker.bootsteps import JobQueues, add_worker_parts, declare_job_queues
 
 logger = logging.getLogger("celery_ext")
@@ -71,13 +71,13 @@ class AMQP(CeleryAMQP):
         """Celery's producer pool, of :class:`celery_ext.producer.Producer` (which skips
         Kombu's per-publish declaration round) on a connection pool of its own with the
         same limit: its producers keep their connection between uses
-        (:class:`celery_ext.producer.ProducerPool`), so they must not hold connections
+        (:class:`celery_ext.producer.publish.Producers`), so they must not hold connections
         of Kombu's process-wide pool, which other apps on the same URL share. Celery
         resets it after a fork."""
         pool = self.__dict__.get("_producer_pool")  # (Celery's attribute, None after a fork)
         if pool is None:
             limit = self.app.pool.limit
-            pool = self.__dict__["_producer_pool"] = ProducerPool(
+            pool = self.__dict__["_producer_pool"] = Producers(
                 self.app.connection_for_write().Pool(limit=limit), limit=limit,
                 Producer=Producer)
         return pool

@@ -142,18 +142,18 @@ def pack_evalsha(sha: str, keys: list[str], args: list[Any]) -> bytes:
 
 
 class PublishConnection:
-    """One connection of a channel's pool, kept for the producer's script calls.
+    """One connection of a channel's connections, kept for the producer's script calls.
 
-    ``pool`` returns the channel's current connection pool; the connection is taken
-    from it at first use and again when the pool changed or the process forked (a
-    child never writes on its parent's socket). The pool still owns it: closing the
-    channel disconnects it with the others.
+    ``connections`` returns the channel's current redis-py connections (its
+    ``ConnectionPool``); the connection is taken from them at first use and again when
+    they changed or the process forked (a child never writes on its parent's socket).
+    They still own it: closing the channel disconnects it with the others.
     """
 
-    def __init__(self, pool: Callable[[], Any]) -> None:
-        self._pool_of = pool
+    def __init__(self, connections: Callable[[], Any]) -> None:
+        self._connections_of = connections
         self._lock = threading.Lock()
-        self._pool: Any = None
+        self._connections: Any = None
         self._conn: Any = None
         self._pid = 0
 
@@ -184,13 +184,14 @@ class PublishConnection:
             self._lock.release()
 
     def _connection(self) -> Any:
-        pool = self._pool_of()
-        if self._conn is None or pool is not self._pool or self._pid != os.getpid():
+        connections = self._connections_of()
+        if (self._conn is None or connections is not self._connections
+                or self._pid != os.getpid()):
             if self._conn is not None and self._pid == os.getpid():
                 with suppress(Exception):
-                    self._pool.release(self._conn)
-            self._pool, self._pid = pool, os.getpid()
-            self._conn = pool.get_connection()
+                    self._connections.release(self._conn)
+            self._connections, self._pid = connections, os.getpid()
+            self._conn = connections.get_connection()
         return self._conn
 
 
@@ -198,8 +199,8 @@ class Enqueuer:
     """Writes published jobs to Redis for one channel (see the module docstring).
 
     ``acquire`` is the channel's ``conn_or_acquire``: one client per channel, reused
-    by every publish. ``pool`` returns the channel's connection pool, from which one
-    connection is kept for the script calls (:class:`PublishConnection`; None: every
+    by every publish. ``connections`` returns the channel's redis-py connections, of which
+    one is kept for the script calls (:class:`PublishConnection`; None: every
     call goes through the client). ``expires`` is the channel's queue-expiry dict
     (``x-expires``), read at each publish.
     """
@@ -207,7 +208,7 @@ class Enqueuer:
     def __init__(self, settings: Settings, keys: Keys, scripts: _scripts.Scripts,
                  acquire: Callable[[], AbstractContextManager[Any]],
                  expires: Mapping[str, int], clock_offset: float,
-                 pool: Callable[[], Any] | None = None) -> None:
+                 connections: Callable[[], Any] | None = None) -> None:
         self.settings = settings
         self.keys = keys
         self._scripts = scripts
@@ -215,7 +216,7 @@ class Enqueuer:
         self._expires = expires
         self._clock_offset = clock_offset
         self._marker_ttl_ms = int(settings.publish_idempotency_ttl * 1000)
-        self._line = PublishConnection(pool) if pool is not None else None
+        self._line = PublishConnection(connections) if connections is not None else None
         self._index_keys = index_keys(keys)  # the job index (job_index.py)
         self._index_ttl = index_ttl_ms(settings)
         #: Cluster: when each job queue was last added to the home registry.
@@ -468,7 +469,7 @@ class Producer(messaging.Producer):
                                 declare, *args, **kwargs)
 
 
-class ProducerPool(pools.ProducerPool):
+class Producers(pools.ProducerPool):
     """Kombu's producer pool, whose producers keep their connection between uses.
 
     Kombu's pool hands a producer's connection back to the connection pool at every

@@ -249,10 +249,11 @@ def sentinel_config(urls: Iterable[str], options: Mapping[str, Any] | None = Non
         sentinel_kwargs=dict(kwargs) if kwargs is not None else None)
 
 
-def connection_pool(params: dict[str, Any], sentinel: SentinelConfig | None = None
+def connections_for(params: dict[str, Any], sentinel: SentinelConfig | None = None
                     ) -> redis.ConnectionPool:
-    """A pool with the connection keywords ``params`` (redis-py's, as Kombu's channel
-    builds them): to ``host:port``, or to whichever server the sentinels name master.
+    """redis-py's connections (a ``ConnectionPool``) with the connection keywords
+    ``params`` (redis-py's, as Kombu's channel builds them): to ``host:port``, or to
+    whichever server the sentinels name master.
 
     For Sentinel, ``host``/``port`` are dropped, ``db`` and credentials come from the
     URL, and a ``connection_class`` in ``params`` must derive from
@@ -294,13 +295,6 @@ def sentinel_connection_class(tls: bool = False) -> type[redis.Connection]:
     return _sentinel.SentinelManagedSSLConnection if tls else _sentinel.SentinelManagedConnection
 
 
-def close_pool(pool: Any) -> None:
-    """Disconnect ``pool`` and, for a Sentinel pool, the connections to the sentinels."""
-    pool.disconnect()
-    manager = getattr(pool, "sentinel_manager", None)
-    if manager is not None:
-        manager.close()
-
 
 def client_from_url(url: str, options: Mapping[str, Any] | None = None) -> Any:
     """A synchronous client for a broker URL of ours (or ``redis://``): for tools that
@@ -312,7 +306,7 @@ def client_from_url(url: str, options: Mapping[str, Any] | None = None) -> Any:
     config = sentinel_config([url], options)
     if config is None:
         return redis.Redis.from_url(redis_url(url))
-    return redis.Redis(connection_pool=connection_pool({}, config))
+    return redis.Redis(connection_pool=connections_for({}, config))
 
 
 def async_client_from_url(url: str, options: Mapping[str, Any] | None = None,

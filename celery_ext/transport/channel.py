@@ -146,7 +146,7 @@ class Channel(kredis.Channel):
             enqueuer = self.__dict__["_enqueuer"] = Enqueuer(
                 self.settings, self.keys, self._scripts, self.conn_or_acquire, self._expires,
                 clock_offset=getattr(self, "_clock_offset", 0.0),
-                pool=self.topology.publish_connections())
+                connections=self.topology.publish_connections())
         return enqueuer
 
     def basic_publish(self, message: Any, exchange: str, routing_key: str,

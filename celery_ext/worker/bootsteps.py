@@ -68,7 +68,7 @@ logger = logging.getLogger("celery_ext.worker.bootsteps")
 CELERY_DEFAULT_REQUEST = "celery.worker.request:Request"
 #: Pools whose tasks we cannot account for (they run on an event loop our blocking
 #: Redis clients would stall); refused at start with one line.
-UNSUPPORTED_POOLS = ("gevent", "eventlet")
+UNSUPPORTED_EXECUTORS = ("gevent", "eventlet")
 
 
 def job_queues(app: Any, finalize: bool = True, strict: bool = True) -> dict[str, int]:
@@ -195,12 +195,12 @@ def describe_pool(sender: Any = None, **kwargs: Any) -> None:
         return  # not our transport
     pool = channel.worker_pool
     controller = getattr(c, "controller", None)
-    pool_cls = getattr(controller, "pool_cls", None)
+    executor_cls = getattr(controller, "pool_cls", None)
     consumed = c.app.amqp.queues.consume_from
     pool.describe(
         node=c.hostname,
         concurrency=getattr(controller, "concurrency", "") or "",
-        pool_type=getattr(pool_cls, "__module__", str(pool_cls)).rsplit(".", 1)[-1],
+        pool_type=getattr(executor_cls, "__module__", str(executor_cls)).rsplit(".", 1)[-1],
         queues=",".join(sorted(consumed)),
         started_at=int(time.time() * 1000),
         state="running",
@@ -242,18 +242,20 @@ def validate_settings(sender: Any = None, instance: Any = None, **kwargs: Any) -
     if ours and cluster is not None and Settings.load(conf.broker_transport_options).wait_replicas:
         raise SystemExit(CLUSTER_NO_WAIT)
     if ours:
-        pool_name = _pool_name((kwargs.get("options") or {}).get("pool_cls") or conf.worker_pool)
-        if pool_name in UNSUPPORTED_POOLS:
-            raise SystemExit(f"celery_ext: the {pool_name} pool is not supported; use prefork, "
+        executor = _executor_name(
+            (kwargs.get("options") or {}).get("pool_cls") or conf.worker_pool)
+        if executor in UNSUPPORTED_EXECUTORS:
+            raise SystemExit(f"celery_ext: the {executor} pool is not supported; use prefork, "
                              "threads or solo (-P threads gives many concurrent jobs)")
         add_worker_parts(app)
     _one_line_connection_errors()
 
 
-def _pool_name(pool: Any) -> str:
-    if isinstance(pool, str):
-        return pool.rsplit(".", 1)[-1].split(":")[0].lower()
-    return str(getattr(pool, "__module__", "")).rsplit(".", 1)[-1]
+def _executor_name(executor: Any) -> str:
+    """The name of Celery's execution pool (``-P``) from its option or class."""
+    if isinstance(executor, str):
+        return executor.rsplit(".", 1)[-1].split(":")[0].lower()
+    return str(getattr(executor, "__module__", "")).rsplit(".", 1)[-1]
 
 
 def add_worker_parts(app: Any) -> None:

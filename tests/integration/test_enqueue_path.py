@@ -18,7 +18,7 @@ from celery.signals import after_task_publish, before_task_publish
 from kombu import Connection
 
 import celery_ext
-from celery_ext.producer.publish import NOT_SENT, Producer, ProducerPool, pack_evalsha
+from celery_ext.producer.publish import NOT_SENT, Producer, Producers, pack_evalsha
 from celery_ext.store.keys import Keys
 
 K = Keys("celery_ext")
@@ -96,7 +96,7 @@ def app(broker_url: str) -> Iterator[Celery]:
 def test_install_publishes_through_kept_producers_with_kombus_message(
         app: Celery, redis_client: redis.Redis) -> None:
     pool = app.amqp.producer_pool
-    assert isinstance(pool, ProducerPool)
+    assert isinstance(pool, Producers)
     seen: list[tuple[str, Any]] = []
 
     def before(sender: Any = None, routing_key: Any = None, headers: Any = None,

@@ -26,7 +26,7 @@ import celery_ext
 from celery_ext.client import Client
 from celery_ext.config import ConfigError, check_broker_url, uses_our_transport
 from celery_ext.errors import NotReplicated
-from celery_ext.store.connections import client_from_url, connection_pool, sentinel_config
+from celery_ext.store.connections import client_from_url, connections_for, sentinel_config
 from celery_ext.testing.server import RedisServer, SentinelGroup
 from celery_ext.transport.channel import Transport
 from tests.helpers import Factory, celery_cli, start_workers, wait_for
@@ -112,7 +112,7 @@ def test_readonly_from_a_demoted_master_is_a_connection_error(group: SentinelGro
     it into a ConnectionError and drops the connection, so the caller reconnects (to the
     primary the sentinels name) instead of failing the job."""
     config = sentinel_config([sentinel_url], {"master_name": MASTER})
-    pool = connection_pool({"socket_timeout": 2.0}, config)
+    pool = connections_for({"socket_timeout": 2.0}, config)
     replica = next(s for s in group.servers if s is not group.master_server())
     conn = pool.get_connection()
     try:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from celery_ext.store import scripts as _scripts
-from celery_ext.store.connections import connection_pool
+from celery_ext.store.connections import connections_for
 from celery_ext.store.keys import Keys
 from celery_ext.transport.fetch import fetch_call
 from celery_ext.transport.topology.base import Topology
@@ -60,7 +60,7 @@ class OneNode(Topology):
         return redis.Redis(connection_pool=self._own_connections(params))
 
     def _own_connections(self, params: dict[str, Any]) -> redis.ConnectionPool:
-        return connection_pool(params)
+        return connections_for(params)
 
     def publish_connections(self) -> Callable[[], Any] | None:
         channel = self.channel

@@ -10,7 +10,7 @@ import redis
 
 from celery_ext.store.connections import (
     SentinelConfig,
-    connection_pool,
+    connections_for,
     sentinel_connection_class,
 )
 from celery_ext.transport.topology.node import OneNode
@@ -38,13 +38,13 @@ class Sentinel(OneNode):
         return self.config.server_id
 
     def _own_connections(self, params: dict[str, Any]) -> redis.ConnectionPool:
-        return connection_pool(params, self.config)
+        return connections_for(params, self.config)
 
     def connections(self, asynchronous: bool, kombu: Callable[[bool], Any]) -> Any:
         channel = self.channel
         params = channel._connparams(asynchronous=asynchronous)
         channel.keyprefix_fanout = channel.keyprefix_fanout.format(db=self.config.db)
-        pool = connection_pool(params, self.config)
+        pool = connections_for(params, self.config)
         # Kept so that closing the channel also closes the connections to the sentinels.
         manager = getattr(pool, "sentinel_manager", None)
         if asynchronous:
