@@ -60,6 +60,7 @@ from celery_ext.store.copies import run_scripts
 from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.envelope import envelope_problem
 from celery_ext.store.keys import LEVEL_SEP, Keys
+from celery_ext.store.probe import gone_silent
 from celery_ext.text import one_line
 from celery_ext.transport.readiness import ReadyQueues
 from celery_ext.worker.heartbeater import current_pool_id
@@ -260,10 +261,8 @@ class Channel(kredis.Channel):
             # Secure by default: verify the server certificate unless told otherwise
             # (e.g. ?ssl_cert_reqs=none in the URL, as with rediss://).
             conninfo.ssl = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
-        params = super()._connparams(asynchronous=asynchronous)
-        if params.get("socket_timeout") is None:
-            params["socket_timeout"] = self.settings.reply_timeout
-        return params
+        return connections.watch_replies(super()._connparams(asynchronous=asynchronous),
+                                         self.settings)
 
     def _get_pool(self, asynchronous: bool = False) -> Any:
         if self.cluster_setup is not None:
@@ -934,12 +933,13 @@ class Channel(kredis.Channel):
         self._refresh_ready()
 
     def check_fetch_reply(self) -> None:
-        """Raise a connection error when a fetch has gone unanswered for
-        ``reply_timeout``: its connection is gone without a reset (half-open), and
-        nothing else would notice. The consumer then reconnects (one log line) and its
-        pool returns what the lost fetch may have moved."""
+        """Raise a connection error when a fetch's connection has gone silent: its reply
+        is overdue while the server answers a fresh connection (``probe.gone_silent``),
+        or unanswered for ``reply_timeout``. Such a connection is gone without a reset
+        (half-open), and nothing else would notice. The consumer then reconnects (one
+        log line) and its pool returns what the lost fetch may have moved."""
         conn = self._in_poll
-        if not conn or monotonic() - self._brpop_sent_at < self.settings.reply_timeout:
+        if not conn or not gone_silent(conn, self._brpop_sent_at, self.settings.reply_timeout):
             return
         self._in_poll = None
         with suppress(Exception):
@@ -947,7 +947,8 @@ class Channel(kredis.Channel):
         self._ready.fetch_lost()
         self._fetch_finished(lost=True)
         raise redis.exceptions.ConnectionError(
-            f"celery_ext: no reply to a fetch within {self.settings.reply_timeout:g}s")
+            f"celery_ext: no reply to a fetch in {monotonic() - self._brpop_sent_at:.0f}s: "
+            "its connection is silent")
 
     def _refresh_ready(self) -> None:
         """Mark every consumed queue in the ``ready`` set active (1 command). On a
