@@ -146,18 +146,23 @@ class ProbingConnection(redis.Connection):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._probe_kwargs = dict(kwargs)
-        self._sent_at = 0.0
+        #: When the connection last sent a request or read a reply: silence counts
+        #: from there (the replies of a long pipeline each restart it).
+        self._heard_at = 0.0
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        self._sent_at = monotonic()
         super().send_packed_command(command, check_health=check_health)
+        self._heard_at = monotonic()
 
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         # A read with its own timeout (pub/sub, the acks' close) or a push (pub/sub
         # message) may legitimately wait long: only a reply to a request is watched.
         if "timeout" not in kwargs and not kwargs.get("push_request") and self._sock:
             self._await_reply()
-        return super().read_response(*args, **kwargs)
+        try:
+            return super().read_response(*args, **kwargs)
+        finally:
+            self._heard_at = monotonic()
 
     def server_probe(self) -> ServerProbe:
         """This process's probe of this connection's server."""
@@ -181,7 +186,9 @@ class ProbingConnection(redis.Connection):
     def _await_reply(self) -> None:
         """Wait until the reply can be read; raise when the connection is found dead
         (the server answers a probe) or the socket timeout passes."""
-        sent, cap = self._sent_at, self.socket_timeout
+        sent, cap = self._heard_at, self.socket_timeout
+        if monotonic() - sent >= self.probe_after and self.can_read(timeout=0):
+            return  # (a reply read long after its request: no probe for it)
         while True:
             now = monotonic()
             waited = now - sent

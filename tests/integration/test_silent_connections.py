@@ -94,6 +94,23 @@ def test_a_stalled_server_is_waited_for_on_the_same_connection(
     assert accepted(server) - before <= 3 + 2
 
 
+def test_a_reply_read_long_after_its_request_costs_no_probe(
+        server: RedisServer, proxy: Proxy) -> None:
+    """The acks read their replies late, on purpose: a reply already there is read
+    without probing the server, however long ago its request went out."""
+    pool = pool_via(proxy)
+    conn = pool.get_connection()
+    try:
+        before = accepted(server)
+        conn.send_command("PING")
+        time.sleep(DEFAULT_REPLY_PROBE_AFTER + 0.5)
+        assert conn.read_response() == b"PONG"
+        assert accepted(server) - before == 1  # the count's own connection
+    finally:
+        pool.release(conn)
+        pool.disconnect()
+
+
 def test_a_write_pause_holds_the_probe_back_too(server: RedisServer, proxy: Proxy) -> None:
     """CLIENT PAUSE WRITE holds writes and scripts, not PING: the probe is a script, so
     a held write is not mistaken for a dead connection."""
