@@ -430,7 +430,7 @@ class Run:
             # A client that waits forever for a silent connection's reply (stock has no
             # socket timeout) never returns from apply_async: the run goes on without it.
             producer.join(timeout=self.opt.warmup + len(self._fault_plan()) * self._interval
-                          + self.opt.max_settle)
+                          + self.opt.settle)
             if producer.is_alive():
                 self.result.notes.append(
                     f"the producer hung: {len(self._accepted)} of {self.opt.jobs} jobs sent")
