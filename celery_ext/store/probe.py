@@ -58,20 +58,19 @@ class _Outcome:
 class ServerProbe:
     """Probes one server for every connection of this process that waits on it."""
 
-    def __init__(self, connect: Callable[[], Any], timeout: float, first_gap: float) -> None:
-        self._connect = connect
+    def __init__(self, timeout: float, first_gap: float) -> None:
         self._timeout = timeout
         self._first_gap = self._gap = first_gap
         self._cond = threading.Condition()
         self._running: float | None = None  # when the probe on its way started
         self._last: _Outcome | None = None
 
-    def verdict(self, since: float, wait: bool) -> Verdict:
+    def verdict(self, since: float, wait: bool, connect: Callable[[], Any]) -> Verdict:
         """What a request sent at ``since`` (monotonic) and unanswered means: ANSWERED
         only from a probe started after ``since`` and finished ``PROBE_GRACE`` ago;
         STALLED from an unanswered probe until the backoff gap after it has passed.
-        Starts a probe when neither holds and none is on its way; ``wait``: until it is
-        decided, else PENDING meanwhile."""
+        Starts a probe (on a connection from ``connect``) when neither holds and none
+        is on its way; ``wait``: until it is decided, else PENDING meanwhile."""
         with self._cond:
             while True:
                 now = monotonic()
@@ -92,25 +91,26 @@ class ServerProbe:
                 if last is not None and not last.answered and now < last.started + self._gap:
                     return Verdict.STALLED  # the server was stalled a moment ago: wait on
                 self._running = now
-                threading.Thread(target=self._run, args=(now,), daemon=True,
+                threading.Thread(target=self._run, args=(now, connect), daemon=True,
                                  name="celery_ext-probe").start()
                 if not wait:
                     return Verdict.PENDING
 
-    def _run(self, started: float) -> None:
-        answered = self._probe()
+    def _run(self, started: float, connect: Callable[[], Any]) -> None:
+        answered = self._probe(connect)
         with self._cond:
             self._last = _Outcome(started, monotonic(), answered)
             self._running = None
             self._gap = self._first_gap if answered else min(self._gap * 2, PROBE_BACKOFF_MAX)
             self._cond.notify_all()
 
-    def _probe(self) -> bool:
+    @staticmethod
+    def _probe(connect: Callable[[], Any]) -> bool:
         """Whether the server answers (or refuses) a fresh connection within the
         timeout; False when it is stalled (no answer, or BUSY running a script)."""
         conn: Any = None
         try:
-            conn = self._connect()
+            conn = connect()
             conn.connect()
             conn.send_command("EVAL", source("probe"), 0)
             conn.read_response()
@@ -173,9 +173,12 @@ class ProbingConnection(redis.Connection):
         with _probes_lock:
             found = _probes.get(key)
             if found is None:
-                found = _probes[key] = ServerProbe(self._probe_connection, self.probe_timeout,
-                                                   self.probe_after)
+                found = _probes[key] = ServerProbe(self.probe_timeout, self.probe_after)
         return found
+
+    def verdict(self, since: float, wait: bool) -> Verdict:
+        """This connection's server probe's verdict on a request sent at ``since``."""
+        return self.server_probe().verdict(since, wait, self._probe_connection)
 
     def _probe_connection(self) -> redis.Connection:
         t = self.probe_timeout
@@ -196,7 +199,7 @@ class ProbingConnection(redis.Connection):
                 self.disconnect()
                 raise redis.TimeoutError(f"Timeout reading from {self._host_error()}")
             if waited >= self.probe_after:
-                verdict = self.server_probe().verdict(sent, wait=True)
+                verdict = self.verdict(sent, wait=True)
                 if verdict is Verdict.ANSWERED and not self.can_read(timeout=0):
                     self.disconnect()
                     raise redis.ConnectionError(
@@ -235,7 +238,7 @@ def gone_silent(conn: Any, since: float, cap: float | None) -> bool:
         return True
     if not isinstance(conn, ProbingConnection) or waited < conn.probe_after:
         return False
-    if conn.server_probe().verdict(since, wait=False) is not Verdict.ANSWERED:
+    if conn.verdict(since, wait=False) is not Verdict.ANSWERED:
         return False
     return not _readable(conn)
 
