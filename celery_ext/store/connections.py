@@ -6,6 +6,9 @@ pool's own clients (heartbeat, reaper, requeuer, acks), :class:`~celery_ext.clie
 (CLI, dashboard) and the Flower integration. A caller hands over the connection
 settings it has (host, password, TLS, timeouts: a dict of redis-py connection
 keywords) and the :class:`SentinelConfig` of the URL, if any; it gets back a pool.
+The transport's keywords first go through :func:`watch_replies`, so that each of its
+connections notices when it goes silent (half-open) without mistaking a stalled
+server for one (``store/probe.py``).
 
 Sentinel URLs follow Kombu's ``sentinel://`` transport: each sentinel is one URL,
 separated by ``;``; the master's name and the sentinels' own connection options are
