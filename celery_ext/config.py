@@ -84,11 +84,40 @@ PERIODIC_MISSED_POLICIES = ("once", "skip", "all")
 #: one list per job queue. Must start at 0 (the default level) and rise within 0-9.
 DEFAULT_PRIORITY_STEPS = (0, 3, 6, 9)
 
-#: Longest wait (seconds) for a Redis reply before the connection counts as lost: a
-#: fetch unanswered this long is abandoned and sent again on a new connection, and it
-#: is the socket timeout of the plugin's connections unless ``socket_timeout`` is set
-#: (a half-open connection would otherwise hang a read forever).
-DEFAULT_REPLY_TIMEOUT = 30.0
+#: Longest wait (seconds) for a Redis reply, even from a server that seems stalled (the
+#: probe below goes unanswered too), before the connection counts as lost: a fetch
+#: unanswered this long is abandoned and sent again on a new connection, and it is the
+#: socket timeout of the plugin's connections unless ``socket_timeout`` is set. Well
+#: over the stalls a server lives through (DEBUG SLEEP, a blocking fork, a long
+#: script), so they cost no reconnect; a silent connection to a live server is noticed
+#: much sooner, by the probe.
+DEFAULT_REPLY_TIMEOUT = 60.0
+#: A reply overdue this long (seconds) makes the process probe the server on a fresh
+#: connection (``store/probe.py``). Answered, the server is live and the silent
+#: connection dead (half-open: a NAT or load balancer dropped its state): it is dropped
+#: and its request given up as lost, which the fetch, ack and publish paths recover.
+#: Unanswered, the server is stalled: the connection waits on, up to ``reply_timeout``.
+DEFAULT_REPLY_PROBE_AFTER = 3.0
+#: Longest wait (seconds) for the probe's answer (connect and reply); a slower one
+#: means the server is stalled.
+DEFAULT_PROBE_TIMEOUT = 2.0
+#: An answered probe convicts a silent connection only once that connection's own
+#: reply, written by the server no later than the probe's, has had this long to arrive.
+PROBE_GRACE = 0.25
+#: After an unanswered probe (a stalled server) the next one waits twice as long, up to
+#: this many seconds: a long stall costs a process a few probe connections, not a storm.
+PROBE_BACKOFF_MAX = 8.0
+#: Longest wait (seconds) for a TCP connection to Redis unless ``socket_connect_timeout``
+#: is set: a server that is up completes the handshake at once, even when stalled (its
+#: kernel accepts), so a slower one is unreachable.
+DEFAULT_CONNECT_TIMEOUT = 10.0
+#: TCP keep-alive of every connection unless ``socket_keepalive`` is set: first probe
+#: after this many idle seconds, then one every KEEPALIVE_INTERVAL, the connection
+#: closed after KEEPALIVE_COUNT unanswered (Linux; elsewhere the system's timings).
+#: It finds a vanished peer on connections that wait for no reply (pub/sub).
+KEEPALIVE_IDLE = 10
+KEEPALIVE_INTERVAL = 5
+KEEPALIVE_COUNT = 3
 #: Replicas that must acknowledge a job's enqueue (Redis ``WAIT``) before the publish
 #: returns; 0 = do not wait (asynchronous replication: a failover may lose the last jobs).
 DEFAULT_WAIT_REPLICAS = 0
@@ -135,6 +164,8 @@ class Settings:
     retry_backoff_jitter: float = DEFAULT_RETRY_BACKOFF_JITTER
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     reply_timeout: float = DEFAULT_REPLY_TIMEOUT
+    reply_probe_after: float = DEFAULT_REPLY_PROBE_AFTER
+    probe_timeout: float = DEFAULT_PROBE_TIMEOUT
     publish_idempotency_ttl: float = DEFAULT_PUBLISH_IDEMPOTENCY_TTL
     history_sample_interval: float = DEFAULT_HISTORY_SAMPLE_INTERVAL
     periodic: bool = DEFAULT_PERIODIC
@@ -163,8 +194,9 @@ class Settings:
             )
         for name in ("heartbeat_interval", "dead_after", "reap_interval", "idle_refresh_interval",
                      "promote_interval", "unique_ttl", "retry_backoff_base",
-                     "retry_backoff_max", "reply_timeout", "history_sample_interval",
-                     "job_index_ttl", "stop_request_ttl"):
+                     "retry_backoff_max", "reply_timeout", "reply_probe_after",
+                     "probe_timeout", "history_sample_interval", "job_index_ttl",
+                     "stop_request_ttl"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"celery_ext: {name} must be > 0, got {getattr(self, name)!r}")
         if self.dead_after < 2 * self.heartbeat_interval:

@@ -6,6 +6,9 @@ pool's own clients (heartbeat, reaper, requeuer, acks), :class:`~celery_ext.clie
 (CLI, dashboard) and the Flower integration. A caller hands over the connection
 settings it has (host, password, TLS, timeouts: a dict of redis-py connection
 keywords) and the :class:`SentinelConfig` of the URL, if any; it gets back a pool.
+The transport's keywords first go through :func:`watch_replies`, so that each of its
+connections notices when it goes silent (half-open) without mistaking a stalled
+server for one (``store/probe.py``).
 
 Sentinel URLs follow Kombu's ``sentinel://`` transport: each sentinel is one URL,
 separated by ``;``; the master's name and the sentinels' own connection options are
@@ -41,6 +44,7 @@ slot routing, MOVED/ASK and topology refresh; job queues spread over the masters
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,13 +56,19 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException
 
 from celery_ext.config import (
+    DEFAULT_CONNECT_TIMEOUT,
+    KEEPALIVE_COUNT,
+    KEEPALIVE_IDLE,
+    KEEPALIVE_INTERVAL,
     SENTINEL_SCHEME,
     TLS_SENTINEL_SCHEME,
     ConfigError,
+    Settings,
     _bool,
     mask_url,
     redis_url,
 )
+from celery_ext.store.probe import probing
 
 #: Transport option that says the URL's server is a seed node of a Redis Cluster.
 CLUSTER_OPTION = "cluster"
@@ -247,6 +257,36 @@ def sentinel_config(urls: Iterable[str], options: Mapping[str, Any] | None = Non
         username=username, password=password, tls=tls,
         min_other_sentinels=int(options.get("min_other_sentinels") or 0),
         sentinel_kwargs=dict(kwargs) if kwargs is not None else None)
+
+
+def watch_replies(params: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """``params`` (redis-py connection keywords, as Kombu's channel builds them) with
+    what makes a silent connection noticed, each unless the user set it: the socket
+    timeout ``reply_timeout``, a connect timeout, TCP keep-alive, and a connection
+    class whose reads probe the server once a reply is ``reply_probe_after`` overdue
+    (``store/probe.py``). Unix sockets keep their class: they cannot go half-open."""
+    if params.get("socket_timeout") is None:
+        params["socket_timeout"] = settings.reply_timeout
+    cls = params.get("connection_class", redis.Connection)
+    if not (isinstance(cls, type) and issubclass(cls, redis.Connection)):
+        return params
+    if params.get("socket_connect_timeout") is None:
+        params["socket_connect_timeout"] = min(DEFAULT_CONNECT_TIMEOUT, settings.reply_timeout)
+    if not params.get("socket_keepalive"):
+        params["socket_keepalive"] = True
+        params["socket_keepalive_options"] = keepalive_options()
+    after = settings.reply_probe_after
+    if settings.wait_replicas:  # a WAIT for replicas is a reply that may take this long
+        after += settings.wait_timeout_ms / 1000
+    params["connection_class"] = probing(cls, after, settings.probe_timeout)
+    return params
+
+
+def keepalive_options() -> dict[int, int]:
+    """TCP keep-alive timings (``socket_keepalive_options``) this system lets us set."""
+    wanted = (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+              ("TCP_KEEPCNT", KEEPALIVE_COUNT))
+    return {getattr(socket, name): value for name, value in wanted if hasattr(socket, name)}
 
 
 def connections_for(params: dict[str, Any], sentinel: SentinelConfig | None = None

@@ -104,10 +104,8 @@ class Channel(kredis.Channel):
             # Secure by default: verify the server certificate unless told otherwise
             # (e.g. ?ssl_cert_reqs=none in the URL, as with rediss://).
             conninfo.ssl = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
-        params = super()._connparams(asynchronous=asynchronous)
-        if params.get("socket_timeout") is None:
-            params["socket_timeout"] = self.settings.reply_timeout
-        return params
+        return connections.watch_replies(super()._connparams(asynchronous=asynchronous),
+                                         self.settings)
 
     def _get_pool(self, asynchronous: bool = False) -> Any:
         return self.topology.connections(asynchronous, super()._get_pool)

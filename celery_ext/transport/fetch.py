@@ -32,6 +32,7 @@ from celery_ext.errors import CONNECTION_ERRORS
 from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.envelope import envelope_problem
 from celery_ext.store.keys import Keys
+from celery_ext.store.probe import gone_silent
 from celery_ext.text import one_line
 from celery_ext.transport.qos import fetch_waits
 
@@ -273,14 +274,15 @@ class Fetcher:
         return delivered
 
     def check_reply(self) -> None:
-        """Raise a connection error when a fetch has gone unanswered for
-        ``reply_timeout``: its connection is gone without a reset (half-open), and
-        nothing else would notice. The consumer then reconnects (one log line) and its
-        pool returns what the lost fetch may have moved."""
+        """Raise a connection error when a fetch's connection has gone silent: its reply
+        is overdue while the server answers a fresh connection (``probe.gone_silent``),
+        or unanswered for ``reply_timeout``. Such a connection is gone without a reset
+        (half-open), and nothing else would notice. The consumer then reconnects (one
+        log line) and its pool returns what the lost fetch may have moved."""
         channel = self.channel
         conn = channel._in_poll
         timeout = channel.settings.reply_timeout
-        if not conn or monotonic() - channel._brpop_sent_at < timeout:
+        if not conn or not gone_silent(conn, channel._brpop_sent_at, timeout):
             return
         channel._in_poll = None
         with suppress(Exception):
@@ -288,7 +290,8 @@ class Fetcher:
         channel._ready.fetch_lost()
         self.finished(lost=True)
         raise redis.exceptions.ConnectionError(
-            f"celery_ext: no reply to a fetch within {timeout:g}s")
+            f"celery_ext: no reply to a fetch in {monotonic() - channel._brpop_sent_at:.0f}s: "
+            "its connection is silent")
 
     # -- decoding, and what cannot be delivered -----------------------------------------
     def decode(self, qname: Any, tag: Any, payload: Any, rec: Any,

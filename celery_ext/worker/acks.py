@@ -9,7 +9,10 @@ of them once ``MAX_UNREAD`` are pending (one read, no probe of the socket per ac
 at ``close()``. An error reply (``NOSCRIPT`` after a server restart) or a lost connection
 hands the tags concerned to the synchronous path (``fallback``); acks are idempotent
 (a tag no longer in the in-flight record is ignored), so resending is safe. Each reply
-read without error confirms its tags (``on_confirmed``).
+read without error confirms its tags (``on_confirmed``). A connection that goes silent
+(half-open: no reply, no reset) is noticed by ``poll()`` once the oldest unread reply
+is overdue while the server answers a fresh connection (``store/probe.py``): it is
+dropped and its acks resent like those of a lost one.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
+from time import monotonic
 from typing import Any
 
 import redis
 
 from celery_ext.errors import CONNECTION_ERRORS
 from celery_ext.store import scripts as _scripts
+from celery_ext.store.probe import gone_silent
 
 #: Ack replies left unread before an ack waits for the oldest ones.
 MAX_UNREAD = 64
@@ -42,7 +47,8 @@ class AckSender:
         self._lock = threading.Lock()
         self._conn: Any = None
         self._pid = 0
-        self._unread: deque[list[str]] = deque()  # tags of each ack whose reply is unread
+        #: Tags of each ack whose reply is unread, and when that ack was sent.
+        self._unread: deque[tuple[list[str], float]] = deque()
 
     def connect(self) -> None:
         """Open the connection now (before the first ack needs it)."""
@@ -62,7 +68,7 @@ class AckSender:
                 if len(self._unread) >= MAX_UNREAD:
                     self._read(conn, MAX_UNREAD // 2, resend, confirmed, probe=False)
                 conn.send_command("EVALSHA", _scripts.sha("ack"), len(keys), *keys, *args)
-                self._unread.append(tags)
+                self._unread.append((tags, monotonic()))
             except CONNECTION_ERRORS:
                 resend += self._drop()
                 resend += tags
@@ -70,7 +76,8 @@ class AckSender:
 
     def poll(self) -> None:
         """Read the replies already there, without waiting: a connection that broke
-        after an ack was written shows up here (its acks go to the fallback)."""
+        after an ack was written shows up here, and one gone silent (its acks go to
+        the fallback)."""
         resend: list[str] = []
         confirmed: list[str] = []
         with self._lock:
@@ -79,6 +86,8 @@ class AckSender:
                 try:
                     self._read(conn, len(self._unread), resend, confirmed)
                 except CONNECTION_ERRORS:
+                    resend += self._drop()
+                if self._unread and gone_silent(conn, self._unread[0][1], conn.socket_timeout):
                     resend += self._drop()
         self._report(resend, confirmed)
 
@@ -125,7 +134,7 @@ class AckSender:
         already there."""
         unread = self._unread
         while unread and (len(unread) > keep or (probe and conn.can_read(timeout=0))):
-            tags = unread[0]
+            tags = unread[0][0]
             try:
                 if timeout is None:
                     conn.read_response()
@@ -139,7 +148,7 @@ class AckSender:
 
     def _drop(self) -> list[str]:
         """The connection failed: every unread ack may or may not have been applied."""
-        tags = [t for batch in self._unread for t in batch]
+        tags = [t for batch, _ in self._unread for t in batch]
         self._unread.clear()
         self._disconnect()
         return tags

@@ -25,6 +25,10 @@ def _fmt_recovery(r: Result) -> str:
     text = f"{r.recovery_median:.1f}/{r.recovery_max:.1f}" if r.recovery_max is not None else ""
     if r.unrecovered_faults:
         text += f"{' +' if text else ''}{r.unrecovered_faults} never"
+    if r.resumed_max is not None or r.unresumed_faults:
+        answered = f"{r.resumed_max:.1f}" if r.resumed_max is not None else "-"
+        never = f" +{r.unresumed_faults} never" if r.unresumed_faults else ""
+        text += f"{'; ' if text else ''}answered again {answered}{never}"
     return text or "-"
 
 
@@ -98,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{result.publish_retry_duplicates}, unexplained duplicates "
                   f"{result.unexplained_duplicates}, "
                   f"pools reaped {result.pools_reaped}, crashed pools {result.crashed_pools}, "
+                  f"consumer reconnects {result.reconnects}, server connections per fault "
+                  f"{[f.connections for f in result.faults]}, answered again after "
+                  f"{[f.resumed for f in result.faults if f.resumed is not None]} s, "
                   f"{result.seconds} s"
                   + "".join(f"\n  note: {n}" for n in result.notes)
                   + "".join(f"\n  failover: master with {f['job_queues']} job queues killed, "

@@ -20,6 +20,11 @@ Counting comes only from the append-only record the jobs write (``tests.faults.a
   stock: ``unacked`` of the whole server for server faults, started-not-done for pools)
 - **recovery** per fault: from the fault until every job running on the hit pool (or
   anywhere, for server faults) at that moment is done by somebody.
+- **resumed** per silent-connection fault: from the moment the connection went silent
+  until the same kind of request (fetch, ack, enqueue) was answered on another
+  connection: the client noticed and went on.
+- **connections** per fault (one server): connections the server accepted from the
+  fault until the next one; **reconnects**: consumer reconnects in the pools' logs.
 """
 
 from __future__ import annotations
@@ -63,10 +68,12 @@ PREFETCH_MULTIPLIER = 4
 
 #: Fault kinds; a scenario is a list of them, injected in turn.
 POOL_FAULTS = ("kill_main", "kill_child", "sigterm", "sigstop", "partition",
-               "fetch_reply_lost", "cut", "ack_lost")
+               "fetch_reply_lost", "cut", "ack_lost", "fetch_silent", "ack_silent")
 SERVER_FAULTS = ("redis_kill", "debug_sleep", "client_pause", "oom", "cluster_failover")
 #: Faults of the producer's connection (it reaches Redis through a proxy of its own).
-PRODUCER_FAULTS = ("publish_cut",)
+PRODUCER_FAULTS = ("publish_cut", "publish_silent")
+#: Faults that leave a connection half-open (see ``Proxy.freeze_on``).
+SILENT_FAULTS = ("fetch_silent", "ack_silent", "publish_silent")
 #: What the producer's enqueue request contains: the command (stock) or the script.
 ENQUEUE_REQUEST = {"stock": b"LPUSH", "ours": _scripts.sha("enqueue").encode()}
 
@@ -139,6 +146,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              ("kill_main",), dropin=True),
     Scenario("ack_lost", "the proxied pool's ack never reaches Redis, reconnects refused 1 s",
              ("ack_lost",)),
+    # Each fault waits (within its interval) until the hit client is answered again.
+    Scenario("silent_connection", "a connection left half-open (no reply, no reset): the "
+             "proxied pool's fetch (ran, reply swallowed), its ack (swallowed), the "
+             "producer's enqueue (ran, reply swallowed)",
+             ("fetch_silent", "ack_silent", "publish_silent"), min_interval=15.0),
     Scenario("sentinel_failover", "SIGKILL the primary under Sentinel; a replica takes over",
              ("sentinel_failover",), sentinel=True),
     # Countdowns off: promoting the scheduled sets of every queue's copy on a cluster is
@@ -176,6 +188,9 @@ class Options:
     heartbeat_interval: float = 0.5
     dead_after: float = 3.0
     reap_interval: float = 1.0
+    #: Seconds Redis stalls at a redis_stall fault (DEBUG SLEEP, CLIENT PAUSE); 0 = twice
+    #: dead_after.
+    stall: float = 0.0
     seed: int = 1
 
 
@@ -188,6 +203,10 @@ class Fault:
     running: list[str] = field(default_factory=list)  # jobs running there then
     owned: list[str] = field(default_factory=list)    # ours: job ids in its in-flight record
     recovery: float | None = None  # seconds until all of `running` were done
+    #: Silent-connection faults: seconds until the hit client was answered again.
+    resumed: float | None = None
+    #: Connections the server accepted from this fault until the next (one server).
+    connections: int | None = None
 
 
 @dataclass
@@ -234,6 +253,12 @@ class Result:
     recovery_median: float | None = None
     recovery_max: float | None = None
     unrecovered_faults: int = 0
+    #: Silent-connection faults: the longest time to be answered again, and how many
+    #: faults were never answered again within their interval.
+    resumed_max: float | None = None
+    unresumed_faults: int = 0
+    #: Consumer reconnects the pools logged ("Connection to broker lost").
+    reconnects: int = 0
     crashed_pools: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -402,7 +427,13 @@ class Run:
             producer.start()
             time.sleep(self.opt.warmup)
             self._inject_faults()
-            producer.join()
+            # A client that waits forever for a silent connection's reply (stock has no
+            # socket timeout) never returns from apply_async: the run goes on without it.
+            producer.join(timeout=self.opt.warmup + len(self._fault_plan()) * self._interval
+                          + self.opt.settle)
+            if producer.is_alive():
+                self.result.notes.append(
+                    f"the producer hung: {len(self._accepted)} of {self.opt.jobs} jobs sent")
             self._settle()
             self._count()
             self._note_reconciles()
@@ -473,6 +504,7 @@ class Run:
     def _inject_faults(self) -> None:
         for kind in self._fault_plan():
             t_next = time.monotonic() + self._interval
+            before = self._connections_received()
             try:
                 fault = getattr(self, f"_fault_{kind}")()
             except Exception as exc:
@@ -481,8 +513,23 @@ class Run:
             if fault is not None:
                 self.result.faults.append(fault)
                 self.log(f"  {self.scenario.name}/{self.mode}: {kind} "
-                         f"{fault.pool or 'server'} in flight {fault.in_flight}")
+                         f"{fault.pool or 'server'} in flight {fault.in_flight}"
+                         + (f", answered again after {fault.resumed} s"
+                            if kind in SILENT_FAULTS else ""))
             time.sleep(max(0.0, t_next - time.monotonic()))
+            after = self._connections_received()
+            if fault is not None and before is not None and after is not None:
+                fault.connections = after - before
+
+    def _connections_received(self) -> int | None:
+        """Connections the one server has accepted so far (None: no single server up)."""
+        if self.group is not None or self.cluster is not None:
+            return None
+        try:
+            with self.server.client(socket_timeout=5) as client:
+                return int(client.info("stats")["total_connections_received"])
+        except redis.RedisError:
+            return None
 
     def _settle(self) -> None:
         """Wait until all accepted jobs are done, or nothing finishes for ``settle`` s."""
@@ -539,6 +586,12 @@ class Run:
                     ends[job] = at
             if len(ends) == len(set(f.running)):
                 f.recovery = round(max(ends.values()) - f.at, 2)
+        silent = [f for f in r.faults if f.kind in SILENT_FAULTS]
+        resumed = [f.resumed for f in silent if f.resumed is not None]
+        r.resumed_max = max(resumed) if resumed else None
+        r.unresumed_faults = len(silent) - len(resumed)
+        r.reconnects = sum(w.log_text().count("Connection to broker lost")
+                           for w in self.pools + self._retired if w.started)
         recoveries = [f.recovery for f in r.faults if f.recovery is not None]
         r.unrecovered_faults = sum(1 for f in r.faults if f.recovery is None)
         if recoveries:
@@ -611,13 +664,13 @@ class Run:
             self.cluster.stop()
 
     # -- fault helpers --------------------------------------------------------------
-    def _admin(self) -> redis.Redis:
+    def _admin(self, timeout: float = 30) -> redis.Redis:
         if self.group is not None:  # the primary of the moment
             primary = self.group.master_server()
             if primary is None:
                 raise RuntimeError("the sentinels name no primary of ours")
-            return primary.client(socket_timeout=30)
-        return self.server.client(socket_timeout=30)
+            return primary.client(socket_timeout=timeout)
+        return self.server.client(socket_timeout=timeout)
 
     def _pick_pool(self) -> WorkerProcess:
         live = [w for w in self.pools if w.alive]
@@ -849,15 +902,19 @@ class Run:
         self.group.rejoin(old)
         return fault
 
+    @property
+    def _stall(self) -> float:
+        return self.opt.stall or self.opt.dead_after * 2
+
     def _fault_debug_sleep(self) -> Fault:
         fault = self._server_fault("debug_sleep")
-        with self._admin() as client:
-            client.execute_command("DEBUG", "SLEEP", str(self.opt.dead_after * 2))
+        with self._admin(timeout=self._stall + 30) as client:
+            client.execute_command("DEBUG", "SLEEP", str(self._stall))
         return fault
 
     def _fault_client_pause(self) -> Fault:
         fault = self._server_fault("client_pause")
-        ms = int(self.opt.dead_after * 2 * 1000)
+        ms = int(self._stall * 1000)
         with self._admin() as client:
             client.execute_command("CLIENT", "PAUSE", str(ms), "ALL")
         time.sleep(ms / 1000)
@@ -926,27 +983,85 @@ class Run:
         fault = self._pool_fault("ack_lost", worker)
         before = proxy.requests_dropped
         proxy.drop_request(self._request("ack"), refuse_for=1.0)
-        # Between bursts the producer sends a trickle of jobs, and every idle pool races
-        # for each one: the proxied pool, a hop slower, wins few (8 of 138 fetches in a
-        # measured run, none at all for seconds at times), so it had no ack to drop. The
-        # other pools' main processes pause (well under dead_after: not declared dead)
-        # while the producer sends the next jobs of its schedule at once.
+        self._await_own_strike(worker, lambda: proxy.requests_dropped, before, "ack dropped",
+                               within=self.opt.interval * 0.75)
+        return fault
+
+    def _await_own_strike(self, worker: WorkerProcess, count: Callable[[], int], before: int,
+                          what: str, within: float) -> None:
+        """``_await_strike`` for a request the proxied pool sends only when it holds jobs.
+        Between bursts the producer sends a trickle of jobs, and every idle pool races
+        for each one: the proxied pool, a hop slower, wins few (8 of 138 fetches in a
+        measured run, none at all for seconds at times), so it had no ack to strike. The
+        other pools' main processes pause (well under dead_after: not declared dead)
+        while the producer sends the next jobs of its schedule at once."""
         others = [w for w in self.pools if w is not worker and w.alive]
         armed = time.monotonic()
         for w in others:
             os.kill(w.pid, signal.SIGSTOP)
         try:
             self._hurry.set()
-            self._await_strike(lambda: proxy.requests_dropped, before, "ack dropped",
-                               within=min(self.opt.dead_after / 4, self.opt.interval / 4))
+            self._await_strike(count, before, what,
+                               within=min(self.opt.dead_after / 4, within / 3))
         except RuntimeError:
             pass  # not yet: go on waiting with every pool running
         finally:
             for w in others:
                 os.kill(w.pid, signal.SIGCONT)
         # (The same deadline as every strike: counted from arming.)
-        self._await_strike(lambda: proxy.requests_dropped, before, "ack dropped",
-                           within=self.opt.interval * 0.75 - (time.monotonic() - armed))
+        self._await_strike(count, before, what, within=within - (time.monotonic() - armed))
+
+    # -- a connection left half-open --------------------------------------------------
+    def _fault_fetch_silent(self) -> Fault:
+        """The proxied pool's next fetch runs in Redis; its reply never comes and its
+        connection stays open, passing nothing (no reset tells the pool)."""
+        proxy, worker = self._proxied()
+        fault = self._pool_fault("fetch_silent", worker)
+        self._freeze(proxy, self._request("fetch"), True, worker)
+        return self._await_answer(proxy, fault)
+
+    def _fault_ack_silent(self) -> Fault:
+        """The proxied pool's next ack never reaches Redis and its connection stays
+        open, passing nothing."""
+        proxy, worker = self._proxied()
+        fault = self._pool_fault("ack_silent", worker)
+        self._freeze(proxy, self._request("ack"), False, worker)
+        return self._await_answer(proxy, fault)
+
+    def _fault_publish_silent(self) -> Fault:
+        """The producer's next enqueue runs in Redis; its reply never comes and its
+        connection stays open, passing nothing."""
+        proxy = self.producer_proxy
+        assert proxy is not None
+        now = time.time()
+        self._freeze(proxy, ENQUEUE_REQUEST[self.mode], True, None)
+        return self._await_answer(proxy, Fault("publish_silent", now, None, 0))
+
+    def _freeze(self, proxy: Proxy, trigger: bytes, forward: bool,
+                worker: WorkerProcess | None) -> None:
+        """Arm ``proxy.freeze_on`` and wait until it strikes (on a request of the
+        proxied ``worker``, which may need jobs to send one); disarm if it does not."""
+        proxy.freeze_on(trigger, forward)
+        struck, within = (lambda: int(proxy.frozen_at is not None)), self._interval * 0.3
+        try:
+            if worker is None:
+                self._await_strike(struck, 0, "request frozen", within=within)
+            else:
+                self._await_own_strike(worker, struck, 0, "request frozen", within=within)
+        except RuntimeError:
+            proxy.disarm()
+            raise
+
+    def _await_answer(self, proxy: Proxy, fault: Fault) -> Fault:
+        """Wait, within most of the fault's interval, until the frozen request's kind is
+        answered on another connection; ``fault.resumed`` is how long that took."""
+        struck = proxy.frozen_at
+        assert struck is not None
+        deadline = struck + self._interval * 0.6
+        while proxy.answered_at is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if proxy.answered_at is not None:
+            fault.resumed = round(proxy.answered_at - struck, 2)
         return fault
 
     def _note_reconciles(self) -> None:

@@ -10,6 +10,12 @@ it is cut when the reply comes back, so the client never reads it.
 ``drop_request(trigger, refuse_for)`` strikes before: the request never reaches
 Redis, its connection is cut, and new connections are refused for a while, while
 the other open connections go on.
+``freeze_on(trigger)`` leaves a connection half-open instead: the next request that
+contains ``trigger`` reaches Redis (or, ``forward=False``, does not), and from then on
+nothing more passes that connection either way, while it stays open (no FIN, no
+reset), as when a NAT or load balancer drops its state. ``answered_at`` says when a
+later request containing ``trigger``, on another connection, got its reply: the
+client noticed and went on.
 """
 
 from __future__ import annotations
@@ -35,6 +41,14 @@ class Proxy:
         self.replies_cut = 0
         self._drops: list[tuple[bytes, float]] = []
         self._frozen: set[socket.socket] = set()
+        #: Requests to leave half-open at (see freeze_on): (trigger, forward).
+        self._freezes: list[tuple[bytes, bool]] = []
+        #: When the last freeze_on struck; when a later request with its trigger was
+        #: answered on another connection; the server sides awaiting that answer.
+        self.frozen_at: float | None = None
+        self.answered_at: float | None = None
+        self._watch: bytes | None = None
+        self._awaiting: set[socket.socket] = set()
         self._refuse_until = 0.0
         self.requests_dropped = 0
 
@@ -43,6 +57,15 @@ class Proxy:
         connection: no reset, no reply, ever); new connections work."""
         with self._lock:
             self._frozen = set(self._conns)
+
+    def freeze_on(self, trigger: bytes, forward: bool = True) -> None:
+        """Leave the connection of the next request containing ``trigger`` half-open:
+        the request is forwarded (``forward``; Redis runs it) or swallowed, and nothing
+        passes that connection afterwards, either way; it is not closed."""
+        with self._lock:
+            self._freezes.append((trigger, forward))
+            self.frozen_at = self.answered_at = self._watch = None
+            self._awaiting.clear()
 
     def drop_request(self, trigger: bytes, refuse_for: float = 1.0) -> None:
         """Cut the connection of the next request containing ``trigger`` without
@@ -61,6 +84,7 @@ class Proxy:
         with self._lock:
             self._triggers.clear()
             self._drops.clear()
+            self._freezes.clear()
 
     def start(self) -> Self:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -126,6 +150,24 @@ class Proxy:
                             self.requests_dropped += 1
                     if hit is not None:
                         break  # never forwarded
+                if upstream and (self._freezes or self._watch is not None):
+                    with self._lock:
+                        if self._watch is not None and self._watch in data:
+                            self._awaiting.add(dst)
+                        freeze = next((f for f in self._freezes if f[0] in data), None)
+                        if freeze is not None:
+                            self._freezes.remove(freeze)
+                            self._frozen.update((src, dst))
+                            self.frozen_at = time.monotonic()
+                            self._watch = freeze[0]
+                            self._awaiting.discard(dst)
+                    if freeze is not None and not freeze[1]:
+                        continue  # swallowed with everything after it
+                elif not upstream and src in self._awaiting:
+                    with self._lock:
+                        self._awaiting.discard(src)
+                        if self.answered_at is None:
+                            self.answered_at = time.monotonic()
                 if upstream and self._triggers:
                     with self._lock:
                         hit = next((t for t in self._triggers if t in data), None)
@@ -144,6 +186,8 @@ class Proxy:
             for sock in (src, dst):
                 with self._lock:
                     self._conns.discard(sock)
+                    self._frozen.discard(sock)
+                    self._awaiting.discard(sock)
                 _close(sock)
 
 

@@ -14,6 +14,9 @@ says which job ran where. What ours must show (DESIGN.md promises 1-3):
   loses the reply of an enqueue that Redis ran).
 - a pool that lives through the fault (a fetch reply lost, an ack that never reached
   Redis, every connection cut briefly) runs nothing twice and is not declared dead;
+- a connection left half-open (a fetch's reply, an ack, an enqueue's reply swallowed,
+  the connection open and silent) costs its client under 10 s with the default
+  timings: the same kind of request is answered again on a new connection by then;
 - drop-in mode with Celery's default early acks (a job is acked when it starts) loses
   at most the jobs that were running on the killed pool: nobody owns them any more.
   Everything it had fetched and not started is run elsewhere.
@@ -39,7 +42,12 @@ SHORT = Options(
 
 
 #: Faults the hit pool lives through: it is not declared dead.
-POOL_LIVES = ("fetch_reply_lost", "threads_cut", "ack_lost")
+POOL_LIVES = ("fetch_reply_lost", "threads_cut", "ack_lost", "silent_connection")
+#: Faults per scenario where the short run injects each of its kinds once, not SHORT's.
+EACH_KIND_ONCE = ("silent_connection",)
+#: Longest a client may take to be answered again after its connection went silent
+#: (default reply_probe_after and probe_timeout: the pools run with them).
+SILENT_RESUME_WITHIN = 10.0
 #: ...and nothing runs twice. Not asserted for fetch_reply_lost: when a prefork pool's
 #: connection breaks, Celery's pool flush forgets the jobs it had already written to a
 #: child that has not started them; the child may still run one, while the pool,
@@ -49,11 +57,19 @@ POOL_LIVES = ("fetch_reply_lost", "threads_cut", "ack_lost")
 NOTHING_TWICE = ("threads_cut", "ack_lost")
 
 
-def run(name: str, mode: str, tmp_path: Path) -> Result:
+def short(name: str) -> Options:
+    """SHORT for scenario ``name``."""
+    scenario = SCENARIOS[name]
+    options = SHORT
+    if name in EACH_KIND_ONCE:
+        options = replace(options, faults=len(scenario.kinds))
     # Where jobs are lost by design (early acks), settling waits out `settle` after the
     # last job finished: a shorter wait still outlasts dead_after + reap_interval.
-    options = SHORT if SCENARIOS[name].promise_no_loss else replace(SHORT, settle=6.0)
-    result = Run(SCENARIOS[name], mode, options, tmp_path).run()
+    return options if scenario.promise_no_loss else replace(options, settle=6.0)
+
+
+def run(name: str, mode: str, tmp_path: Path) -> Result:
+    result = Run(SCENARIOS[name], mode, short(name), tmp_path).run()
     print(f"{name}/{mode}: {result.as_dict()}")
     return result
 
@@ -65,7 +81,7 @@ def run(name: str, mode: str, tmp_path: Path) -> Result:
 def test_ours_loses_nothing_and_duplicates_at_most_what_was_in_flight(
         name: str, tmp_path: Path) -> None:
     r = run(name, "ours", tmp_path)
-    assert len(r.faults) == SHORT.faults, r.notes
+    assert len(r.faults) == short(name).faults, r.notes
     assert r.accepted + r.refused == SHORT.jobs
     assert r.crashed_pools == 0
     if SCENARIOS[name].promise_no_loss:
@@ -88,6 +104,9 @@ def test_ours_loses_nothing_and_duplicates_at_most_what_was_in_flight(
         assert r.pools_reaped == 0, r.notes
     if name in NOTHING_TWICE:
         assert r.duplicates == 0, r.as_dict()
+    if name == "silent_connection":
+        assert r.unresumed_faults == 0, r.as_dict()
+        assert r.resumed_max is not None and r.resumed_max <= SILENT_RESUME_WITHIN, r.as_dict()
     if name == "oom":
         # The caller of apply_async was told, in one line; nothing it was told
         # succeeded went missing (checked above).
