@@ -10,9 +10,12 @@ is idempotent, ``stop()`` ends the loop and joins the thread. Our threads are na
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
+
+logger = logging.getLogger("celery_ext.worker.background")
 
 #: Longest a part's ``stop()`` waits for its thread to end (seconds); a thread blocked on an
 #: unreachable Redis is a daemon and does not keep the process alive.
@@ -48,6 +51,15 @@ class BackgroundLoop:
         if self._thread is not None:
             self._thread.join(timeout=JOIN_TIMEOUT)
             self._thread = None
+
+    @staticmethod
+    def _close_listener(pubsub: Any, what: str) -> None:
+        """Close a pub/sub listener after a Redis error (the loop subscribes anew before
+        its next pass); a failure to close only matters to a debug log."""
+        try:
+            pubsub.close()
+        except Exception:
+            logger.debug("celery_ext: closing the %s listener failed", what, exc_info=True)
 
     def _wait_for_message(self, pubsub: Any, seconds: float) -> None:
         """Wait ``seconds``, or until ``pubsub`` (when there is one) delivers a message,

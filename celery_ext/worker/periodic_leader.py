@@ -289,11 +289,7 @@ class PeriodicLeader(BackgroundLoop):
                                  "(will retry)", exc)
                     self._failing = True
                 if pubsub is not None:
-                    try:
-                        pubsub.close()
-                    except Exception:
-                        logger.debug("celery_ext: closing the handover listener failed",
-                                     exc_info=True)
+                    self._close_listener(pubsub, "handover")
                     pubsub = None
                 self._stop.wait(min(self.settings.heartbeat_interval, 1.0))
                 continue

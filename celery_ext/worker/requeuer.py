@@ -202,11 +202,7 @@ class Requeuer(BackgroundLoop):
                                  "(will retry)", exc)
                     self._failing = True
                 if pubsub is not None:
-                    try:
-                        pubsub.close()
-                    except Exception:
-                        logger.debug("celery_ext: closing the schedule listener failed",
-                                     exc_info=True)
+                    self._close_listener(pubsub, "schedule")
                     pubsub = None
                 self._stop.wait(min(cap, 0.5 + random.random()))
         if pubsub is not None:
