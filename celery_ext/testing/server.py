@@ -48,14 +48,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)  # even if started with SIGINT ignored (`cmd &`)
+    # One try from the start: a signal that comes while the URL is being printed (the
+    # caller may act on the URL at once) stops the server like any other.
     try:
-        server.start()
-    except ServerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(server.url(scheme=args.scheme), flush=True)
-    print(f"data dir {server.data_dir}, pid {server.pid}; Ctrl-C stops it", file=sys.stderr)
-    try:
+        try:
+            server.start()
+        except ServerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(server.url(scheme=args.scheme), flush=True)
+        print(f"data dir {server.data_dir}, pid {server.pid}; Ctrl-C stops it", file=sys.stderr)
         proc = server._proc
         code = proc.wait() if proc is not None else 1
         print(f"server exited with code {code}:\n{server._log_tail()}", file=sys.stderr)
