@@ -7,6 +7,10 @@ Real server, real ``celery worker -P gevent`` subprocesses (tests/apps/proj_pool
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +20,7 @@ from celery_ext.config import Settings
 from celery_ext.store.keys import Keys
 from tests.apps import proj
 from tests.helpers import wait_for
-from tests.workers import WorkerProcess
+from tests.workers import REPO_ROOT, WorkerProcess
 
 pytest.importorskip("gevent")
 
@@ -57,3 +61,39 @@ def test_jobs_failing_together_all_reach_the_dead_set(app: Any, worker_factory: 
     wait_for(settled, 30, f"the {n} failed jobs in the dead set")
     assert "could not move" not in w.log_tail(2000)
     assert redis_client.zcard(KEYS.dead) == n
+
+
+def test_warm_shutdown_says_stopping_without_a_signal_handler_error(
+        app: Any, worker_factory: Any, redis_client: redis.Redis) -> None:
+    """Celery's SIGTERM handler runs in gevent's event loop, where nothing may block: the
+    pool still says "stopping" (a checking-in job is told to stop) and the handler
+    raises nothing."""
+    w = start_worker(worker_factory, concurrency=4)
+    rec = proj.recorder()
+    app.long_checkin.delay("lc", 20.0)
+    wait_for(lambda: rec.llen("start:lc") or None, 10, "the job started")
+    w.stop()
+    assert rec.lrange("stopped:lc", 0, -1), "the job was not told to stop"
+    assert "raised" not in w.log_tail(400)
+    assert w.returncode == 0
+
+
+def test_eventlet_is_refused_with_one_line_naming_gevent(tmp_path: Path,
+                                                         broker_url: str) -> None:
+    """``celery worker -P eventlet`` stops at start with one line naming gevent. (Celery
+    imports eventlet to monkey-patch before anything of ours runs; a stand-in module lets
+    the command reach the start-up check where eventlet is not installed.)"""
+    stand_in = tmp_path / "stand_in" / "eventlet"
+    stand_in.mkdir(parents=True)
+    (stand_in / "__init__.py").write_text("def monkey_patch():\n    pass\n")
+    (stand_in / "debug.py").write_text("")
+    env = {**os.environ, "CELERY_EXT_BROKER_URL": broker_url,
+           "PYTHONPATH": os.pathsep.join((str(REPO_ROOT), str(stand_in.parent)))}
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", APP, "worker", "-P", "eventlet", "-c", "2"],
+        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1] == ("celery_ext: the eventlet pool is not supported; use gevent for "
+                         "green threads (-P gevent), or prefork, threads or solo"), done.stderr
+    assert "Traceback" not in done.stderr
