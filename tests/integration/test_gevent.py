@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,39 @@ def test_warm_shutdown_says_stopping_without_a_signal_handler_error(
     assert rec.lrange("stopped:lc", 0, -1), "the job was not told to stop"
     assert "raised" not in w.log_tail(400)
     assert w.returncode == 0
+
+
+def test_sigkill_gevent_worker_its_jobs_rerun_elsewhere_once(
+        app: Any, worker_factory: Any, redis_client: redis.Redis, rec: redis.Redis) -> None:
+    """A gevent worker running jobs as greenlets is SIGKILLed: the jobs it held (fetched
+    into its in-flight record, running or reserved) run again on another worker, each
+    once more at most, within dead_after + the reap interval + 1 s."""
+    settings = Settings.load({}, environ=FAST)
+    victim = start_worker(worker_factory, concurrency=4, hostname="a@%h")
+    keys = [f"k{i}" for i in range(8)]
+    for k in keys:
+        app.slow.delay(k, 3.0)
+    wait_for(lambda: any(starts(rec, k) for k in keys), 10, "the victim running a job")
+    survivor = worker_factory(APP, pool="threads", concurrency=8, hostname="b@%h",
+                              env=FAST).start()
+    kill_at = time.time()
+    victim.kill()
+    wait_for(lambda: all(rec.lrange(f"runs:{k}", 0, -1) for k in keys), 30,
+             "every job to complete")
+    reruns = [float(s.split(":")[1]) for k in keys for s in starts(rec, k)
+              if float(s.split(":")[1]) > kill_at]
+    assert reruns, "the victim's jobs were not run again"
+    limit = settings.dead_after + settings.reap_interval * 1.2 + 1.0
+    assert min(reruns) - kill_at < limit, (min(reruns) - kill_at, limit)
+    for k in keys:
+        assert len(starts(rec, k)) <= 2
+    wait_for(lambda: all(int(v) == 0 for v in redis_client.hgetall(KEYS.running).values()),
+             10, "running counts back to 0")
+    survivor.stop()
+
+
+def starts(rec: redis.Redis, key: str) -> list[str]:
+    return [v.decode() for v in rec.lrange(f"start:{key}", 0, -1)]
 
 
 def test_eventlet_is_refused_with_one_line_naming_gevent(tmp_path: Path,
