@@ -38,6 +38,12 @@ DEFAULT_DEAD_MAX_SIZE = 10_000
 DEFAULT_DEAD_MAX_AGE = 180 * 24 * 3600.0
 #: Most messages one fetch round trip may move into the in-flight record.
 DEFAULT_FETCH_BATCH = 16
+#: A channel's connections per client under gevent's monkey-patching (Kombu's default is
+#: 10). Every job is a greenlet of the main process and may hold one of our clients'
+#: connections (a failed job's dead record, a unique lock's release, a checkin) while it
+#: waits for the reply: the cap is the server's (Redis's default ``maxclients``), not
+#: ours, since a greenlet finding none free fails its job's bookkeeping.
+GREEN_MAX_CONNECTIONS = 10_000
 #: Longest an idle requeuer waits between two promote passes. It also wakes at the
 #: next due time and when a job is scheduled earlier (pub/sub): this is the safety net.
 DEFAULT_PROMOTE_INTERVAL = 5.0

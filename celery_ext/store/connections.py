@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,7 @@ from redis.exceptions import RedisClusterException
 
 from celery_ext.config import (
     DEFAULT_CONNECT_TIMEOUT,
+    GREEN_MAX_CONNECTIONS,
     KEEPALIVE_COUNT,
     KEEPALIVE_IDLE,
     KEEPALIVE_INTERVAL,
@@ -279,6 +281,22 @@ def watch_replies(params: dict[str, Any], settings: Settings) -> dict[str, Any]:
     if settings.wait_replicas:  # a WAIT for replicas is a reply that may take this long
         after += settings.wait_timeout_ms / 1000
     params["connection_class"] = probing(cls, after, settings.probe_timeout)
+    return params
+
+
+def green_sockets() -> bool:
+    """Whether gevent's monkey-patching made this process's sockets cooperative (a
+    ``-P gevent`` worker): its jobs are greenlets sharing the main process's clients."""
+    monkey = sys.modules.get("gevent.monkey")
+    return monkey is not None and bool(monkey.is_module_patched("socket"))
+
+
+def green_connections(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with room for every greenlet that uses a client at once, under gevent
+    (``GREEN_MAX_CONNECTIONS``); unchanged otherwise, and never lowered."""
+    if green_sockets():
+        params["max_connections"] = max(params.get("max_connections") or 0,
+                                        GREEN_MAX_CONNECTIONS)
     return params
 
 

@@ -104,8 +104,8 @@ class Channel(kredis.Channel):
             # Secure by default: verify the server certificate unless told otherwise
             # (e.g. ?ssl_cert_reqs=none in the URL, as with rediss://).
             conninfo.ssl = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
-        return connections.watch_replies(super()._connparams(asynchronous=asynchronous),
-                                         self.settings)
+        params = super()._connparams(asynchronous=asynchronous)
+        return connections.green_connections(connections.watch_replies(params, self.settings))
 
     def _get_pool(self, asynchronous: bool = False) -> Any:
         return self.topology.connections(asynchronous, super()._get_pool)

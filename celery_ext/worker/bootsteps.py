@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 from celery import bootsteps
@@ -57,7 +57,12 @@ from celery_ext.options.limits import job_limits, write_limits
 from celery_ext.options.rate_limits import ClusterBuckets, job_rate_limits, write_rate_limits
 from celery_ext.options.unique import validate_unique_options
 from celery_ext.options.weights import all_weights, set_weights
-from celery_ext.store.connections import CLUSTER_NO_WAIT, cluster_config, sentinel_config
+from celery_ext.store.connections import (
+    CLUSTER_NO_WAIT,
+    cluster_config,
+    green_sockets,
+    sentinel_config,
+)
 from celery_ext.store.dead_set import wrap_consumer_handlers
 from celery_ext.store.keys import Keys
 from celery_ext.worker import worker_pool as _pool
@@ -66,9 +71,9 @@ logger = logging.getLogger("celery_ext.worker.bootsteps")
 
 #: Celery's own Request class; drop-in mode replaces it (only it) with ours.
 CELERY_DEFAULT_REQUEST = "celery.worker.request:Request"
-#: Pools whose tasks we cannot account for (they run on an event loop our blocking
-#: Redis clients would stall); refused at start with one line.
-UNSUPPORTED_EXECUTORS = ("gevent", "eventlet")
+#: Executors refused at start with one line. Eventlet's monkey-patching is not one our
+#: clients and threads are run under (gevent's is: the supported green executor).
+UNSUPPORTED_EXECUTORS = ("eventlet",)
 
 
 def job_queues(app: Any, finalize: bool = True, strict: bool = True) -> dict[str, int]:
@@ -242,11 +247,14 @@ def validate_settings(sender: Any = None, instance: Any = None, **kwargs: Any) -
     if ours and cluster is not None and Settings.load(conf.broker_transport_options).wait_replicas:
         raise SystemExit(CLUSTER_NO_WAIT)
     if ours:
+        # ``celery worker -P x`` hands its choice over as "pool" (the class); a
+        # WorkController made in code may name it "pool_cls".
+        options = kwargs.get("options") or {}
         executor = _executor_name(
-            (kwargs.get("options") or {}).get("pool_cls") or conf.worker_pool)
+            options.get("pool") or options.get("pool_cls") or conf.worker_pool)
         if executor in UNSUPPORTED_EXECUTORS:
-            raise SystemExit(f"celery_ext: the {executor} pool is not supported; use prefork, "
-                             "threads or solo (-P threads gives many concurrent jobs)")
+            raise SystemExit(f"celery_ext: the {executor} pool is not supported; use gevent "
+                             "for green threads (-P gevent), or prefork, threads or solo")
         add_worker_parts(app)
     _one_line_connection_errors()
 
@@ -320,17 +328,30 @@ def _on_test_worker_stopped(**kwargs: Any) -> None:
 def _on_shutting_down(**kwargs: Any) -> None:
     """Celery runs this inside its SIGTERM/SIGQUIT handler, in the event loop's thread,
     wherever that thread was interrupted (perhaps holding a lock the pool or redis-py
-    would take): the work is done in a short-lived thread of its own."""
+    would take): the work is done in a short-lived thread of its own. Under gevent the
+    handler runs in gevent's own loop, where starting a thread would wait (and raise
+    ``BlockingSwitchOutError``): there the work is a greenlet, spawned without waiting."""
     global _stopping
     if _stopping is None:  # a second signal (warm, then cold) finds it started
-        _stopping = threading.Thread(target=begin_stopping, name="celery_ext-stopping",
-                                     daemon=True)
-        _stopping.start()
+        if green_sockets():
+            import gevent
+
+            _stopping = gevent.spawn(begin_stopping)
+            return
+        thread = threading.Thread(target=begin_stopping, name="celery_ext-stopping",
+                                  daemon=True)
+        thread.start()
+        _stopping = thread
 
 
-#: The thread ``_on_shutting_down`` started; the pools stop only after it is done, so
-#: its "stopping" is never written over a pool that has already deregistered.
-_stopping: threading.Thread | None = None
+class _Joinable(Protocol):
+    def join(self, timeout: float | None = None) -> Any: ...
+
+
+#: The thread (greenlet under gevent) ``_on_shutting_down`` started; the pools stop only
+#: after it is done, so its "stopping" is never written over a pool that has already
+#: deregistered.
+_stopping: _Joinable | None = None
 #: How long the worker's shutdown waits for that thread (seconds). Its one write takes
 #: milliseconds; against an unreachable Redis the shutdown goes on without it.
 STOPPING_JOIN_TIMEOUT = 10.0

@@ -82,3 +82,11 @@ def checkin_once(key: str, seconds: float) -> None:
         celery_ext.checkin(message="working")
         time.sleep(0.1)
     r.rpush(f"runs:{key}", f"{os.getpid()}:{time.time()}")
+
+
+@app.task(ignore_result=True)
+def fail_after(key: str, seconds: float) -> None:
+    """Fails after ``seconds``, storing no result: many at once fail together (a green
+    executor's burst), nothing between the failure and the dead set."""
+    time.sleep(seconds)
+    raise ValueError(f"{key} fails")

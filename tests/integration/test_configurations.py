@@ -226,21 +226,24 @@ def test_a_half_open_connection_is_noticed_and_the_pool_fetches_again(
     assert worker.alive
 
 
-@pytest.mark.parametrize("pool", ["gevent", "eventlet", "celery.concurrency.gevent:TaskPool"])
-def test_gevent_and_eventlet_pools_are_refused_with_one_line(pool: str) -> None:
-    """Our Redis clients block: on an event-loop pool the worker's jobs could not be
-    accounted for, so the worker stops at start with one line saying what to use."""
+@pytest.mark.parametrize("key", ["pool", "pool_cls"])
+@pytest.mark.parametrize("pool", ["eventlet", "celery.concurrency.eventlet:TaskPool"])
+def test_eventlet_is_refused_with_one_line_and_gevent_runs(pool: str, key: str) -> None:
+    """Eventlet stops the worker at start with one line naming gevent, the supported
+    green executor, whichever way the executor is named (``celery worker -P`` hands it
+    over as "pool", a WorkController made in code as "pool_cls")."""
     from types import SimpleNamespace
 
     from celery_ext.worker.bootsteps import validate_settings
 
     app = Celery("refused", broker="celery-ext://127.0.0.1:1/0", set_as_current=False)
     with pytest.raises(SystemExit) as exc:
-        validate_settings(instance=SimpleNamespace(app=app), options={"pool_cls": pool})
+        validate_settings(instance=SimpleNamespace(app=app), options={key: pool})
     message = str(exc.value)
-    assert "not supported" in message and "prefork, threads or solo" in message
+    assert "not supported" in message and "-P gevent" in message
     assert "\n" not in message
-    validate_settings(instance=SimpleNamespace(app=app), options={"pool_cls": "threads"})
+    for runs in ("gevent", "threads"):
+        validate_settings(instance=SimpleNamespace(app=app), options={key: runs})
 
 
 @pytest.mark.parametrize("mode", MODES)
