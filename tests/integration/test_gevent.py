@@ -23,8 +23,6 @@ from tests.apps import proj
 from tests.helpers import wait_for
 from tests.workers import REPO_ROOT, WorkerProcess
 
-pytest.importorskip("gevent")
-
 FAST = {
     "CELERY_EXT_HEARTBEAT_INTERVAL": "0.25",
     "CELERY_EXT_DEAD_AFTER": "1.5",
