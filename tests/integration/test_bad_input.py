@@ -486,7 +486,7 @@ def test_bad_weight_does_not_stop_a_producer_and_its_jobs_wait(
     producer = Celery("bad_weight", broker=broker_url, set_as_current=False)
     celery_ext.install(producer)
 
-    @producer.task(name="bad.weight", weight=0)
+    @producer.task(name="bad.weight", weight=0, shared=False)  # not given to later apps
     def job() -> None: ...
 
     try:

@@ -72,16 +72,16 @@ def test_a_limit_holds_cluster_wide_only_on_a_queue_of_its_own() -> None:
     app = Celery("rates", set_as_current=False)
     app.conf.task_routes = {"rates.routed": {"queue": "routed_q"}}
 
-    @app.task(name="rates.own", rate_limit="5/s", queue="own_q")
+    @app.task(name="rates.own", rate_limit="5/s", queue="own_q", shared=False)
     def own() -> None: ...
 
-    @app.task(name="rates.routed", rate_limit="10/m")
+    @app.task(name="rates.routed", rate_limit="10/m", shared=False)
     def routed() -> None: ...
 
-    @app.task(name="rates.shared", rate_limit="2/s")
+    @app.task(name="rates.shared", rate_limit="2/s", shared=False)
     def shared() -> None: ...
 
-    @app.task(name="rates.other")
+    @app.task(name="rates.other", shared=False)
     def other() -> None: ...
 
     limits = job_rate_limits(app)
