@@ -204,17 +204,18 @@ def test_an_ack_that_never_reached_redis_is_applied_later_not_forgotten(
     assert worker.alive
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads"])
+@pytest.mark.parametrize(("mode", "pool"), [("install", "prefork"), ("install", "threads"),
+                                            ("dropin", "threads"), ("dropin", "solo")])
 def test_a_half_open_connection_is_noticed_and_the_pool_fetches_again(
-        pool: str, sender: Callable[[str], Mode], worker_factory: Factory, broker_url: str,
-        proxy: Proxy, redis_client: redis.Redis, rec: redis.Redis) -> None:
+        mode: str, pool: str, sender: Callable[[str], Mode], worker_factory: Factory,
+        broker_url: str, proxy: Proxy, redis_client: redis.Redis, rec: redis.Redis) -> None:
     """Every open connection of an idle pool stops answering without a reset (a
     half-open TCP connection: the fetch's reply never comes, reads block). Within
     ``reply_timeout`` the pool notices, reconnects with one log line, and runs the
     jobs queued meanwhile, each once."""
-    worker = start_worker(worker_factory, sender("install"), broker_url, proxy=proxy, pool=pool,
+    worker = start_worker(worker_factory, sender(mode), broker_url, proxy=proxy, pool=pool,
                           concurrency=2, env={"CELERY_EXT_REPLY_TIMEOUT": "2"})
-    producer = sender("install")
+    producer = sender(mode)
     assert send(producer, "slow", "before", 0.0).get(timeout=15) == "before"
     proxy.freeze()
     keys = [f"h{i}" for i in range(5)]
