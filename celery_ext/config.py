@@ -36,6 +36,9 @@ DEFAULT_WEIGHT = 1
 DEFAULT_DEAD_MAX_SIZE = 10_000
 #: ...and none older than this many seconds (180 days).
 DEFAULT_DEAD_MAX_AGE = 180 * 24 * 3600.0
+#: Largest value of any time setting (100 years, in seconds): the scripts take times as
+#: whole milliseconds, which a larger value (1e305 passes as finite) would overflow.
+MAX_SECONDS = 100 * 365 * 24 * 3600.0
 #: Most messages one fetch round trip may move into the in-flight record.
 DEFAULT_FETCH_BATCH = 16
 #: A channel's connections per client under gevent's monkey-patching (Kombu's default is
@@ -191,8 +194,10 @@ class Settings:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type in ("float", float) and not (isinstance(value, int | float)
-                                                   and math.isfinite(value)):
-                raise ConfigError(f"celery_ext: {f.name} must be a finite number, got {value!r}")
+                                                   and math.isfinite(value)
+                                                   and abs(value) <= MAX_SECONDS):
+                raise ConfigError(f"celery_ext: {f.name} must be a finite number of at most "
+                                  f"{MAX_SECONDS:.0f} seconds, got {value!r}")
         if not _NAMESPACE_RE.match(self.namespace):
             raise ConfigError(
                 f"celery_ext: namespace {self.namespace!r} must be 1-64 characters of "
