@@ -23,6 +23,8 @@ and every workload (the harness sets them for each subprocess):
   least a request path keeping Celery's semantics does); see ``bench.floor``
 - ``BENCH_CLUSTER``     ``1``: the broker URL is a seed node of a Redis Cluster (ours, with
   the transport option ``cluster``; ``bench.cluster``)
+- ``BENCH_WAIT``        seconds each job waits before it counts (``time.sleep``: under
+  ``-P gevent`` the monkey-patched, cooperative sleep, a job waiting on I/O; ``bench.green``)
 - ``BENCH_COUNTER_URL`` where the jobs count their completions, if not db 2 of the
   broker's server (a cluster has no db 2: ``bench.cluster`` counts on a one-node server)
 
@@ -58,6 +60,7 @@ CLUSTER = os.environ.get("BENCH_CLUSTER") == "1"
 FLOOR = {"1": "bench.floor:strategy", "2": "bench.floor:kept_strategy"}.get(
     os.environ.get("BENCH_FLOOR", ""), "")
 COUNTER_URL = os.environ.get("BENCH_COUNTER_URL", "")
+WAIT = float(os.environ.get("BENCH_WAIT", "0") or 0)
 #: The queues one job name is spread over (empty unless BENCH_QUEUES is set).
 QUEUE_NAMES = [f"bench.q_{i:04d}" for i in range(QUEUES)]
 
@@ -67,6 +70,8 @@ SHARE_KEY = "bench:share"
 LATENCY_KEY = "bench:latency"
 READY_KEY = "bench:ready"
 COUNTER_DB = 2
+#: The counter client's connection bound (``counter``).
+COUNTER_CONNECTIONS = 1000
 #: The result backend's db when ``BENCH_BACKEND=1`` (nothing is stored there: no job
 #: keeps its result; configuring it is what costs, in ``apply_async``).
 BACKEND_DB = 1
@@ -102,10 +107,12 @@ _share_script: Any = None
 
 
 def counter() -> redis.Redis:
-    """This process's client for the counter db (made lazily: after a prefork fork)."""
+    """This process's client for the counter db (made lazily: after a prefork fork).
+    Room for ``COUNTER_CONNECTIONS`` at once: under ``-P gevent -c 200`` every greenlet may
+    count at the same instant, past redis-py's default bound."""
     global _counter
     if _counter is None:
-        _counter = redis.Redis.from_url(counter_url())
+        _counter = redis.Redis.from_url(counter_url(), max_connections=COUNTER_CONNECTIONS)
     return _counter
 
 
@@ -129,6 +136,10 @@ def _make_job(i: int, weight: int | None = None) -> Any:
             if _share_script is None:
                 _share_script = counter().register_script(_COUNT_SHARE)
             _share_script(keys=[COUNTER_KEY, SHARE_KEY], args=[name, COUNT_LIMIT])
+    elif WAIT:
+        def job() -> None:
+            time.sleep(WAIT)
+            counter().incr(COUNTER_KEY)
     else:
         def job() -> None:
             counter().incr(COUNTER_KEY)
@@ -142,6 +153,8 @@ def _make_job(i: int, weight: int | None = None) -> Any:
 
 def _latency(sent: float) -> None:
     started = time.time()  # same host, same clock as the sender's stamp
+    if WAIT:
+        time.sleep(WAIT)
     counter().rpush(LATENCY_KEY, repr(started - sent))
 
 

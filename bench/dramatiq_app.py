@@ -13,13 +13,14 @@ jobs, so every side pays the same for it.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import dramatiq
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.middleware import Middleware
 
-from bench.app import COUNTER_KEY, READY_KEY, counter
+from bench.app import COUNTER_KEY, READY_KEY, WAIT, counter
 
 BROKER_URL = os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0")
 #: Worker layout the harness starts (stated in every output).
@@ -42,4 +43,6 @@ dramatiq.set_broker(broker)
 
 @dramatiq.actor(queue_name=QUEUE, max_retries=0)
 def noop() -> None:
+    if WAIT:  # BENCH_WAIT: the I/O job of ``bench.green`` (cooperative under dramatiq-gevent)
+        time.sleep(WAIT)
     counter().incr(COUNTER_KEY)

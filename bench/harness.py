@@ -290,16 +290,22 @@ class Bench:
         return ProcGroup([self.worker(mode, pool, concurrency, **extra)
                           for _ in range(processes)])
 
-    def dramatiq_worker(self) -> Proc:
-        """A ``dramatiq bench.dramatiq_app`` worker (not started): its processes x threads
-        as stated in ``bench.dramatiq_app``."""
+    def dramatiq_worker(self, processes: int | None = None, threads: int | None = None,
+                        green: bool = False, **extra: Any) -> Proc:
+        """A ``dramatiq bench.dramatiq_app`` worker (not started): by default its processes
+        x threads as stated in ``bench.dramatiq_app``; ``green``: ``dramatiq-gevent``, its
+        threads greenlets."""
         from bench import dramatiq_app
 
         n = next(_ids)
-        argv = [sys.executable, "-m", "dramatiq", "bench.dramatiq_app",
-                "--processes", str(dramatiq_app.PROCESSES),
-                "--threads", str(dramatiq_app.THREADS)]
-        return Proc(argv, self.env(DRAMATIQ), self.log_dir / f"worker-{n:03d}-dramatiq.log")
+        command = "dramatiq-gevent" if green else "dramatiq"
+        script = Path(sys.executable).with_name(command)
+        argv = [str(script) if green else sys.executable, *(() if green else ("-m", "dramatiq")),
+                "bench.dramatiq_app",
+                "--processes", str(processes or dramatiq_app.PROCESSES),
+                "--threads", str(threads or dramatiq_app.THREADS)]
+        return Proc(argv, self.env(DRAMATIQ, **extra),
+                    self.log_dir / f"worker-{n:03d}-{command}.log")
 
     def run_client(self, mode: str, args: list[str], timeout: float,
                    **extra: Any) -> dict[str, Any]:

@@ -110,13 +110,15 @@ def fill(bench: Bench, n: int, timeout_per_job: float = 0.02, tag: str = "",
 
 def drain_once(bench: Bench, mode: str, pool: str, concurrency: int, n: int,
                acks_late: bool, tag: str = "", processes: int = 1,
-               **extra: Any) -> dict[str, Any]:
-    """Restore the pre-filled queue, start the worker(s), time until ``n`` jobs are done."""
+               worker: Any = None, **extra: Any) -> dict[str, Any]:
+    """Restore the pre-filled queue, start the worker(s) (``worker``, if made by the
+    caller), time until ``n`` jobs are done."""
     bench.restore(mode + tag)
     stats0 = bench.commandstats()
-    worker = (bench.dramatiq_worker() if mode == DRAMATIQ else
-              bench.workers(mode, pool, concurrency, processes, acks_late=int(acks_late),
-                            **extra))
+    if worker is None:
+        worker = (bench.dramatiq_worker() if mode == DRAMATIQ else
+                  bench.workers(mode, pool, concurrency, processes, acks_late=int(acks_late),
+                                **extra))
     at_first: dict[str, Any] = {}
 
     def on_first(done: int) -> None:
