@@ -22,8 +22,10 @@ from typing import Any
 from billiard.exceptions import WorkerLostError
 from celery import current_task
 from celery.signals import task_failure, task_postrun, task_prerun, worker_process_shutdown
+from redis.cluster import RedisCluster
 
 from celery_ext.config import Settings, uses_our_transport
+from celery_ext.store.connections import green_sockets
 from celery_ext.store.history import HistoryWriter
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
@@ -42,6 +44,9 @@ ARGS_PREVIEW_CHARS = 200
 BUSY_RECORD_DELAY = 0.1
 #: Processed/failed/retried counters are summed in memory and written this often.
 STATS_FLUSH_INTERVAL = 1.0
+#: Under gevent, a finished job's busy record is cleared by the background greenlet
+#: within this many seconds, with the others due, in one round trip (not one per job).
+GREEN_END_DELAY = 0.05
 #: Upper bounds (seconds) of the job runtime histogram's buckets, +Inf implied. Fixed:
 #: the counts in ``{ns}:runtime`` are per bucket, so changing them splits history.
 RUNTIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -146,6 +151,12 @@ class Observer:
         #: thread switches per job are a large share of a short job's cost.
         self._sleep_until: float | None = None
         self._last_stats = time.monotonic()
+        #: Jobs are greenlets of this process (``-P gevent``): their busy records are
+        #: cleared by ``flush`` (``GREEN_END_DELAY``), not by each job.
+        self._green = green_sockets()
+        #: Finished jobs whose records ``flush`` clears: (job id, slot, when it finished),
+        #: in finish order.
+        self._ends: list[tuple[str, str, float]] = []
 
     @classmethod
     def for_app(cls, app: Any) -> Observer | None:
@@ -166,10 +177,26 @@ class Observer:
             return obs
 
     def _busy(self, mode: str, job_id: str, slot: str, record: str = "",
-              elapsed_ms: int = 0) -> None:
+              elapsed_ms: int = 0, client: Any = None) -> None:
         self.scripts("busy", [self.keys.busy(self.pool_id), self.keys.checkins,
                               self.keys.stop_requests, self.keys.stats],
-                     [slot, mode, job_id, record, "", "", elapsed_ms])
+                     [slot, mode, job_id, record, "", "", elapsed_ms], client=client)
+
+    def _write_busy(self, ends: list[tuple[str, str, float]],
+                    starts: list[tuple[_Running, int]]) -> None:
+        """Clear the records of ``ends``, then write those of ``starts`` (a slot's next
+        job starts after its last one ended): one round trip for all, pipelined, on one
+        node; one call each on a cluster, whose pipelines do not send scripts."""
+        calls = [("end", job_id, slot, "", 0) for job_id, slot, _ in ends]
+        calls += [("start", r.job_id, r.slot, r.record, age_ms) for r, age_ms in starts]
+        if len(calls) == 1 or isinstance(self.client, RedisCluster):
+            for call in calls:
+                self._busy(*call)
+            return
+        with self.client.pipeline(transaction=False) as pipe:
+            for call in calls:
+                self._busy(*call, client=pipe)
+            pipe.execute()
 
     def job_started(self, task: Any, job_id: str, args: Any, kwargs: Any) -> None:
         running = _Running(job_id, task, args, kwargs, slot_id())
@@ -196,7 +223,18 @@ class Observer:
                         self._runtime[field] = self._runtime.get(field, 0) + amount
             if (running is not None and running.written) or checked_in:
                 # The record (or a checkin) is in Redis: clear it with the job.
-                self._busy("end", job_id, running.slot if running else slot_id())
+                slot = running.slot if running else slot_id()
+                if not self._green:
+                    self._busy("end", job_id, slot)
+                    return
+                now = time.monotonic()
+                self._ends.append((job_id, slot, now))
+                sleeping = self._sleep_until
+                wake = sleeping is None or sleeping > now + GREEN_END_DELAY
+            else:
+                wake = False
+        if wake:
+            self._wake.set()
 
     def wake_for_stats(self) -> None:
         """After a job ended: make sure its counters are written within the interval."""
@@ -212,16 +250,28 @@ class Observer:
         now = time.monotonic()
         wait = 1e9
         with self._lock:
+            starts: list[tuple[_Running, int]] = []
             for running in list(self._running.values()):
                 if running.written:
                     continue
                 age = now - running.started
                 if age >= BUSY_RECORD_DELAY:
-                    self._busy("start", running.job_id, running.slot, running.record,
-                               int(age * 1000))
-                    running.written = True
+                    starts.append((running, int(age * 1000)))
                 else:
                     wait = min(wait, BUSY_RECORD_DELAY - age)
+            ends_due = bool(self._ends) and (
+                force_stats or bool(starts) or now - self._ends[0][2] >= GREEN_END_DELAY)
+            if self._ends and not ends_due:
+                wait = min(wait, GREEN_END_DELAY - (now - self._ends[0][2]))
+            if starts or ends_due:
+                ends, self._ends = (self._ends, []) if ends_due else ([], self._ends)
+                try:
+                    self._write_busy(ends, starts)
+                except BaseException:
+                    self._ends[:0] = ends  # (written again by the next flush)
+                    raise
+                for running, _ in starts:
+                    running.written = True
             if self._stats and (force_stats or now - self._last_stats >= STATS_FLUSH_INTERVAL):
                 stats, self._stats = self._stats, {}
                 runtime, self._runtime = self._runtime, {}

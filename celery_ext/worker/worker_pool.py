@@ -47,6 +47,7 @@ import redis
 
 from celery_ext.config import Settings
 from celery_ext.errors import CONNECTION_ERRORS
+from celery_ext.store.connections import green_sockets
 from celery_ext.store.job_index import index_ttl_ms
 from celery_ext.store.keys import Keys
 from celery_ext.store.memory import eviction_warning
@@ -169,6 +170,10 @@ class WorkerPool:
         self._acks_idle = threading.Condition(self._acks_lock)
         #: The event loop's thread while its ticks flush the pending acks (else None).
         self._loop_thread: int | None = None
+        #: Jobs are greenlets (``-P gevent``): a greenlet writes the acks they make, once
+        #: the jobs runnable now have run (``_spawn_green_write``); it is due when True.
+        self._green = green_sockets()
+        self._green_write_due = False
         self.state = "new"
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -333,15 +338,36 @@ class WorkerPool:
         jobs) the write waits for the loop's next tick, which comes before the loop
         polls again, so all the jobs finished in one turn of the loop go in one call.
         Any other thread (a threads pool's) writes at once, unless another thread is
-        writing: that one writes these too before it returns. The tags are "acking"
-        from here on, so a reconcile never returns them."""
+        writing: that one writes these too before it returns. Under gevent (no event
+        loop of Kombu's: Celery's ``synloop``) one greenlet writes the acks of every job
+        that finishes before it runs. The tags are "acking" from here on, so a reconcile
+        never returns them."""
         self.holdings.acking(tags)
         with self._acks_lock:
             self._pending_acks += tags
-            if self._acks_writing or threading.get_ident() == self._loop_thread:
+            if (self._acks_writing or self._green_write_due
+                    or threading.get_ident() == self._loop_thread):
+                return
+            if self._green:
+                self._green_write_due = True
+                self._spawn_green_write()
                 return
             self._acks_writing = True
         self._write_acks()
+
+    def _spawn_green_write(self) -> None:
+        """Start the greenlet that writes the pending acks. gevent runs it after the
+        greenlets already runnable (jobs finishing in the same turn of its loop ack
+        meanwhile), and not in the loop's own callback, where a socket write that
+        waits is forbidden."""
+        import gevent
+
+        def write() -> None:
+            with self._acks_lock:
+                self._green_write_due = False
+            self.flush_acks()
+
+        gevent.spawn(write)
 
     def flush_acks(self, wait: bool = False) -> None:
         """Write the pending acks now, unless a thread is writing them already; with

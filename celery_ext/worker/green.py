@@ -1,0 +1,40 @@
+"""What changes when a worker's jobs are greenlets (``-P gevent``).
+
+gevent's monkey-patching makes ``threading.local`` local to each greenlet, and Celery
+keeps the app's result backend in one (``Celery.backend``) unless the backend says it is
+thread-safe: every job then builds a backend of its own, and a Redis result backend a
+connection pool of its own, which the next job does not reuse. The disabled backend
+(no ``result_backend``) holds nothing, and a Redis backend's client is a pool that
+serves any number of greenlets, so both are shared across the worker's greenlets.
+Other backends keep Celery's default (one per greenlet): whether they may be shared is
+theirs to say, with ``result_backend_thread_safe``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.backends.base import DisabledBackend
+from celery.backends.redis import RedisBackend
+
+logger = logging.getLogger("celery_ext.worker.green")
+
+#: Result backends whose one instance serves every greenlet of a worker.
+SHAREABLE_BACKENDS: tuple[type, ...] = (DisabledBackend, RedisBackend)
+
+
+def share_result_backend(app: Any) -> bool:
+    """Make ``app``'s result backend one instance for every greenlet, if it is one of
+    ``SHAREABLE_BACKENDS`` (else leave Celery's choice); whether it is shared now."""
+    conf = app.conf
+    if conf.result_backend_thread_safe:
+        return True
+    backend = app.backend
+    if not isinstance(backend, SHAREABLE_BACKENDS):
+        return False
+    conf.result_backend_thread_safe = True
+    # The instance made above stays this greenlet's; the next one made is the app's.
+    logger.debug("celery_ext: the %s result backend is shared by the worker's greenlets",
+                 type(backend).__name__)
+    return True
