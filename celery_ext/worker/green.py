@@ -20,6 +20,8 @@ from celery.backends.redis import RedisBackend
 
 logger = logging.getLogger("celery_ext.worker.green")
 
+#: The setting Celery's backends read (not among Celery's documented defaults).
+THREAD_SAFE = "result_backend_thread_safe"
 #: Result backends whose one instance serves every greenlet of a worker.
 SHAREABLE_BACKENDS: tuple[type, ...] = (DisabledBackend, RedisBackend)
 
@@ -28,12 +30,12 @@ def share_result_backend(app: Any) -> bool:
     """Make ``app``'s result backend one instance for every greenlet, if it is one of
     ``SHAREABLE_BACKENDS`` (else leave Celery's choice); whether it is shared now."""
     conf = app.conf
-    if conf.result_backend_thread_safe:
+    if conf.get(THREAD_SAFE):
         return True
     backend = app.backend
     if not isinstance(backend, SHAREABLE_BACKENDS):
         return False
-    conf.result_backend_thread_safe = True
+    conf[THREAD_SAFE] = True
     # The instance made above stays this greenlet's; the next one made is the app's.
     logger.debug("celery_ext: the %s result backend is shared by the worker's greenlets",
                  type(backend).__name__)
