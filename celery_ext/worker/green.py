@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery.app.backends import by_url
 from celery.backends.base import DisabledBackend
 from celery.backends.redis import RedisBackend
 
@@ -32,11 +33,11 @@ def share_result_backend(app: Any) -> bool:
     conf = app.conf
     if conf.get(THREAD_SAFE):
         return True
-    backend = app.backend
-    if not isinstance(backend, SHAREABLE_BACKENDS):
+    # Which class Celery would make, without making one (as ``Celery._get_backend``).
+    cls, _ = by_url(getattr(app, "backend_cls", None) or conf.result_backend, app.loader)
+    if not issubclass(cls, SHAREABLE_BACKENDS):
         return False
     conf[THREAD_SAFE] = True
-    # The instance made above stays this greenlet's; the next one made is the app's.
     logger.debug("celery_ext: the %s result backend is shared by the worker's greenlets",
-                 type(backend).__name__)
+                 cls.__name__)
     return True
