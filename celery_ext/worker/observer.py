@@ -140,11 +140,16 @@ class Observer:
         self.history = HistoryWriter(client, settings)  # per-minute counts, with the stats
         self._checkins: dict[str, _CheckinState] = {}
         self._running: dict[str, _Running] = {}
+        #: The running jobs whose busy record is not written yet, oldest first (in start
+        #: order): ``flush`` looks at the oldest only, not at every job running.
+        self._unwritten: dict[str, _Running] = {}
         self._stats: dict[str, int] = {}
         self._runtime: dict[str, int] = {}  # {ns}:runtime fields, written with the stats
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        #: The background thread is started and has not ended (``_ensure_thread``).
+        self._thread_running = False
         self._stopped = False
         #: When the background thread will look again on its own (monotonic; None:
         #: not before it is woken). Jobs wake it only when they need it sooner: two
@@ -202,6 +207,7 @@ class Observer:
         running = _Running(job_id, task, args, kwargs, slot_id())
         with self._lock:
             self._running[job_id] = running
+            self._unwritten[job_id] = running
             sleeping = self._sleep_until
         self._ensure_thread()
         if sleeping is None or sleeping > running.started + BUSY_RECORD_DELAY:
@@ -212,6 +218,7 @@ class Observer:
         checked_in = self._checkins.pop(job_id, None) is not None
         with self._lock:
             running = self._running.pop(job_id, None)
+            self._unwritten.pop(job_id, None)
             if outcome:
                 for field in (outcome, f"{outcome}:{queue}"):
                     self._stats[field] = self._stats.get(field, 0) + 1
@@ -251,14 +258,12 @@ class Observer:
         wait = 1e9
         with self._lock:
             starts: list[tuple[_Running, int]] = []
-            for running in list(self._running.values()):
-                if running.written:
-                    continue
+            for running in self._unwritten.values():
                 age = now - running.started
-                if age >= BUSY_RECORD_DELAY:
-                    starts.append((running, int(age * 1000)))
-                else:
+                if age < BUSY_RECORD_DELAY:  # (and every later one)
                     wait = min(wait, BUSY_RECORD_DELAY - age)
+                    break
+                starts.append((running, int(age * 1000)))
             ends_due = bool(self._ends) and (
                 force_stats or bool(starts) or now - self._ends[0][2] >= GREEN_END_DELAY)
             if self._ends and not ends_due:
@@ -272,6 +277,7 @@ class Observer:
                     raise
                 for running, _ in starts:
                     running.written = True
+                    del self._unwritten[running.job_id]
             if self._stats and (force_stats or now - self._last_stats >= STATS_FLUSH_INTERVAL):
                 stats, self._stats = self._stats, {}
                 runtime, self._runtime = self._runtime, {}
@@ -290,12 +296,17 @@ class Observer:
         return wait
 
     def _ensure_thread(self) -> None:
-        if self._stopped:
+        """Start the background thread unless it runs (a flag, not ``is_alive()``: each
+        job asks, and under gevent that call was 2 % of a worker's CPU)."""
+        if self._thread_running or self._stopped:
             return
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="celery_ext-observer",
-                                            daemon=True)
-            self._thread.start()
+        with self._lock:
+            if self._thread_running or self._stopped:
+                return
+            self._thread_running = True
+        self._thread = threading.Thread(target=self._run, name="celery_ext-observer",
+                                        daemon=True)
+        self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Write what is pending, end the background thread and close the connection
@@ -311,16 +322,19 @@ class Observer:
             self.client.close()
 
     def _run(self) -> None:
-        while not self._stopped:
-            try:
-                wait = self.flush(_plan=True)
-            except Exception as exc:
-                logger.warning("celery_ext: could not write busy records: %s", exc)
-                wait = 1.0
-                with self._lock:
-                    self._sleep_until = time.monotonic() + wait
-            self._wake.wait(None if wait >= 1e9 else wait)
-            self._wake.clear()
+        try:
+            while not self._stopped:
+                try:
+                    wait = self.flush(_plan=True)
+                except Exception as exc:
+                    logger.warning("celery_ext: could not write busy records: %s", exc)
+                    wait = 1.0
+                    with self._lock:
+                        self._sleep_until = time.monotonic() + wait
+                self._wake.wait(None if wait >= 1e9 else wait)
+                self._wake.clear()
+        finally:
+            self._thread_running = False
 
     def checkin(self, job_id: str, message: str | None = None,
                 progress: float | None = None) -> tuple[bool, bool]:
