@@ -5,7 +5,9 @@ keeps the app's result backend in one (``Celery.backend``) unless the backend sa
 thread-safe: every job then builds a backend of its own, and a Redis result backend a
 connection pool of its own, which the next job does not reuse. The disabled backend
 (no ``result_backend``) holds nothing, and a Redis backend's client is a pool that
-serves any number of greenlets, so both are shared across the worker's greenlets.
+serves any number of greenlets, so both are shared across the worker's greenlets (the
+Redis one bounded like our own clients, ``GREEN_MAX_CONNECTIONS``, unless
+``redis_max_connections`` says otherwise).
 Other backends keep Celery's default (one per greenlet): whether they may be shared is
 theirs to say, with ``result_backend_thread_safe``.
 """
@@ -19,10 +21,14 @@ from celery.app.backends import by_url
 from celery.backends.base import DisabledBackend
 from celery.backends.redis import RedisBackend
 
+from celery_ext.config import GREEN_MAX_CONNECTIONS
+
 logger = logging.getLogger("celery_ext.worker.green")
 
 #: The setting Celery's backends read (not among Celery's documented defaults).
 THREAD_SAFE = "result_backend_thread_safe"
+#: The Redis result backend's connection bound (Celery's setting).
+MAX_CONNECTIONS = "redis_max_connections"
 #: Result backends whose one instance serves every greenlet of a worker.
 SHAREABLE_BACKENDS: tuple[type, ...] = (DisabledBackend, RedisBackend)
 
@@ -38,6 +44,10 @@ def share_result_backend(app: Any) -> bool:
     if not issubclass(cls, SHAREABLE_BACKENDS):
         return False
     conf[THREAD_SAFE] = True
+    if issubclass(cls, RedisBackend) and not conf.get(MAX_CONNECTIONS):
+        # One client now serves every greenlet that stores a result at once: room for
+        # them all, as the channels have (redis-py's default of 100 made jobs fail).
+        conf[MAX_CONNECTIONS] = GREEN_MAX_CONNECTIONS
     logger.debug("celery_ext: the %s result backend is shared by the worker's greenlets",
                  cls.__name__)
     return True

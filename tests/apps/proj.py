@@ -55,10 +55,11 @@ _record: redis.Redis | None = None
 
 
 def recorder() -> redis.Redis:
-    """Client on the result db, where tasks leave traces for the tests."""
+    """Client on the result db, where tasks leave traces for the tests. Room for every
+    job of a ``-P gevent -c 200`` worker at once (redis-py's default bound is 100)."""
     global _record
     if _record is None:
-        _record = redis.Redis.from_url(backend_url(RECORD_URL, db=2))
+        _record = redis.Redis.from_url(backend_url(RECORD_URL, db=2), max_connections=1000)
     return _record
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
+from celery_ext.config import GREEN_MAX_CONNECTIONS
 from celery_ext.worker.green import share_result_backend
 
 
@@ -56,3 +57,17 @@ def test_a_backend_the_user_declared_thread_safe_is_left_as_it_is() -> None:
     assert share_result_backend(app)
     backends_seen(app, threads=1)
     assert len(backends_seen(app)) == 1
+
+
+def test_a_shared_redis_backend_has_room_for_every_greenlet() -> None:
+    """One client serves every greenlet storing a result at once: redis-py's default
+    bound (100) failed jobs of a -c 200 pool; a bound the user set is kept."""
+    app = Celery("green", broker="memory://", backend="redis://127.0.0.1:1/1",
+                 set_as_current=False)
+    assert share_result_backend(app)
+    assert app.backend.connparams["max_connections"] == GREEN_MAX_CONNECTIONS
+    mine = Celery("green", broker="memory://", backend="redis://127.0.0.1:1/1",
+                  set_as_current=False)
+    mine.conf["redis_max_connections"] = 300
+    assert share_result_backend(mine)
+    assert mine.backend.connparams["max_connections"] == 300
