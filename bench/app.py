@@ -25,6 +25,9 @@ and every workload (the harness sets them for each subprocess):
   the transport option ``cluster``; ``bench.cluster``)
 - ``BENCH_WAIT``        seconds each job waits before it counts (``time.sleep``: under
   ``-P gevent`` the monkey-patched, cooperative sleep, a job waiting on I/O; ``bench.green``)
+- ``BENCH_SHARED_BACKEND`` ``1`` sets Celery's ``result_backend_thread_safe`` (one result
+  backend for every thread or greenlet; what ``celery_ext`` does under gevent for the
+  disabled and the Redis backend): stock with that setting, in ``bench.green``
 - ``BENCH_COUNTER_URL`` where the jobs count their completions, if not db 2 of the
   broker's server (a cluster has no db 2: ``bench.cluster`` counts on a one-node server)
 
@@ -99,6 +102,8 @@ app.conf.update(
     worker_send_task_events=False,
     task_send_sent_event=False,
 )
+if os.environ.get("BENCH_SHARED_BACKEND") == "1":
+    app.conf["result_backend_thread_safe"] = True
 if CLUSTER:
     app.conf.broker_transport_options = {"cluster": True}
 

@@ -8,8 +8,12 @@ alternating per round on one fresh server:
   monkey-patching, as a job waiting on a socket does, then counts itself (one ``INCR``);
 - **noop**: the job only counts itself.
 
-Dramatiq's gevent worker (``dramatiq-gevent --processes 1 --threads 200``, its own Redis
-broker on the same server) drains the same io job in the same rounds. Then each side's
+A third Celery side, **stock-shared**, is stock with ``result_backend_thread_safe`` set:
+under gevent Celery makes a result backend per greenlet (per job) unless that is set,
+and ours sets it for the disabled and the Redis backend (``celery_ext.worker.green``),
+so this side shows how much of the ratio that setting alone gives. Dramatiq's gevent
+worker (``dramatiq-gevent --processes 1 --threads 200``, its own Redis broker on the same
+server) drains the same io job in the same rounds. Then each side's
 worker is sent the io job at a steady rate (``--load-share`` of stock's io drain rate of
 that run, from one producer that never waits) and the enqueue-to-start latency of each
 job is recorded (p50, p99).
@@ -39,6 +43,12 @@ DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "green"
 #: The two jobs: seconds each waits before counting itself.
 JOBS = {"io": None, "noop": 0.0}
 MODES = ("stock", "ours")
+#: Stock with the result backend shared by the greenlets (``BENCH_SHARED_BACKEND``).
+STOCK_SHARED = "stock-shared"
+#: Each side: the transport (``Bench`` mode) and the app's extra settings.
+SIDES: dict[str, tuple[str, dict[str, Any]]] = {
+    "stock": ("stock", {}), STOCK_SHARED: ("stock", {"shared_backend": 1}),
+    "ours": ("ours", {}), DRAMATIQ: (DRAMATIQ, {})}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -59,15 +69,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def drain_side(bench: Bench, mode: str, job: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One drain of ``job``'s pre-filled queue by ``mode``'s gevent worker."""
+def drain_side(bench: Bench, side: str, job: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One drain of ``job``'s pre-filled queue by ``side``'s gevent worker."""
+    mode, extra = SIDES[side]
     wait = args.wait if job == "io" else 0.0
     if mode == DRAMATIQ:
         worker = bench.dramatiq_worker(processes=1, threads=args.concurrency, green=True,
                                        wait=wait)
     else:
         worker = bench.worker(mode, "gevent", args.concurrency,
-                              acks_late=int(args.acks == "late"), wait=wait)
+                              acks_late=int(args.acks == "late"), wait=wait, **extra)
     return drain_once(bench, mode, "gevent", args.concurrency, args.jobs,
                       args.acks == "late", tag=f"/{job}", worker=worker)
 
@@ -90,7 +101,9 @@ def latency_side(bench: Bench, mode: str, rate: float, args: argparse.Namespace)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    sides = (*MODES, *(() if args.no_dramatiq else (DRAMATIQ,)))
+    celery_sides = ("stock", STOCK_SHARED, "ours")
+    sides = (*celery_sides, *(() if args.no_dramatiq else (DRAMATIQ,)))
+    transports = tuple(dict.fromkeys(SIDES[side][0] for side in sides))
     out: dict[str, Any] = {
         "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "settings": (f"one worker -P gevent -c {args.concurrency} (Dramatiq: dramatiq-gevent "
@@ -105,10 +118,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for job, wait in JOBS.items():
             extra = {"wait": args.wait if wait is None else wait}
             fill(bench, args.jobs, tag=f"/{job}",
-                 modes=sides if job == "io" else MODES, **extra)
+                 modes=transports if job == "io" else MODES, **extra)
         for rnd in range(args.rounds):
             for job in JOBS:
-                for mode in order(rnd, sides if job == "io" else MODES):
+                for mode in order(rnd, sides if job == "io" else celery_sides):
                     res = drain_side(bench, mode, job, args)
                     res.update(round=rnd + 1, mode=mode, job=job)
                     out["runs"].append(res)
