@@ -71,10 +71,13 @@ _pid = str(os.getpid())
 
 
 def slot_id() -> str:
-    """This execution slot: the process, plus the thread for the threads pool."""
-    if threading.current_thread() is threading.main_thread():
+    """This execution slot: the process, plus the thread for the threads pool (the
+    greenlet under gevent). By ident, not ``current_thread()``: under gevent that makes
+    a thread object for each job's greenlet."""
+    ident = threading.get_ident()
+    if ident == threading.main_thread().ident:
         return _pid
-    return f"{_pid}-{threading.get_ident()}"
+    return f"{_pid}-{ident}"
 
 
 def preview(args: Any, kwargs: Any) -> str:
