@@ -110,6 +110,8 @@ def worker_factory(
     yield make
 
     for worker in workers:
+        worker.send(signal.SIGTERM)  # all at once: a gevent pool takes seconds to stop
+    for worker in workers:
         if worker.started:
             # SIGTERM (SIGKILL after 15 s), then SIGKILL whatever is left in its group.
             worker.stop(signal.SIGTERM, timeout=15)

@@ -4,6 +4,7 @@ WorkerPool: acks coalesced per turn of the event loop."""
 from __future__ import annotations
 
 import threading
+import time
 
 import redis
 
@@ -13,6 +14,8 @@ from celery_ext.store.keys import Keys
 from celery_ext.testing.server import RedisServer
 from celery_ext.worker.acks import MAX_UNREAD, AckSender
 from celery_ext.worker.worker_pool import WorkerPool
+from tests.apps import proj
+from tests.helpers import Factory, wait_for
 
 K = Keys("celery_ext")
 POOL = "pool-acks"
@@ -133,3 +136,29 @@ def test_stopping_waits_for_an_ack_write_under_way_in_another_thread(
         release.set()
         writer.join(10)
         pool.acks.close()
+
+
+def test_acks_of_many_greenlets_at_once_all_apply(broker_url: str, redis_client: redis.Redis,
+                                                  rec: redis.Redis,
+                                                  worker_factory: Factory) -> None:
+    """A gevent pool of 100 greenlets acks (acks_late) from each job's greenlet, many in
+    the same instant, through the pool's one ack connection: every ack is applied (the
+    in-flight record and the running count return to 0), no job runs twice, and no
+    ack is left for the fallback to resend."""
+    proj.configure(broker_url)
+    from tests.apps import proj_pools
+
+    worker = worker_factory("tests.apps.proj_pools", pool="gevent", concurrency=100).start()
+    n = 1000
+    with proj.app.producer_or_acquire() as producer:
+        for _ in range(n):
+            proj_pools.slow.apply_async(("acks", 0.02), producer=producer)
+    wait_for(lambda: rec.llen("runs:acks") >= n, 60, f"the {n} jobs")
+    queue = proj_pools.slow.name
+    wait_for(lambda: int(redis_client.hget(K.running, queue) or 0) == 0, 10,
+             "the running count back to 0")
+    pools = [p.decode() for p in redis_client.zrange(K.pools, 0, -1)]
+    assert sum(redis_client.hlen(K.inflight(p)) for p in pools) == 0
+    time.sleep(0.5)  # a job acked too late to count would run again now
+    assert rec.llen("start:acks") == n and rec.llen("runs:acks") == n
+    assert "could not" not in worker.log_text() and "Traceback" not in worker.log_text()

@@ -80,19 +80,27 @@ def inflight(client: redis.Redis) -> int:
     return sum(client.hlen(KEYS.inflight(p.decode())) for p in client.zrange(KEYS.pools, 0, -1))
 
 
+def concurrency(pool: str) -> int:
+    """Slots per pool: gevent runs as many greenlets as a user of it would give it."""
+    return 50 if pool == "gevent" else 2
+
+
 def send(mode: Mode, name: str, *args: Any, **options: Any) -> Any:
     return mode.app.send_task(f"tests.apps.proj_pools.{name}", args=args, **options)
 
 
 # -- drop-in keeps the promises that need no routing ------------------------------------
-@pytest.mark.parametrize("mode", MODES)
-def test_countdown_and_retry_run_from_redis(mode: str, sender: Callable[[str], Mode],
+@pytest.mark.parametrize(("mode", "pool"), [("install", "threads"), ("dropin", "threads"),
+                                            ("dropin", "gevent")])
+def test_countdown_and_retry_run_from_redis(mode: str, pool: str,
+                                            sender: Callable[[str], Mode],
                                             worker_factory: Factory, broker_url: str,
                                             redis_client: redis.Redis,
                                             rec: redis.Redis) -> None:
     """A countdown job and a retry with a countdown wait in the scheduled and retry
     sets and run when due: the requeuer runs in every pool, installed or not."""
-    start_worker(worker_factory, sender(mode), broker_url, pool="threads", concurrency=2)
+    start_worker(worker_factory, sender(mode), broker_url, pool=pool,
+                 concurrency=concurrency(pool))
     producer = sender(mode)
     sent_at = time.time()
     later = send(producer, "slow", "countdown", 0.0, countdown=1.5)
@@ -106,13 +114,15 @@ def test_countdown_and_retry_run_from_redis(mode: str, sender: Callable[[str], M
     assert redis_client.zcard(KEYS.scheduled) == 0 and redis_client.zcard(KEYS.retry) == 0
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("mode", "pool"), [("install", "prefork"), ("dropin", "prefork"),
+                                            ("install", "gevent")])
 def test_sigkilled_pool_is_reaped_and_its_jobs_run_elsewhere(
-        mode: str, sender: Callable[[str], Mode], worker_factory: Factory, broker_url: str,
-        redis_client: redis.Redis, rec: redis.Redis) -> None:
+        mode: str, pool: str, sender: Callable[[str], Mode], worker_factory: Factory,
+        broker_url: str, redis_client: redis.Redis, rec: redis.Redis) -> None:
     """No visibility timeout and no install(app): the reaper that every pool runs
-    requeues a SIGKILLed pool's jobs, reserved and (acks_late) running."""
-    victim = start_worker(worker_factory, sender(mode), broker_url, pool="prefork", concurrency=2,
+    requeues a SIGKILLed pool's jobs, reserved and (acks_late) running. (A gevent pool
+    of 2 greenlets, so it too holds jobs it has not started.)"""
+    victim = start_worker(worker_factory, sender(mode), broker_url, pool=pool, concurrency=2,
                           hostname="victim@%h")
     producer = sender(mode)
     keys = [f"k{i}" for i in range(6)]
@@ -134,7 +144,8 @@ def test_sigkilled_pool_is_reaped_and_its_jobs_run_elsewhere(
 
 # -- faults inside a round trip ---------------------------------------------------------
 @pytest.mark.parametrize(("mode", "pool"), [("install", "prefork"), ("dropin", "threads"),
-                                            ("install", "solo"), ("dropin", "prefork")])
+                                            ("install", "solo"), ("dropin", "prefork"),
+                                            ("install", "gevent")])
 def test_a_lost_fetch_reply_strands_nothing(mode: str, pool: str,
                                             sender: Callable[[str], Mode],
                                             worker_factory: Factory, broker_url: str,
@@ -149,7 +160,7 @@ def test_a_lost_fetch_reply_strands_nothing(mode: str, pool: str,
         send(producer, "slow", k, 0.01)
     proxy.cut_on_reply(scripts.sha("fetch").encode())  # the first fetch, which finds jobs
     worker = start_worker(worker_factory, sender(mode), broker_url, proxy=proxy, pool=pool,
-                          concurrency=2)
+                          concurrency=concurrency(pool))
     wait_for(lambda: proxy.replies_cut, 10, "a fetch reply cut")
     wait_for(lambda: all(recorded(rec, "runs", k) for k in keys), 20,
              "every job to run after the lost reply")
@@ -158,16 +169,18 @@ def test_a_lost_fetch_reply_strands_nothing(mode: str, pool: str,
     assert worker.alive
 
 
-@pytest.mark.parametrize("pool", ["threads", "prefork", "solo"])
+@pytest.mark.parametrize(("mode", "pool"), [("install", "threads"), ("install", "prefork"),
+                                            ("install", "solo"), ("dropin", "gevent")])
 def test_a_connection_cut_runs_nothing_twice_and_loses_nothing(
-        pool: str, sender: Callable[[str], Mode], worker_factory: Factory, broker_url: str,
-        proxy: Proxy, redis_client: redis.Redis, rec: redis.Redis) -> None:
+        mode: str, pool: str, sender: Callable[[str], Mode], worker_factory: Factory,
+        broker_url: str, proxy: Proxy, redis_client: redis.Redis, rec: redis.Redis) -> None:
     """Every connection of a pool is cut while it runs jobs and holds prefetched ones:
     the jobs it still runs are not also requeued, those it dropped are, and each
-    job runs exactly once."""
-    worker = start_worker(worker_factory, sender("install"), broker_url, proxy=proxy, pool=pool,
-                          concurrency=2)
-    producer = sender("install")
+    job runs exactly once. (Drop-in with Celery's own acks_late, so a running job is
+    still in flight when the connections go.)"""
+    worker = start_worker(worker_factory, sender(mode), broker_url, proxy=proxy, pool=pool,
+                          concurrency=2, env=sender(mode).env(acks_late=True))
+    producer = sender(mode)
     keys = [f"c{i}" for i in range(8)]
     for k in keys:
         send(producer, "slow", k, 0.4)
@@ -182,7 +195,7 @@ def test_a_connection_cut_runs_nothing_twice_and_loses_nothing(
     assert worker.alive
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads"])
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
 def test_an_ack_that_never_reached_redis_is_applied_later_not_forgotten(
         pool: str, sender: Callable[[str], Mode], worker_factory: Factory, broker_url: str,
         proxy: Proxy, redis_client: redis.Redis, rec: redis.Redis) -> None:
@@ -205,7 +218,8 @@ def test_an_ack_that_never_reached_redis_is_applied_later_not_forgotten(
 
 
 @pytest.mark.parametrize(("mode", "pool"), [("install", "prefork"), ("install", "threads"),
-                                            ("dropin", "threads"), ("dropin", "solo")])
+                                            ("dropin", "threads"), ("dropin", "solo"),
+                                            ("dropin", "gevent")])
 def test_a_half_open_connection_is_noticed_and_the_pool_fetches_again(
         mode: str, pool: str, sender: Callable[[str], Mode], worker_factory: Factory,
         broker_url: str, proxy: Proxy, redis_client: redis.Redis, rec: redis.Redis) -> None:
@@ -214,7 +228,7 @@ def test_a_half_open_connection_is_noticed_and_the_pool_fetches_again(
     ``reply_timeout`` the pool notices, reconnects with one log line, and runs the
     jobs queued meanwhile, each once."""
     worker = start_worker(worker_factory, sender(mode), broker_url, proxy=proxy, pool=pool,
-                          concurrency=2, env={"CELERY_EXT_REPLY_TIMEOUT": "2"})
+                          concurrency=concurrency(pool), env={"CELERY_EXT_REPLY_TIMEOUT": "2"})
     producer = sender(mode)
     assert send(producer, "slow", "before", 0.0).get(timeout=15) == "before"
     proxy.freeze()

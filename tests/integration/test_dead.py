@@ -50,10 +50,12 @@ def client(redis_client: redis.Redis) -> Client:
 # -- end to end ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("mode", "pool"), [("install", "prefork"), ("dropin", "prefork"),
+                                            ("install", "gevent")], indirect=["mode"])
 def test_failing_job_retries_then_dies_with_traceback_and_retry_from_dead_runs_it(
-        app: Any, mode: Mode, client: Client, rec: redis.Redis,
+        app: Any, mode: Mode, pool: str, client: Client, rec: redis.Redis,
         worker_factory: Factory) -> None:
-    (worker,) = start_workers(worker_factory, 1, env=mode.env())
+    (worker,) = start_workers(worker_factory, 1, pool=pool, env=mode.env())
     result = mode.send(app.flaky, "f")
     backing = mode.send(app.backing_off, "b")
 

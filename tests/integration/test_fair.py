@@ -164,13 +164,14 @@ def test_killed_pools_jobs_return_to_their_keys_sub_queue(
     assert not [f for f in redis_client.hkeys(K.running) if b"\n" in f]
 
 
+@pytest.mark.parametrize(("pool", "concurrency"), [("threads", 4), ("gevent", 50)])
 def test_per_key_limit_holds_across_two_pools(
-        installed: Any, rec: redis.Redis, redis_client: redis.Redis,
-        worker_factory: Factory) -> None:
+        installed: Any, pool: str, concurrency: int, rec: redis.Redis,
+        redis_client: redis.Redis, worker_factory: Factory) -> None:
     """fair_max_concurrency=2: at most 2 jobs of one key run at once in 2 pools of 4
-    threads, while the free slots serve the other keys."""
+    threads (or 50 greenlets), while the free slots serve the other keys."""
     limited = installed.limited
-    start_workers(worker_factory, 2, APP, pool="threads", concurrency=4)
+    start_workers(worker_factory, 2, APP, pool=pool, concurrency=concurrency)
     assert redis_client.hget(K.limits, f"{limited.name}\n") == b"2"
     for i in range(12):
         limited.apply_async(("A", i))

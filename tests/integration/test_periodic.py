@@ -289,6 +289,35 @@ def test_three_pools_leader_killed_takeover_within_dead_after_without_a_burst(
     assert handover and max(gaps[enqueued.index(handover[0]) - 1:]) <= 2.5
 
 
+def test_gevent_pools_run_each_due_time_once(worker_factory: Factory, broker_url: str,
+                                            redis_client: redis.Redis,
+                                            rec: redis.Redis) -> None:
+    """Two drop-in gevent pools: one leads, and each due time of the 1-second entry is
+    enqueued once, on time, none skipped, and run once; the outcome is recorded by the
+    greenlet that ran the job."""
+    rec.delete("runs:every")
+    env = Mode("dropin", broker_url).env(**FAST)
+    workers = start_workers(worker_factory, 2, APP, pool="gevent", concurrency=50, env=env)
+    wait_for(lambda: len(runs(rec, "every")) >= 5, 20, "five runs of `every`")
+    wait_for(lambda: redis_client.hget(K.periodic_entry("every"), "outcome_job_id"), 10,
+             "an outcome recorded by the worker")
+    stoppers = [threading.Thread(target=w.stop, kwargs={"timeout": 15}) for w in workers]
+    for t in stoppers:  # a gevent pool takes seconds to stop: both at once
+        t.start()
+    for t in stoppers:
+        t.join()
+    got = runs(rec, "every")
+    dues = sorted(r["due"] for r in got)
+    assert len(set(dues)) == len(dues), "a due time ran twice"
+    assert dues == list(range(dues[0], dues[-1] + 1, 1000)), "a due time was skipped"
+    assert all(r["id"] == run_id("celery_ext", "every", r["due"]) for r in got)
+    assert max(r["enqueued_at"] - r["due"] / 1000 for r in got) <= 1.5
+    assert sum(LEADS in w.log_text() for w in workers) == 1
+    state = next(e for e in Client(redis_client).periodic() if e["name"] == "every")
+    left = _queued_dues(redis_client, "celery")
+    assert state["runs"] == len(dues) + len(left) and state["missed"] == 0, (state, left)
+
+
 def test_dropin_pool_runs_the_schedule_and_the_cli_steers_it(
         worker_factory: Factory, broker_url: str, redis_client: redis.Redis,
         rec: redis.Redis) -> None:

@@ -60,18 +60,26 @@ def starts(rec: redis.Redis, key: str) -> list[str]:
     return [v.decode() for v in rec.lrange(f"start:{key}", 0, -1)]
 
 
+def inflight(client: redis.Redis) -> int:
+    """Jobs in every registered pool's in-flight record."""
+    return sum(client.hlen(KEYS.inflight(p.decode())) for p in client.zrange(KEYS.pools, 0, -1))
+
+
 def pools(client: redis.Redis) -> dict[str, float]:
     return {k.decode(): s for k, s in client.zrange(KEYS.pools, 0, -1, withscores=True)}
 
 
-def test_pool_registers_and_heartbeats_with_redis_time(app: Any, mode: Mode, worker_factory: Any,
+@pytest.mark.parametrize(("mode", "pool"), [("install", "prefork"), ("dropin", "prefork"),
+                                            ("dropin", "gevent")], indirect=["mode"])
+def test_pool_registers_and_heartbeats_with_redis_time(app: Any, mode: Mode, pool: str,
+                                                       worker_factory: Any,
                                                        redis_client: redis.Redis) -> None:
-    w = start_worker(worker_factory, pool="prefork", concurrency=2, env=mode.env())
+    w = start_worker(worker_factory, pool=pool, concurrency=2, env=mode.env())
     pool_id = wait_for(lambda: next(iter(pools(redis_client)), None), 10, "pool registration")
     info = wait_for(lambda: (h := redis_client.hgetall(KEYS.pool(pool_id))) and b"node" in h and h,
                     10, "pool details from the bootstep")
     assert info[b"concurrency"] == b"2"
-    assert info[b"pool_type"] == b"prefork"
+    assert info[b"pool_type"] == pool.encode()
     assert str(w.pid).encode() == info[b"pid"]
     consumed = info[b"queues"].decode().split(",")
     if mode.dropin:  # Celery's default queue only: no install(app), no job queue per task
@@ -218,13 +226,14 @@ def test_long_job_checks_in_and_is_never_duplicated(app: Any, mode: Mode, worker
              "the checkin record to be cleared when the job ends")
 
 
-@pytest.mark.parametrize("pool", ["threads", "solo"])
-def test_busy_record_and_checkin_from_threads_and_solo(app: Any, mode: Mode, pool: str,
-                                                      worker_factory: Any,
-                                                      redis_client: redis.Redis,
-                                                      rec: redis.Redis) -> None:
+@pytest.mark.parametrize("pool", ["threads", "solo", "gevent"])
+def test_busy_record_and_checkin_from_threads_solo_and_gevent(app: Any, mode: Mode, pool: str,
+                                                             worker_factory: Any,
+                                                             redis_client: redis.Redis,
+                                                             rec: redis.Redis) -> None:
     """The busy record and checkin are written by the process that runs the job: here
-    the worker's main process (solo) or one of its threads, whose slot names it."""
+    the worker's main process (solo) or one of its threads (a greenlet under gevent:
+    a patched thread), whose slot names it."""
     w = start_worker(worker_factory, pool=pool, concurrency=2, env=mode.env())
     (pool_id,) = wait_for(lambda: list(pools(redis_client)), 10, "pool registration")
     state = State(redis_client, SETTINGS)
@@ -235,7 +244,7 @@ def test_busy_record_and_checkin_from_threads_and_solo(app: Any, mode: Mode, poo
     assert busy["pool_id"] == pool_id and busy["job_name"] == "tests.apps.proj_pools.long_checkin"
     assert busy["args"] == "'slot', 2" and busy["stall_after"] == 60
     pid, _, thread = busy["slot"].partition("-")
-    assert pid == str(w.pid) and bool(thread) == (pool == "threads")
+    assert pid == str(w.pid) and bool(thread) == (pool != "solo")
     assert result.get(timeout=20) == "slot"
     wait_for(lambda: not state.busy_workers() and
              redis_client.hget(KEYS.checkins, result.id) is None, 5,
@@ -243,17 +252,41 @@ def test_busy_record_and_checkin_from_threads_and_solo(app: Any, mode: Mode, poo
     assert len(starts(rec, "slot")) == 1
 
 
-def test_checkin_says_stop_on_warm_shutdown(app: Any, mode: Mode, worker_factory: Any,
-                                            redis_client: redis.Redis,
-                                            rec: redis.Redis) -> None:
-    w = start_worker(worker_factory, pool="prefork", concurrency=1, env=mode.env())
+@pytest.mark.parametrize(("mode", "pool"), [("install", "prefork"), ("dropin", "prefork"),
+                                            ("install", "gevent")], indirect=["mode"])
+def test_checkin_says_stop_on_warm_shutdown_and_unstarted_jobs_go_back(
+        app: Any, mode: Mode, pool: str, worker_factory: Any, redis_client: redis.Redis,
+        rec: redis.Redis) -> None:
+    """A warm shutdown tells a checking-in job to stop, and every job the pool fetched
+    but did not start waits in its queue again: none lost, none run twice, nothing in
+    flight. Prefork reserves what it fetched and starts none of it after the signal.
+    Under gevent the consumer itself waits for a free greenlet with one job in hand
+    (Celery's ``Pool.spawn``), and Celery's loop turns once more after the signal: the
+    jobs run then, once each."""
+    w = start_worker(worker_factory, pool=pool, concurrency=1, env=mode.env())
     mode.send(app.long_checkin, "stopme", 60)
     wait_for(lambda: starts(rec, "stopme"), 10, "job start")
+    keys = [f"held{i}" for i in range(3)]
+    for k in keys:
+        mode.send(app.slow, k, 0.0)
+    queue = mode.queue(app.slow)
+    client = Client(redis_client, SETTINGS)
+
+    def queued() -> int:
+        return {q["name"]: q["size"] for q in client.job_queues()}.get(queue, 0)
+
+    wait_for(lambda: queued() < len(keys), 10, "the pool fetching jobs it cannot start yet")
     time.sleep(0.5)
     t0 = time.time()
     assert w.stop(signal.SIGTERM, timeout=20) == 0
     assert time.time() - t0 < 10
     assert rec.lrange("stopped:stopme", 0, -1), "checkin did not report the shutdown"
+    started = [k for k in keys if starts(rec, k)]
+    if pool == "prefork":
+        assert started == []
+    assert all(len(starts(rec, k)) == 1 for k in started)
+    assert inflight(redis_client) == 0
+    assert queued() == len(keys) - len(started)
 
 
 def test_poison_job_lands_in_dead_set_others_keep_flowing(app: Any, mode: Mode,
@@ -279,12 +312,45 @@ def test_poison_job_lands_in_dead_set_others_keep_flowing(app: Any, mode: Mode,
     assert w.alive
 
 
-def test_sigstop_past_dead_after_then_sigcont(app: Any, mode: Mode, worker_factory: Any,
-                                              redis_client: redis.Redis,
+def test_poison_job_killing_gevent_pools_lands_in_dead_set(app: Any, worker_factory: Any,
+                                                            redis_client: redis.Redis,
+                                                            rec: redis.Redis) -> None:
+    """Under gevent a job that kills its process kills the whole pool, not a child: the
+    reaper of another pool recovers it, each recovery counted, and past max_recoveries
+    it goes to the dead set; the next gevent pool lives and runs jobs. (install(app):
+    the poison job's queue of its own keeps the other jobs out of the dying pools, or
+    they too would be recovered past max_recoveries.)"""
+    settings = Settings.load({}, environ={**FAST, "CELERY_EXT_MAX_RECOVERIES": "1"})
+    env = {"CELERY_EXT_MAX_RECOVERIES": "1"}
+    poison_q = "tests.apps.proj_pools.poison"
+    start_worker(worker_factory, pool="threads", concurrency=2, hostname="reaper@%h",
+                 queues=["tests.apps.proj.add"], env=env)
+    app.poison.delay("gp")
+    for n in range(1, settings.max_recoveries + 2):
+        victim = start_worker(worker_factory, pool="gevent", concurrency=50,
+                              hostname=f"v{n}@%h", queues=[poison_q], env=env)
+        wait_for(lambda v=victim: not v.alive, 20, f"gevent pool {n} to die of the poison job")
+        assert len(rec.lrange("start:gp", 0, -1)) == n
+    wait_for(lambda: redis_client.zcard(KEYS.dead) == 1, 10, "the poison job in the dead set")
+    (job_id,) = redis_client.zrange(KEYS.dead, 0, -1)
+    meta = json.loads(redis_client.hget(KEYS.dead_jobs, job_id).decode().split("\n", 1)[0])
+    assert meta["reason"] == "worker_lost"
+    assert f"{settings.max_recoveries + 1} times" in meta["error"]
+    last = start_worker(worker_factory, pool="gevent", concurrency=50, hostname="last@%h",
+                        env=env)
+    assert [r.get(timeout=10) for r in [proj.add.delay(i, i) for i in range(20)]] \
+        == [2 * i for i in range(20)]
+    assert last.alive and len(rec.lrange("start:gp", 0, -1)) == settings.max_recoveries + 1
+
+
+@pytest.mark.parametrize(("mode", "pool"), [("install", "solo"), ("dropin", "solo"),
+                                            ("dropin", "gevent")], indirect=["mode"])
+def test_sigstop_past_dead_after_then_sigcont(app: Any, mode: Mode, pool: str,
+                                              worker_factory: Any, redis_client: redis.Redis,
                                               rec: redis.Redis) -> None:
     start_worker(worker_factory, pool="threads", concurrency=2, hostname="b@%h",
                  env=mode.env())
-    sleeper = start_worker(worker_factory, pool="solo", hostname="a@%h", env=mode.env())
+    sleeper = start_worker(worker_factory, pool=pool, hostname="a@%h", env=mode.env())
     keys = [f"s{i}" for i in range(6)]
     for k in keys:
         mode.send(app.slow, k, 0.5)
@@ -361,9 +427,11 @@ def test_orphaned_inflight_records_are_requeued(redis_client: redis.Redis) -> No
     assert redis_client.lrange(KEYS.queue("q"), 0, -1) == [b'{"properties": {}}']
 
 
-def test_stop_request_and_stalled_jobs(app: Any, mode: Mode, worker_factory: Any,
+@pytest.mark.parametrize(("mode", "pool"), [("install", "threads"), ("dropin", "threads"),
+                                            ("install", "gevent")], indirect=["mode"])
+def test_stop_request_and_stalled_jobs(app: Any, mode: Mode, pool: str, worker_factory: Any,
                                        redis_client: redis.Redis, rec: redis.Redis) -> None:
-    start_worker(worker_factory, pool="threads", concurrency=2, env=mode.env())
+    start_worker(worker_factory, pool=pool, concurrency=2, env=mode.env())
     state = State(redis_client, SETTINGS)
     quiet = mode.send(app.quiet, "quiet", 3.0)  # never checks in; stall_after=1
     chatty = mode.send(app.long_checkin, "chatty", 30)

@@ -64,9 +64,17 @@ def solo_worker(factory: Factory, mode: Mode, prefetch: int = 1, pool: str = "so
 # -- end to end ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("mode", "pool"), [
+    ("install", "solo"), ("dropin", "solo"),
+    pytest.param("install", "gevent", marks=pytest.mark.xfail(strict=True, reason=(
+        "a gevent pool whose prefetch is full fetches again only when Celery's "
+        "drain_events(timeout=2.0) ends: one job per 2 s here")))],
+    indirect=["mode"])
 def test_lower_priority_runs_first_fifo_within_a_level_scheduled_and_retried_keep_it(
-        tasks: Any, mode: Mode, rec: redis.Redis, redis_client: redis.Redis,
+        tasks: Any, mode: Mode, pool: str, rec: redis.Redis, redis_client: redis.Redis,
         worker_factory: Factory) -> None:
+    """One slot (a gevent pool of one greenlet too), so the order the jobs start in is
+    the order the pool fetched them in."""
     mark, queue = tasks.mark, mode.queue(tasks.mark)
     # No worker yet: 200 jobs at priority 9, then 20 at priority 0.
     for i in range(200):
@@ -77,8 +85,8 @@ def test_lower_priority_runs_first_fifo_within_a_level_scheduled_and_retried_kee
     sizes = {q["name"]: q["size"] for q in Client(redis_client).job_queues()}
     assert sizes[queue] == 220  # every level counted
 
-    worker = solo_worker(worker_factory, mode)
-    wait_for(lambda: len(order(rec, "a")) == 220, 60, "all 220 jobs to run")
+    worker = solo_worker(worker_factory, mode, pool=pool)
+    wait_for(lambda: len(order(rec, "a")) == 220, 20, "all 220 jobs to run")
     assert order(rec, "a") == [f"high{i}" for i in range(20)] + [f"low{i}" for i in range(200)]
 
     # A retry and a countdown job at priority 0 go ahead of jobs at 9 queued before them.

@@ -180,12 +180,14 @@ def test_thousand_countdowns_run_once_none_early(
     assert redis_client.zcard(K.scheduled) == 0 and redis_client.hlen(K.scheduled_jobs) == 0
 
 
+@pytest.mark.parametrize(("mode", "pool"), [("install", "prefork"), ("dropin", "prefork"),
+                                            ("dropin", "gevent")], indirect=["mode"])
 def test_countdown_longer_than_visibility_timeout_runs_once(
-        app: Any, mode: Mode, redis_client: redis.Redis, rec: redis.Redis,
+        app: Any, mode: Mode, pool: str, redis_client: redis.Redis, rec: redis.Redis,
         worker_factory: Factory) -> None:
     """Stock Celery redelivers an ETA job after visibility_timeout; here it is not in
     flight until due, and in-flight jobs have no timeout at all."""
-    start_workers(worker_factory, 2, env=mode.env(TEST_VISIBILITY_TIMEOUT="1"))
+    start_workers(worker_factory, 2, pool=pool, env=mode.env(TEST_VISIBILITY_TIMEOUT="1"))
     mode.send(app.timed, "vt", countdown=3)
     # It waits in Redis, not in a worker's memory (stock Celery: inspect().scheduled()).
     assert Client(redis_client).counts()["scheduled"] == 1

@@ -157,12 +157,14 @@ def test_pool_start_writes_only_changed_limits_and_wakes_only_their_queues(
     sub.close()
 
 
-def test_max_concurrency_holds_across_four_pools(
-        app: Any, client: Client, redis_client: redis.Redis, rec: redis.Redis,
-        worker_factory: Factory) -> None:
-    """``max_concurrency=2``, 4 pools x 4 slots: never more than 2 running at once,
-    observed from inside the task; the in-flight count returns to 0."""
-    start_workers(worker_factory, 4, pool="threads", concurrency=4)
+@pytest.mark.parametrize(("pool", "pools", "concurrency"),
+                         [("threads", 4, 4), ("gevent", 2, 50)])
+def test_max_concurrency_holds_across_pools(
+        app: Any, client: Client, pool: str, pools: int, concurrency: int,
+        redis_client: redis.Redis, rec: redis.Redis, worker_factory: Factory) -> None:
+    """``max_concurrency=2``, 4 pools x 4 threads (2 x 50 greenlets): never more than 2
+    running at once, observed from inside the task; the in-flight count returns to 0."""
+    start_workers(worker_factory, pools, pool=pool, concurrency=concurrency)
     queue = "tests.apps.proj_sets.limited"
     assert client.limits() == {queue: 2}
     for _ in range(16):
