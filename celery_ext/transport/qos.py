@@ -38,6 +38,7 @@ class QoS(virtual.QoS):
     def ack(self, delivery_tag: str) -> None:
         self.channel.worker_pool.ack([delivery_tag])
         super().ack(delivery_tag)
+        self._credit_freed()
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if requeue:
@@ -45,6 +46,14 @@ class QoS(virtual.QoS):
         else:
             self.channel._dead_letter(delivery_tag, "rejected", "rejected by the consumer")
         super().ack(delivery_tag)
+        self._credit_freed()
+
+    def _credit_freed(self) -> None:
+        """Wake a poll that waits for prefetch credit (``wakeup.CreditWakeup``)."""
+        transport = self.channel.connection
+        cycle = getattr(transport, "cycle", None)
+        if cycle is not None:
+            cycle.credit_freed()
 
     def restore_unacked(self, client: Any = None) -> list[Any]:
         """The channel closes: return nothing now, and let the pool reconcile before

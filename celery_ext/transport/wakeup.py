@@ -16,6 +16,7 @@ poller, listens on the wake-up connections beside the fetch and fanout ones.
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import suppress
 from time import monotonic
 from typing import TYPE_CHECKING, Any
@@ -147,11 +148,67 @@ class Wakeups:
                     conn.disconnect()
 
 
+class CreditWakeup:
+    """A pipe the poller watches while it waits with no prefetch credit and no event
+    loop (Celery's ``synloop``, under gevent): the job that acks frees the credit in its
+    own greenlet, and nothing else the poll watches becomes readable then, so without
+    this the next fetch would wait out the whole drain timeout (2 s in Celery's loop).
+    With an event loop, its tick looks at the credit after every turn instead."""
+
+    def __init__(self) -> None:
+        self._read_fd = self._write_fd = -1
+        #: The poll waits for credit: the next ack writes a byte (then disarms).
+        self.armed = False
+
+    @property
+    def read_fd(self) -> int:
+        """The read end, -1 until the pipe is made."""
+        return self._read_fd
+
+    def fileno(self) -> int:
+        """The read end (the pipe is made at first use)."""
+        if self._read_fd < 0:
+            self._read_fd, self._write_fd = os.pipe()
+            os.set_blocking(self._read_fd, False)
+            os.set_blocking(self._write_fd, False)
+        return self._read_fd
+
+    def credit_freed(self) -> None:
+        """An ack or reject freed a prefetch slot: wake the poll if it waits for one."""
+        if not self.armed:
+            return
+        self.armed = False
+        with suppress(BlockingIOError, OSError):  # (full: a byte is there already)
+            os.write(self._write_fd, b"\0")
+
+    def drain(self) -> None:
+        with suppress(BlockingIOError, OSError):
+            while os.read(self._read_fd, 4096):
+                pass
+
+    def close(self) -> None:
+        self.armed = False
+        for fd in (self._read_fd, self._write_fd):
+            if fd >= 0:
+                with suppress(OSError):
+                    os.close(fd)
+        self._read_fd = self._write_fd = -1
+
+
 class MultiChannelPoller(kredis.MultiChannelPoller):
-    """Adds the WAKE pub/sub listener and the idle refresh to Kombu's poller."""
+    """Adds the WAKE pub/sub listener, the idle refresh and, without an event loop, the
+    credit wake-up (``CreditWakeup``) to Kombu's poller."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.credit = CreditWakeup()
+        #: ``get`` is polling (no event loop: the credit wake-up applies).
+        self._in_get = False
+        self._credit_registered: Any = None
 
     def on_poll_start(self) -> None:
         self._update_brpop_polling()
+        starved = False
         for channel in self._channels:
             # Not ``channel.active_queues``: Kombu rebuilds that list on every call, a
             # cost that grows with the number of job queues, on every loop turn.
@@ -160,8 +217,31 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
                 self._register_WAKE(channel)
                 if channel.qos.can_consume():
                     self._register_BRPOP(channel)
+                else:
+                    starved = True
             if channel.active_fanout_queues:
                 self._register_LISTEN(channel)
+        if starved and self._in_get:
+            self._watch_credit()
+
+    def _watch_credit(self) -> None:
+        """Arm the credit wake-up and make sure this poll watches its pipe."""
+        fd = self.credit.fileno()
+        if self._credit_registered is not self.poller:
+            self.poller.register(fd, READ)
+            self._credit_registered = self.poller
+        self.credit.armed = True
+
+    def credit_freed(self) -> None:
+        self.credit.credit_freed()
+
+    def close(self) -> None:
+        super().close()
+        if self._credit_registered is not None:
+            with suppress(KeyError, ValueError, OSError):
+                self._credit_registered.unregister(self.credit.read_fd)
+            self._credit_registered = None
+        self.credit.close()
 
     def _register_WAKE(self, channel: Channel) -> None:
         wakeups = channel.wakeups
@@ -181,6 +261,11 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
         super().on_readable(fileno)
 
     def handle_event(self, fileno: int, event: int) -> Any:
+        if fileno == self.credit.read_fd:
+            # Credit came back: read the byte; ``get`` returns Empty and Kombu's
+            # drain_events calls it again, which fetches.
+            self.credit.drain()
+            return None
         # Kombu's handle_event reports every readable socket as a delivery, so
         # drain_events() (pidbox replies, kombu consumers) would return on a wake-up
         # that delivered nothing. Read it and let drain_events() keep waiting.
@@ -206,4 +291,9 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
         if due:
             wait = max(0.0, min(due) - monotonic())
             timeout = wait if timeout is None else min(timeout, wait)
-        return super().get(callback, timeout=timeout)
+        self._in_get = True
+        try:
+            return super().get(callback, timeout=timeout)
+        finally:
+            self._in_get = False
+            self.credit.armed = False

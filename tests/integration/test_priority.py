@@ -66,9 +66,7 @@ def solo_worker(factory: Factory, mode: Mode, prefetch: int = 1, pool: str = "so
 
 @pytest.mark.parametrize(("mode", "pool"), [
     ("install", "solo"), ("dropin", "solo"),
-    pytest.param("install", "gevent", marks=pytest.mark.xfail(strict=True, reason=(
-        "a gevent pool whose prefetch is full fetches again only when Celery's "
-        "drain_events(timeout=2.0) ends: one job per 2 s here")))],
+    ("install", "gevent")],
     indirect=["mode"])
 def test_lower_priority_runs_first_fifo_within_a_level_scheduled_and_retried_keep_it(
         tasks: Any, mode: Mode, pool: str, rec: redis.Redis, redis_client: redis.Redis,
