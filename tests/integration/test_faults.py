@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.harness import SCENARIOS, Options, Result, Run
+from tests.faults.harness import Options, Result, Run
+from tests.faults.scenarios import SCENARIOS
 
 pytestmark = pytest.mark.faults
 
