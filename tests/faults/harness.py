@@ -1,8 +1,9 @@
 """One fault scenario against one transport: start, enqueue, break things, settle, count.
 
 A run starts a fresh server (AOF on, the scenario's ``appendfsync``), a TCP proxy in
-front of it, and ``pools`` real prefork worker pools (the last one reaches Redis
-through the proxy, so it can be cut off). A producer thread enqueues ``jobs`` jobs
+front of it, and ``pools`` real worker pools, prefork unless the scenario names
+another execution pool (the last one reaches Redis through the proxy, so it can be cut
+off). A producer thread enqueues ``jobs`` jobs
 with unique ids (a ``backlog`` share at once, the rest paced over the fault
 window), while a fault thread injects the
 scenario's faults every ``interval`` seconds. Then the run settles: it waits until
@@ -304,7 +305,7 @@ class Run:
 
     def _new_pool(self, slot: int) -> WorkerProcess:
         via_proxy = slot == self.opt.pools - 1
-        pool, concurrency = "prefork", self.opt.concurrency
+        pool, concurrency = self.scenario.pool or ("prefork", self.opt.concurrency)
         if via_proxy and self.scenario.proxied_pool is not None:
             pool, concurrency = self.scenario.proxied_pool
         worker = WorkerProcess(
@@ -394,7 +395,8 @@ class Run:
             if self.rng.random() < self.opt.long_share:
                 seconds = self.rng.uniform(*self.opt.long_seconds)
             else:
-                seconds = self.rng.uniform(*self.opt.short_seconds)
+                seconds = self.rng.uniform(*(self.scenario.short_seconds
+                                             or self.opt.short_seconds))
             options: dict[str, Any] = {"task_id": job_id}
             if self.rng.random() < countdowns:
                 options["countdown"] = round(self.rng.uniform(0, self.opt.countdown_max), 3)

@@ -7,7 +7,7 @@ execution pool, drop-in mode, the app's ack settings. ``harness.Run`` runs one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,11 @@ class Scenario:
     promise_no_loss: bool = True
     #: The proxied pool's execution pool and concurrency, if not prefork like the others.
     proxied_pool: tuple[str, int] | None = None
+    #: Every pool's execution pool and concurrency, if not prefork with
+    #: ``Options.concurrency`` (``proxied_pool`` still wins for the proxied one).
+    pool: tuple[str, int] | None = None
+    #: How long most jobs take, if not ``Options.short_seconds``.
+    short_seconds: tuple[float, float] | None = None
     #: Drop-in mode: neither the workers' app nor the producer's calls install(app)
     #: (ours; stock never does), so every job goes to Celery's ``celery`` queue.
     dropin: bool = False
@@ -92,3 +97,32 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              countdowns=False, min_interval=8.0,
              stock_not_run="Kombu's redis transport has no cluster support (celery#2852)"),
 )}
+
+#: The execution pool of the green variants: jobs are greenlets of the main process, as
+#: many as a gevent user runs (issue 29).
+GEVENT = ("gevent", 50)
+#: How long most of their jobs take: a gevent user's jobs wait on I/O. Jobs of 5-30 ms
+#: leave 50 greenlets idle, and a fault hits a pool running a handful of jobs (0-10 in
+#: a measured run); jobs of 0.2-1 s keep the greenlets busy through the first faults.
+GEVENT_SECONDS = (0.2, 1.0)
+
+
+def on_gevent(base: Scenario) -> Scenario:
+    """``base`` with every pool on ``-P gevent -c 50`` running longer jobs, named
+    ``<name>_gevent``: the same fault where a pool's jobs share its main process, its
+    clients and one event loop."""
+    return replace(base, name=f"{base.name}_gevent", pool=GEVENT, proxied_pool=None,
+                   short_seconds=GEVENT_SECONDS,
+                   title=f"{base.title} (every pool -P gevent -c {GEVENT[1]})")
+
+
+#: The short chaos scenarios again under gevent: a SIGKILL of the pool (its greenlets
+#: die with it), a warm shutdown, a fetch reply lost, every connection cut briefly.
+SCENARIOS.update((s.name, s) for s in (
+    on_gevent(SCENARIOS["kill_main"]),
+    on_gevent(SCENARIOS["sigterm"]),
+    on_gevent(SCENARIOS["fetch_reply_lost"]),
+    # threads_cut's fault with a gevent pool behind the proxy.
+    on_gevent(Scenario("connection_cut", "every connection of the proxied pool cut briefly, "
+                       "under dead_after", ("cut",))),
+))
