@@ -20,7 +20,8 @@ Counting comes only from the append-only record the jobs write (``tests.faults.a
 - **in flight at a fault**: jobs the hit pool owned then (ours: its in-flight record;
   stock: ``unacked`` of the whole server for server faults, started-not-done for pools)
 - **recovery** per fault: from the fault until every job running on the hit pool (or
-  anywhere, for server faults) at that moment is done by somebody.
+  anywhere, for server faults) at that moment is done by somebody (ours: or is in the
+  dead set, a poison pill past ``max_recoveries``).
 - **resumed** per silent-connection fault: from the moment the connection went silent
   until the same kind of request (fetch, ack, enqueue) was answered on another
   connection: the client noticed and went on.
@@ -497,14 +498,16 @@ class Run:
                 for m in re.finditer(r"reaped (\d+) dead worker pool", w.log_text()))
         r.in_flight_at_faults = sum(f.in_flight for f in r.faults)
         for f in r.faults:
-            if not f.running:
+            # A poison pill ends in the dead set, not done: the others say when it was over.
+            running = set(f.running) - set(dead)
+            if not running:
                 f.recovery = 0.0
                 continue
             ends = {}
             for kind, job, _, at in rec.lines:
-                if kind == "D" and at >= f.at and job in f.running and job not in ends:
+                if kind == "D" and at >= f.at and job in running and job not in ends:
                     ends[job] = at
-            if len(ends) == len(set(f.running)):
+            if len(ends) == len(running):
                 f.recovery = round(max(ends.values()) - f.at, 2)
         silent = [f for f in r.faults if f.kind in SILENT_FAULTS]
         resumed = [f.resumed for f in silent if f.resumed is not None]
