@@ -66,7 +66,7 @@ from celery_ext.store.connections import (
 from celery_ext.store.dead_set import wrap_consumer_handlers
 from celery_ext.store.keys import Keys
 from celery_ext.worker import worker_pool as _pool
-from celery_ext.worker.green import share_result_backend
+from celery_ext.worker.green import cooperative_retry_sleep, share_result_backend
 
 logger = logging.getLogger("celery_ext.worker.bootsteps")
 
@@ -256,6 +256,7 @@ def validate_settings(sender: Any = None, instance: Any = None, **kwargs: Any) -
         if executor in UNSUPPORTED_EXECUTORS:
             raise SystemExit(f"celery_ext: the {executor} pool is not supported; use gevent "
                              "for green threads (-P gevent), or prefork, threads or solo")
+        cooperative_retry_sleep()
         if executor == "gevent":
             share_result_backend(app)
         add_worker_parts(app)

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from tests.faults.harness import MODES, SCENARIOS, Options, Result, Run
+from tests.faults.harness import MODES, Options, Result, Run
+from tests.faults.scenarios import SCENARIOS
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 

@@ -1,8 +1,9 @@
 """One fault scenario against one transport: start, enqueue, break things, settle, count.
 
 A run starts a fresh server (AOF on, the scenario's ``appendfsync``), a TCP proxy in
-front of it, and ``pools`` real prefork worker pools (the last one reaches Redis
-through the proxy, so it can be cut off). A producer thread enqueues ``jobs`` jobs
+front of it, and ``pools`` real worker pools, prefork unless the scenario names
+another execution pool (the last one reaches Redis through the proxy, so it can be cut
+off). A producer thread enqueues ``jobs`` jobs
 with unique ids (a ``backlog`` share at once, the rest paced over the fault
 window), while a fault thread injects the
 scenario's faults every ``interval`` seconds. Then the run settles: it waits until
@@ -19,7 +20,8 @@ Counting comes only from the append-only record the jobs write (``tests.faults.a
 - **in flight at a fault**: jobs the hit pool owned then (ours: its in-flight record;
   stock: ``unacked`` of the whole server for server faults, started-not-done for pools)
 - **recovery** per fault: from the fault until every job running on the hit pool (or
-  anywhere, for server faults) at that moment is done by somebody.
+  anywhere, for server faults) at that moment is done by somebody (ours: or is in the
+  dead set, a poison pill past ``max_recoveries``).
 - **resumed** per silent-connection fault: from the moment the connection went silent
   until the same kind of request (fetch, ack, enqueue) was answered on another
   connection: the client noticed and went on.
@@ -56,6 +58,7 @@ from celery_ext.store.keys import Keys
 from celery_ext.testing.server import ClusterGroup, RedisServer, SentinelGroup
 from tests.faults.app import job_names, make_app
 from tests.faults.proxy import Proxy
+from tests.faults.scenarios import Scenario
 from tests.workers import WorkerProcess
 
 MODES = ("stock", "ours")
@@ -77,89 +80,6 @@ SILENT_FAULTS = ("fetch_silent", "ack_silent", "publish_silent")
 #: What the producer's enqueue request contains: the command (stock) or the script.
 ENQUEUE_REQUEST = {"stock": b"LPUSH", "ours": _scripts.sha("enqueue").encode()}
 
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    title: str
-    kinds: tuple[str, ...]
-    appendfsync: str = "always"
-    #: What ours must show: no job lost (everysec may lose the last second of writes).
-    promise_no_loss: bool = True
-    #: The proxied pool's execution pool and concurrency, if not prefork like the others.
-    proxied_pool: tuple[str, int] | None = None
-    #: Drop-in mode: neither the workers' app nor the producer's calls install(app)
-    #: (ours; stock never does), so every job goes to Celery's ``celery`` queue.
-    dropin: bool = False
-    #: The app sets task_acks_late and task_reject_on_worker_lost; False leaves them
-    #: to Celery (acked when a job starts) or, if called, to install(app).
-    acks_late: bool = True
-    #: A primary, a replica and three sentinels instead of one server; every pool and
-    #: the producer use the sentinel URL (stock ``sentinel://``, ours
-    #: ``celery-ext+sentinel://`` with ``wait_replicas=1``). No proxy.
-    sentinel: bool = False
-    #: A local Redis Cluster of 3 masters with one replica each instead of one server
-    #: (ours with the ``cluster`` option; no proxy), and this many job names, each its
-    #: own job queue, spread over the masters by their hash slots.
-    cluster: bool = False
-    names: int = 1
-    #: Jobs sent with a countdown (``Options.countdown_share``); off where the scheduled
-    #: set is not what the scenario is about.
-    countdowns: bool = True
-    #: Why stock cannot run the scenario at all: its column says so instead of a figure.
-    stock_not_run: str = ""
-    #: Seconds from one fault to the next at least (a fault that takes longer than
-    #: ``Options.interval`` would otherwise outlast the producer's window).
-    min_interval: float = 0.0
-
-
-SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
-    Scenario("kill_main", "SIGKILL a pool's main process mid-job", ("kill_main",)),
-    Scenario("kill_child", "SIGKILL a prefork child mid-job", ("kill_child",)),
-    Scenario("sigterm", "SIGTERM (warm shutdown) with jobs reserved", ("sigterm",)),
-    Scenario("sigstop", "SIGSTOP a pool past dead_after, then SIGCONT", ("sigstop",)),
-    Scenario("redis_kill", "SIGKILL Redis, restart from AOF (appendfsync always)",
-             ("redis_kill",)),
-    Scenario("redis_kill_everysec", "SIGKILL Redis, restart from AOF (appendfsync everysec)",
-             ("redis_kill",), appendfsync="everysec", promise_no_loss=False),
-    Scenario("redis_stall", "Redis stalls (DEBUG SLEEP, CLIENT PAUSE) past dead_after",
-             ("debug_sleep", "client_pause")),
-    Scenario("oom", "maxmemory reached with noeviction, then lifted", ("oom",)),
-    Scenario("partition", "a pool cut off from Redis past dead_after, then reconnected",
-             ("partition",)),
-    Scenario("publish_cut", "the producer's connection dies after Redis ran an enqueue, "
-             "before the reply", ("publish_cut",)),
-    Scenario("soak", "all of the above in turn, in one run",
-             ("kill_main", "sigstop", "kill_child", "redis_stall", "sigterm", "partition",
-              "redis_kill", "oom")),
-    # Faults inside a round trip, other pools and drop-in mode (not in soak).
-    Scenario("fetch_reply_lost", "the proxied pool's fetch runs, its reply is lost",
-             ("fetch_reply_lost",)),
-    Scenario("threads_cut", "every connection of a threads pool cut briefly, under dead_after",
-             ("cut",), proxied_pool=("threads", 4)),
-    # Early acks: a running job was acked when it started and dies with the pool (its
-    # prefork children get SIGKILL with the main process): lost by design.
-    Scenario("kill_main_dropin", "SIGKILL a pool's main process, drop-in, Celery's early acks",
-             ("kill_main",), dropin=True, acks_late=False, promise_no_loss=False),
-    Scenario("kill_main_dropin_late",
-             "SIGKILL a pool's main process, drop-in, the app sets acks_late",
-             ("kill_main",), dropin=True),
-    Scenario("ack_lost", "the proxied pool's ack never reaches Redis, reconnects refused 1 s",
-             ("ack_lost",)),
-    # Each fault waits (within its interval) until the hit client is answered again.
-    Scenario("silent_connection", "a connection left half-open (no reply, no reset): the "
-             "proxied pool's fetch (ran, reply swallowed), its ack (swallowed), the "
-             "producer's enqueue (ran, reply swallowed)",
-             ("fetch_silent", "ack_silent", "publish_silent"), min_interval=15.0),
-    Scenario("sentinel_failover", "SIGKILL the primary under Sentinel; a replica takes over",
-             ("sentinel_failover",), sentinel=True),
-    # Countdowns off: promoting the scheduled sets of every queue's copy on a cluster is
-    # the requeuer's (tests/test_cluster_*.py); this scenario is about the job queues.
-    Scenario("cluster_failover", "SIGKILL the cluster master holding the most job queues; "
-             "its replica takes over", ("cluster_failover",), cluster=True, names=30,
-             countdowns=False, min_interval=8.0,
-             stock_not_run="Kombu's redis transport has no cluster support (celery#2852)"),
-)}
 
 #: The Sentinel master name of sentinel scenarios, and ours' replicas to WAIT for.
 MASTER_NAME = "faults"
@@ -386,7 +306,7 @@ class Run:
 
     def _new_pool(self, slot: int) -> WorkerProcess:
         via_proxy = slot == self.opt.pools - 1
-        pool, concurrency = "prefork", self.opt.concurrency
+        pool, concurrency = self.scenario.pool or ("prefork", self.opt.concurrency)
         if via_proxy and self.scenario.proxied_pool is not None:
             pool, concurrency = self.scenario.proxied_pool
         worker = WorkerProcess(
@@ -476,7 +396,8 @@ class Run:
             if self.rng.random() < self.opt.long_share:
                 seconds = self.rng.uniform(*self.opt.long_seconds)
             else:
-                seconds = self.rng.uniform(*self.opt.short_seconds)
+                seconds = self.rng.uniform(*(self.scenario.short_seconds
+                                             or self.opt.short_seconds))
             options: dict[str, Any] = {"task_id": job_id}
             if self.rng.random() < countdowns:
                 options["countdown"] = round(self.rng.uniform(0, self.opt.countdown_max), 3)
@@ -577,14 +498,16 @@ class Run:
                 for m in re.finditer(r"reaped (\d+) dead worker pool", w.log_text()))
         r.in_flight_at_faults = sum(f.in_flight for f in r.faults)
         for f in r.faults:
-            if not f.running:
+            # A poison pill ends in the dead set, not done: the others say when it was over.
+            running = set(f.running) - set(dead)
+            if not running:
                 f.recovery = 0.0
                 continue
             ends = {}
             for kind, job, _, at in rec.lines:
-                if kind == "D" and at >= f.at and job in f.running and job not in ends:
+                if kind == "D" and at >= f.at and job in running and job not in ends:
                     ends[job] = at
-            if len(ends) == len(set(f.running)):
+            if len(ends) == len(running):
                 f.recovery = round(max(ends.values()) - f.at, 2)
         silent = [f for f in r.faults if f.kind in SILENT_FAULTS]
         resumed = [f.resumed for f in silent if f.resumed is not None]
