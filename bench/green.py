@@ -19,7 +19,9 @@ that run, from one producer that never waits) and the enqueue-to-start latency o
 job is recorded (p50, p99).
 
 Per drain: jobs/s (from the worker's start), steady jobs/s (from the first completion),
-worker CPU µs per job, Redis commands per job. Acks late by default (``--acks``), no
+worker CPU µs per job, Redis CPU µs per job, and Redis commands per job (``INFO
+commandstats``: every command the server ran, those a Lua script runs included; the job's
+own ``INCR`` is one). Acks late by default (``--acks``), no
 result backend, Celery's default prefetch multiplier (4). Prints a table of medians and
 ratios, writes ``OUT/green.json``; logs in ``OUT/logs``.
 """
@@ -161,6 +163,7 @@ def summarize(runs: list[dict[str, Any]], sides: Sequence[str]) -> dict[str, Any
                 "jobs_per_s": median([r["jobs_per_s"] for r in mine]),
                 "steady_jobs_per_s": median([r["steady_jobs_per_s"] for r in mine]),
                 "worker_cpu_us": median([r["worker_cpu_us"] for r in mine]),
+                "redis_cpu_us": median([r["redis_cpu_us"] for r in mine]),
                 "redis_calls_per_job": median([sum(r["redis_calls_per_job"].values())
                                                for r in mine]),
             }
@@ -169,8 +172,9 @@ def summarize(runs: list[dict[str, Any]], sides: Sequence[str]) -> dict[str, Any
 
 def table(res: dict[str, Any]) -> str:
     med = res["medians"]
-    lines = ["| job | side | jobs/s | steady jobs/s | worker CPU us/job | Redis calls/job "
-             "| ours / this side (steady) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| job | side | jobs/s | steady jobs/s | worker CPU us/job | Redis CPU us/job "
+             "| Redis commands/job | ours / this side (steady) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for job in JOBS:
         ours = med.get(f"ours/{job}")
         for key, m in med.items():
@@ -181,7 +185,7 @@ def table(res: dict[str, Any]) -> str:
                      if ours and side != "ours" else "")
             lines.append(f"| {job} | {side} | {m['jobs_per_s']:.0f} | "
                          f"{m['steady_jobs_per_s']:.0f} | {m['worker_cpu_us']:.0f} | "
-                         f"{m['redis_calls_per_job']:.2f} | {ratio} |")
+                         f"{m['redis_cpu_us']:.0f} | {m['redis_calls_per_job']:.2f} | {ratio} |")
     if res.get("latency_ms"):
         lines.append("")
         lines.append(f"Enqueue-to-start of the io job at {res['load_rate']:.0f} jobs/s:")
