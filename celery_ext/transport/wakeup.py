@@ -18,12 +18,15 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import suppress
+from queue import Empty
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from kombu.transport import redis as kredis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.eventio import READ
+
+from celery_ext.worker.worker_pool import register_poll
 
 if TYPE_CHECKING:
     from celery_ext.transport.channel import Channel
@@ -148,6 +151,12 @@ class Wakeups:
                     conn.disconnect()
 
 
+#: Longest a poll waits once the worker is stopping (seconds). It does wait, and yields: a
+#: loop that polls again at once (Celery's green remote-control loop does) would
+#: otherwise spin and, under gevent, never let another greenlet run.
+STOPPING_POLL = 0.1
+
+
 class CreditWakeup:
     """A pipe the poller watches while it waits with no prefetch credit and no event
     loop (Celery's ``synloop``, under gevent): the job that acks frees the credit in its
@@ -178,8 +187,13 @@ class CreditWakeup:
         if not self.armed:
             return
         self.armed = False
-        with suppress(BlockingIOError, OSError):  # (full: a byte is there already)
-            os.write(self._write_fd, b"\0")
+        self.wake()
+
+    def wake(self) -> None:
+        """End the poll's wait (if it watches the pipe)."""
+        if self._write_fd >= 0:
+            with suppress(BlockingIOError, OSError):  # (full: a byte is there already)
+                os.write(self._write_fd, b"\0")
 
     def drain(self) -> None:
         with suppress(BlockingIOError, OSError):
@@ -205,6 +219,16 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
         #: ``get`` is polling (no event loop: the credit wake-up applies).
         self._in_get = False
         self._credit_registered: Any = None
+        #: The worker is stopping: ``get`` returns at once (``stop_soon``).
+        self.stopping = False
+        register_poll(self)
+
+    def stop_soon(self) -> None:
+        """The worker is stopping: end the current wait and return from every later
+        ``get`` at once, so Celery's loop without an event loop reads its shutdown flag
+        now rather than after its 2 s ``drain_events``."""
+        self.stopping = True
+        self.credit.wake()
 
     def on_poll_start(self) -> None:
         self._update_brpop_polling()
@@ -221,16 +245,16 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
                     starved = True
             if channel.active_fanout_queues:
                 self._register_LISTEN(channel)
-        if starved and self._in_get:
-            self._watch_credit()
+        if self._in_get:
+            self._watch_pipe()
+            self.credit.armed = starved
 
-    def _watch_credit(self) -> None:
-        """Arm the credit wake-up and make sure this poll watches its pipe."""
+    def _watch_pipe(self) -> None:
+        """Make sure this poll watches the wake-up pipe (credit freed, worker stopping)."""
         fd = self.credit.fileno()
         if self._credit_registered is not self.poller:
             self.poller.register(fd, READ)
             self._credit_registered = self.poller
-        self.credit.armed = True
 
     def credit_freed(self) -> None:
         self.credit.credit_freed()
@@ -263,7 +287,7 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
     def handle_event(self, fileno: int, event: int) -> Any:
         if fileno == self.credit.read_fd:
             # Credit came back: read the byte; ``get`` returns Empty and Kombu's
-            # drain_events calls it again, which fetches.
+            # drain_events calls it again, which fetches (or, stopping, returns).
             self.credit.drain()
             return None
         # Kombu's handle_event reports every readable socket as a delivery, so
@@ -291,9 +315,15 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
         if due:
             wait = max(0.0, min(due) - monotonic())
             timeout = wait if timeout is None else min(timeout, wait)
+        if self.stopping:
+            timeout = STOPPING_POLL if timeout is None else min(timeout, STOPPING_POLL)
         self._in_get = True
         try:
             return super().get(callback, timeout=timeout)
+        except Empty:
+            if self.stopping:  # (Kombu's drain_events would poll again until its timeout)
+                raise TimeoutError("celery_ext: the worker is stopping") from None
+            raise
         finally:
             self._in_get = False
             self.credit.armed = False

@@ -374,6 +374,11 @@ def begin_stopping() -> None:
     hub = get_event_loop()
     if hub is not None:
         hub.call_soon(_nothing)
+    else:
+        # No event loop (Celery's synloop, under gevent): the loop reads its flag when
+        # ``drain_events(timeout=2.0)`` returns, and Kombu's drain_events polls again
+        # until its timeout even when woken; our polls return at once from now on.
+        _pool.stop_polls()
 
 
 def _nothing() -> None:

@@ -41,7 +41,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 
@@ -530,6 +530,28 @@ def stop_all() -> None:
 def mark_all_stopping() -> None:
     for pool in live_pools():
         pool.mark_stopping()
+
+
+class PollWaiting(Protocol):
+    """A consumer's poll that waits without an event loop (``transport.wakeup``'s
+    poller): a stopping worker ends it, so Celery's loop reads its shutdown flag at once."""
+
+    def stop_soon(self) -> None: ...
+
+
+#: The polls of this process that may wait without an event loop (weakly held).
+_polls: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def register_poll(poll: PollWaiting) -> None:
+    _polls.add(poll)
+
+
+def stop_polls() -> None:
+    """End every registered poll's wait, and make its next ones return at once: the
+    worker is stopping (``bootsteps.begin_stopping``)."""
+    for poll in list(_polls):
+        poll.stop_soon()
 
 
 def _forget_after_fork() -> None:
