@@ -78,9 +78,29 @@ class Recovery:
                 self.finished[tag] = worker
                 out.event(f"recovered job {job_label(name, job_id)} ran on {worker}: "
                           f"{result.state}")
+            elif self.before.get(job_id) is not None:
+                self._rerun_after_its_result(job_id, name, tag, out)
         if len(self.finished) == len(self.jobs) and self.reaped_after is not None:
             self.done = True
             by = sorted(set(self.finished.values()))
             out.event(f"recovery complete: all {len(self.jobs)} job(s) pool "
                       f"{self.node} owned when it was killed "
                       f"ran again on {', '.join(by) or '-'}; none lost")
+
+    def _rerun_after_its_result(self, job_id: str, name: str, tag: str, out: Out) -> None:
+        """A job whose run finished just before the kill, its ack not yet written: it runs
+        again (at least once), but Celery's backend keeps the first SUCCESS rather than
+        overwrite it, so the job index tells of the rerun (done after the kill, by
+        another pool)."""
+        status = self.admin.job(job_id, deep=False)
+        finished_at = status.get("finished_at")
+        pool = status.get("pool")
+        if not status["done"] or finished_at is None or pool in (None, self.pool_id) \
+                or finished_at * 1000 <= self.killed_at_ms:
+            return
+        node = self.admin.client.hget(self.admin.keys.pool(pool), "node")
+        worker = bytes_to_str(node).split("@")[0] if node else pool
+        self.finished[tag] = worker
+        out.event(f"recovered job {job_label(name, job_id)} ran on {worker} (its first run "
+                  "had finished before the kill, its ack had not; Celery keeps the first "
+                  "result)")
