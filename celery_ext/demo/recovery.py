@@ -12,6 +12,7 @@ from kombu.utils.encoding import bytes_to_str
 from celery_ext.client import Client
 from celery_ext.demo.show import Out, job_label
 from celery_ext.store.clock import now_ms
+from celery_ext.store.job_index import lookup
 
 
 @dataclass
@@ -90,16 +91,14 @@ class Recovery:
     def _rerun_after_its_result(self, job_id: str, name: str, tag: str, out: Out) -> None:
         """A job whose run finished just before the kill, its ack not yet written: it runs
         again (at least once), but Celery's backend keeps the first SUCCESS rather than
-        overwrite it, so the job index tells of the rerun (done after the kill, by
-        another pool)."""
-        status = self.admin.job(job_id, deep=False)
-        finished_at = status.get("finished_at")
-        pool = status.get("pool")
-        if not status["done"] or finished_at is None or pool in (None, self.pool_id) \
-                or finished_at * 1000 <= self.killed_at_ms:
+        overwrite it, so the job index tells of the rerun: its entry says done, by another
+        pool, at a move after the kill."""
+        entry = lookup(self.admin.client, self.admin.keys, job_id)
+        if entry is None or entry["state"] != "done" or entry["detail"] in ("", self.pool_id) \
+                or entry["at"] * 1000 <= self.killed_at_ms:
             return
-        node = self.admin.client.hget(self.admin.keys.pool(pool), "node")
-        worker = bytes_to_str(node).split("@")[0] if node else pool
+        node = self.admin.client.hget(self.admin.keys.pool(entry["detail"]), "node")
+        worker = bytes_to_str(node).split("@")[0] if node else entry["detail"]
         self.finished[tag] = worker
         out.event(f"recovered job {job_label(name, job_id)} ran on {worker} (its first run "
                   "had finished before the kill, its ack had not; Celery keeps the first "
