@@ -49,7 +49,7 @@ class QoS(virtual.QoS):
         self._credit_freed()
 
     def _credit_freed(self) -> None:
-        """Wake a poll that waits for prefetch credit (``wakeup.CreditWakeup``)."""
+        """Wake a poll that waits for prefetch credit (``wakeup.WakePipe``)."""
         transport = self.channel.connection
         cycle = getattr(transport, "cycle", None)
         if cycle is not None:

@@ -157,12 +157,13 @@ class Wakeups:
 STOPPING_POLL = 0.1
 
 
-class CreditWakeup:
-    """A pipe the poller watches while it waits with no prefetch credit and no event
-    loop (Celery's ``synloop``, under gevent): the job that acks frees the credit in its
-    own greenlet, and nothing else the poll watches becomes readable then, so without
-    this the next fetch would wait out the whole drain timeout (2 s in Celery's loop).
-    With an event loop, its tick looks at the credit after every turn instead."""
+class WakePipe:
+    """A pipe the poller watches while it waits without an event loop (Celery's
+    ``synloop``, under gevent), written to end that wait: when an ack frees prefetch
+    credit the poll waits for (the job acks in its own greenlet, and nothing else the
+    poll watches becomes readable then, so the next fetch would wait out the whole drain
+    timeout, 2 s in Celery's loop), and when the worker stops. With an event loop, its
+    tick looks at the credit after every turn instead."""
 
     def __init__(self) -> None:
         self._read_fd = self._write_fd = -1
@@ -211,14 +212,14 @@ class CreditWakeup:
 
 class MultiChannelPoller(kredis.MultiChannelPoller):
     """Adds the WAKE pub/sub listener, the idle refresh and, without an event loop, the
-    credit wake-up (``CreditWakeup``) to Kombu's poller."""
+    wake pipe (``WakePipe``) to Kombu's poller."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.credit = CreditWakeup()
-        #: ``get`` is polling (no event loop: the credit wake-up applies).
+        self.wake_pipe = WakePipe()
+        #: ``get`` is polling (no event loop: the wake pipe applies).
         self._in_get = False
-        self._credit_registered: Any = None
+        self._pipe_registered: Any = None
         #: The worker is stopping: ``get`` returns at once (``stop_soon``).
         self.stopping = False
         register_poll(self)
@@ -228,7 +229,7 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
         ``get`` at once, so Celery's loop without an event loop reads its shutdown flag
         now rather than after its 2 s ``drain_events``."""
         self.stopping = True
-        self.credit.wake()
+        self.wake_pipe.wake()
 
     def on_poll_start(self) -> None:
         self._update_brpop_polling()
@@ -247,25 +248,25 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
                 self._register_LISTEN(channel)
         if self._in_get:
             self._watch_pipe()
-            self.credit.armed = starved
+            self.wake_pipe.armed = starved
 
     def _watch_pipe(self) -> None:
         """Make sure this poll watches the wake-up pipe (credit freed, worker stopping)."""
-        fd = self.credit.fileno()
-        if self._credit_registered is not self.poller:
+        fd = self.wake_pipe.fileno()
+        if self._pipe_registered is not self.poller:
             self.poller.register(fd, READ)
-            self._credit_registered = self.poller
+            self._pipe_registered = self.poller
 
     def credit_freed(self) -> None:
-        self.credit.credit_freed()
+        self.wake_pipe.credit_freed()
 
     def close(self) -> None:
         super().close()
-        if self._credit_registered is not None:
+        if self._pipe_registered is not None:
             with suppress(KeyError, ValueError, OSError):
-                self._credit_registered.unregister(self.credit.read_fd)
-            self._credit_registered = None
-        self.credit.close()
+                self._pipe_registered.unregister(self.wake_pipe.read_fd)
+            self._pipe_registered = None
+        self.wake_pipe.close()
 
     def _register_WAKE(self, channel: Channel) -> None:
         wakeups = channel.wakeups
@@ -285,10 +286,10 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
         super().on_readable(fileno)
 
     def handle_event(self, fileno: int, event: int) -> Any:
-        if fileno == self.credit.read_fd:
+        if fileno == self.wake_pipe.read_fd:
             # Credit came back: read the byte; ``get`` returns Empty and Kombu's
             # drain_events calls it again, which fetches (or, stopping, returns).
-            self.credit.drain()
+            self.wake_pipe.drain()
             return None
         # Kombu's handle_event reports every readable socket as a delivery, so
         # drain_events() (pidbox replies, kombu consumers) would return on a wake-up
@@ -326,4 +327,4 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
             raise
         finally:
             self._in_get = False
-            self.credit.armed = False
+            self.wake_pipe.armed = False

@@ -110,7 +110,7 @@ def test_a_full_prefetch_fetches_again_as_soon_as_a_job_ends(
         app: Any, worker_factory: Any, rec: redis.Redis) -> None:
     """One greenlet, prefetch 1: the pool's prefetch is full while a job runs, and its
     ack makes room for the next fetch. With no event loop under gevent, the ack wakes
-    the poll (``wakeup.CreditWakeup``): 10 jobs of a few ms run within 3 s (a solo pool
+    the poll (``wakeup.WakePipe``): 10 jobs of a few ms run within 3 s (a solo pool
     takes a fraction of a second), not one per Celery's 2 s poll timeout."""
     start_worker(worker_factory, concurrency=1, extra_args=["--prefetch-multiplier", "1"])
     for i in range(10):
