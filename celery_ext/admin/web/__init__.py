@@ -23,25 +23,29 @@ __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "create_app", "serve"]
 def serve(client: Any, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
           token: str | None = None, basic_auth: str | None = None,
           allow_origins: tuple[str, ...] = (), log_level: str = "info",
-          root_path: str = "") -> None:
+          root_path: str = "", forwarded_allow_ips: str | None = None,
+          allowed_hosts: tuple[str, ...] = ()) -> None:
     """Run the dashboard until interrupted.
 
-    Bound to a loopback address, only loopback ``Host`` headers are accepted (no DNS
-    rebinding); bound elsewhere without ``token``/``basic_auth``, a warning is logged.
+    Bound to a loopback address, only loopback ``Host`` headers and ``allowed_hosts``
+    are accepted (no DNS rebinding); bound elsewhere, only ``allowed_hosts`` if given,
+    and without ``token``/``basic_auth`` a warning is logged. From the proxies in
+    ``forwarded_allow_ips`` the ``X-Forwarded-Host`` is the one checked.
     """
     import uvicorn
 
     loopback = is_loopback(host)
-    allowed = None
+    allowed = set(allowed_hosts) or None
     if loopback:
-        allowed = set(LOOPBACK_HOSTS) | {host, f"[{host}]" if ":" in host else host}
-    elif not (token or basic_auth):
+        allowed = (allowed or set()) | set(LOOPBACK_HOSTS) | {
+            host, f"[{host}]" if ":" in host else host}
+    if not loopback and not (token or basic_auth):
         logger.warning(
             "celery_ext web: listening on %s without authentication: anyone who can reach "
             "this address can see job arguments and retry or delete jobs. Pass --token or "
             "--basic-auth, or bind 127.0.0.1.", host)
     app = create_app(client, token=token, basic_auth=basic_auth, allowed_hosts=allowed,
-                     allow_origins=allow_origins)
+                     allow_origins=allow_origins, forwarded_allow_ips=forwarded_allow_ips)
     shown = f"[{host}]" if ":" in host else host
     logger.warning("celery_ext web: dashboard on http://%s:%d/ (%s)", shown, port,
                    "token or basic auth required" if token or basic_auth else "no authentication")
