@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -151,3 +152,13 @@ def test_job_command_refuses_an_unknown_id_and_shows_local_times(
     text = ok(broker_url, "job", later.id)
     due = next(line for line in text.splitlines() if line.startswith("due_at"))
     assert re.fullmatch(r"due_at +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", due), text
+
+
+def test_web_on_a_busy_port_is_one_line_and_no_url(broker_url: str,
+                                                  redis_client: redis.Redis) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = fails(broker_url, "web", "--port", str(port))
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "dashboard on" not in err, err

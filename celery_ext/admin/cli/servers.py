@@ -53,10 +53,13 @@ def web(client: ClientGetter, host: str, port: int, token: str | None, basic_aut
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(message)s")
     c = client()
     c.ping()
-    serve(c, host=host, port=port, token=token, basic_auth=basic_auth,
-          allow_origins=allow_origins, log_level=log_level, root_path=root_path,
-          forwarded_allow_ips=forwarded_allow_ips,
-          allowed_hosts=tuple(h.lower() for h in allowed_hosts))
+    try:
+        serve(c, host=host, port=port, token=token, basic_auth=basic_auth,
+              allow_origins=allow_origins, log_level=log_level, root_path=root_path,
+              forwarded_allow_ips=forwarded_allow_ips,
+              allowed_hosts=tuple(h.lower() for h in allowed_hosts))
+    except OSError as exc:
+        raise click.ClickException(exc.strerror or str(exc)) from None
 
 
 @command("metrics", json_option=False)

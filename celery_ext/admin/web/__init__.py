@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 from celery_ext.admin.web.app import create_app
@@ -18,6 +19,19 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 5040
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "create_app", "serve"]
+
+
+def _check_listen(host: str, shown: str, port: int) -> None:
+    """Bind the address once, as uvicorn will, before announcing the URL: a port in use is
+    one OSError line, not the dashboard's URL followed by uvicorn's ``[Errno 98]``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot listen on {shown}:{port}: "
+                                     f"{exc.strerror or exc}") from None
 
 
 def serve(client: Any, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
@@ -47,6 +61,7 @@ def serve(client: Any, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
     app = create_app(client, token=token, basic_auth=basic_auth, allowed_hosts=allowed,
                      allow_origins=allow_origins, forwarded_allow_ips=forwarded_allow_ips)
     shown = f"[{host}]" if ":" in host else host
+    _check_listen(host, shown, port)
     logger.warning("celery_ext web: dashboard on http://%s:%d/ (%s)", shown, port,
                    "token or basic auth required" if token or basic_auth else "no authentication")
     uvicorn.run(app, host=host, port=port, log_level=log_level, root_path=root_path,

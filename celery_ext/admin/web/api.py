@@ -17,7 +17,6 @@ from typing import Any
 import anyio
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis.exceptions import ClusterDownError
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -29,6 +28,7 @@ from celery_ext.admin.client import Client
 from celery_ext.admin.job_status import FINAL_STATES
 from celery_ext.admin.search import Filters
 from celery_ext.admin.web.series import Sampler
+from celery_ext.errors import CONNECTION_ERRORS
 
 logger = logging.getLogger("celery_ext.admin.web")
 
@@ -44,9 +44,6 @@ PAGE_MAX = 1000
 #: Largest ``offset`` of list endpoints: the largest integer a browser's JSON keeps exact,
 #: far past any set's size and well inside the 64-bit range Redis takes for an index.
 OFFSET_MAX = 2**53 - 1
-#: Redis errors that mean "cannot reach a server" (a 503); any other one (a refused
-#: command, a key of the wrong type) is a fault of ours or the data's (a 500).
-UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError)
 
 
 def _client(request: Request) -> Client:
@@ -381,8 +378,9 @@ async def periodic_action(request: Request, *, kind: str) -> JSONResponse:
 
 
 async def redis_error(request: Request, exc: Exception) -> Response:
-    """A 503 when no server answers (the page retries), a logged 500 for anything else."""
-    if isinstance(exc, UNAVAILABLE):
+    """A 503 when no server answers (the page retries), a logged 500 for anything else
+    (a refused command, a key of the wrong type: a fault of ours or of the data)."""
+    if isinstance(exc, CONNECTION_ERRORS):
         return JSONResponse({"error": f"Redis unavailable: {exc}"}, 503)
     logger.error("celery_ext web: %s %s failed: %r", request.method, request.url.path, exc)
     return JSONResponse({"error": f"Redis error: {exc}"}, 500)
