@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
-from celery_ext.config import OUR_SCHEMES, SCHEME, TLS_SCHEME
+from celery_ext.config import OUR_SCHEMES, SCHEME, TLS_SCHEME, unreadable_scheme
 from celery_ext.install import install
 from celery_ext.worker.observer import checkin
 
@@ -24,5 +24,14 @@ for _scheme in OUR_SCHEMES:
     # (Kombu itself reads "celery-ext+sentinel://h" as transport "celery-ext"; the
     # full scheme is looked up when it fails over to another sentinel URL.)
     TRANSPORT_ALIASES.setdefault(_scheme, TRANSPORT)
+
+
+def _unreadable_scheme() -> str:
+    """Kombu looks up transport "" when urlparse reads no scheme in a URL
+    (``celery_ext://``) and calls a callable alias: say why, not "No such transport: "."""
+    raise KeyError(f"No such transport: {unreadable_scheme()}")
+
+
+TRANSPORT_ALIASES.setdefault("", _unreadable_scheme)
 
 __all__ = ["SCHEME", "TLS_SCHEME", "TRANSPORT", "__version__", "checkin", "install"]

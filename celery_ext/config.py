@@ -356,6 +356,15 @@ def mask_url(url: str) -> str:
 _PASSWORD_RE = re.compile(r"(://[^:/@\s;]*:)[^\s;]*@")
 
 
+def unreadable_scheme(url: str = "") -> str:
+    """Why a URL's scheme names no transport when urlparse reads none in it (an
+    underscore: ``celery_ext://``); Kombu alone would say "No such transport: "."""
+    written = url.partition("://")[0] if "://" in url else ""
+    shown = f"scheme {written!r}" if written else "the URL's scheme"
+    return (f"{shown} cannot be read (letters, digits, + - . only): ours is {SCHEME}:// "
+            f"(or {TLS_SCHEME}://)")
+
+
 def check_broker_url(url: str, transport: str | None = None) -> None:
     """Raise ConfigError (one line, password masked) for a broker URL Kombu cannot
     use: unknown scheme, port or db that is not a number. ``transport`` is
@@ -375,6 +384,8 @@ def check_broker_url(url: str, transport: str | None = None) -> None:
             raise ConfigError(
                 f"celery_ext: broker URL {shown}: cannot read host:port (the port must be a "
                 "whole number 0-65535; percent-encode / @ : in a password)") from None
+        if not (transport or parts.scheme):
+            raise ConfigError(f"celery_ext: broker URL {shown}: {unreadable_scheme(one)}")
         try:
             cls = resolve_transport(transport or parts.scheme)
         except (KeyError, ImportError, AttributeError) as exc:

@@ -505,16 +505,31 @@ def test_bad_weight_does_not_stop_a_producer_and_its_jobs_wait(
     (f"celery-ext://:{PASSWORD}@127.0.0.1:99999/0", "cannot read host:port"),
     (f"celery-xt://:{PASSWORD}@127.0.0.1:6379/0",
      "No such transport: celery-xt.  Did you mean celery-ext?"),
+    (f"celery_ext://:{PASSWORD}@127.0.0.1:6379/0",  # urlparse reads no scheme in it
+     "scheme 'celery_ext' cannot be read (letters, digits, + - . only): ours is celery-ext://"),
     (f"celery-ext://:{PASSWORD}@127.0.0.1:6379/zero", "the db (path) must be a number"),
     ("celery-ext://:p/w@127.0.0.1:6379/0", "cannot read host:port"),  # unescaped "/"
-], ids=["port-not-a-number", "port-out-of-range", "scheme-typo", "db-not-a-number",
-        "password-with-slash"])
+], ids=["port-not-a-number", "port-out-of-range", "scheme-typo", "scheme-underscore",
+        "db-not-a-number", "password-with-slash"])
 def test_invalid_broker_url_is_one_line_without_the_password(url: str, needle: str) -> None:
     code, lines = run_worker_once("tests.apps.proj", {"CELERY_EXT_BROKER_URL": url}, timeout=30)
     assert code == 1, lines
     assert len(lines) == 1 and lines[0].startswith("celery_ext: broker URL "), lines
     assert needle in lines[0] and ":**@127.0.0.1" in lines[0], lines
     assert PASSWORD not in lines[0] and "p/w" not in lines[0]
+
+
+def test_an_underscore_scheme_in_a_producer_says_what_to_write() -> None:
+    """Kombu reads no scheme in "celery_ext://" and said "No such transport: " (empty)."""
+    producer = Celery("underscore", broker=f"celery_ext://:{PASSWORD}@127.0.0.1:1/0",
+                      set_as_current=False)
+    try:
+        with pytest.raises(KeyError) as err:
+            producer.send_task("any.task", ())
+    finally:
+        producer.close()
+    assert "cannot be read" in str(err.value) and "celery-ext://" in str(err.value), err.value
+    assert PASSWORD not in str(err.value)
 
 
 def test_redis_down_at_start_retries_one_line_each_then_consumes_when_it_comes_up(
