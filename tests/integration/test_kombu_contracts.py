@@ -1,0 +1,114 @@
+"""Kombu's own contracts, tried through Kombu's API on the celery-ext:// transport (issue 33
+item 4): the ``global_keyprefix`` transport option.
+
+Real server, real ``celery worker`` for the Celery app; Kombu's ``Connection``,
+``SimpleQueue``, ``Consumer`` and ``Hub`` as a Kombu user calls them.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+import redis
+from kombu import Connection
+
+from celery_ext.admin.client import Client
+from celery_ext.config import ConfigError
+from celery_ext.store.keys import Keys
+from tests.apps.proj_keyprefix import make_app
+from tests.helpers import Factory, wait_for
+
+TASK = "keyprefix.record"
+
+
+def keys_of(client: redis.Redis) -> list[str]:
+    return sorted(k.decode() for k in client.scan_iter(count=1000))
+
+
+def prefixed(prefix: str) -> dict[str, Any]:
+    return {"global_keyprefix": prefix}
+
+
+# -- global_keyprefix ------------------------------------------------------------------------
+
+
+def test_simple_queue_requeue_delivers_again_under_a_global_keyprefix(
+        broker_url: str, redis_client: redis.Redis) -> None:
+    """Kombu's SimpleQueue: put, get, requeue, get delivers the message again (it was lost
+    in a half-prefixed in-flight record), and every key the round wrote carries the prefix."""
+    with Connection(broker_url, transport_options=prefixed("app1:")) as conn:
+        queue = conn.SimpleQueue("kp.simple")
+        queue.put({"n": 1})
+        first = queue.get(timeout=5)
+        assert first.payload == {"n": 1}
+        first.requeue()
+        again = queue.get(timeout=5)
+        assert again.payload == {"n": 1}
+        again.ack()
+        queue.close()
+    keys = keys_of(redis_client)
+    assert keys and all(k.startswith("app1:") for k in keys), keys
+    k = Keys("celery_ext", keyprefix="app1:")
+    assert redis_client.llen(k.queue("kp.simple")) == 0
+    assert not any(redis_client.hlen(key) for key in keys if ":inflight:" in key)
+
+
+def test_two_keyprefixes_on_one_server_keep_their_jobs_apart(
+        broker_url: str, redis_client: redis.Redis) -> None:
+    """Two apps, one server, one queue name: each prefix is a namespace of its own."""
+    with Connection(broker_url, transport_options=prefixed("app1:")) as one, \
+            Connection(broker_url, transport_options=prefixed("app2:")) as two:
+        q1, q2 = one.SimpleQueue("kp.shared"), two.SimpleQueue("kp.shared")
+        q1.put("for app1")
+        q2.put("for app2")
+        assert q1.qsize() == 1 and q2.qsize() == 1
+        got1, got2 = q1.get(timeout=5), q2.get(timeout=5)
+        assert (got1.payload, got2.payload) == ("for app1", "for app2")
+        got1.ack()
+        got2.ack()
+        with pytest.raises(q1.Empty):
+            q1.get(timeout=0.5)
+        q1.close()
+        q2.close()
+    keys = keys_of(redis_client)
+    assert all(k.startswith(("app1:", "app2:")) for k in keys), keys
+
+
+def test_a_celery_app_with_a_keyprefix_runs_every_countdown_job(
+        worker_factory: Factory, broker_url: str, redis_client: redis.Redis,
+        rec: redis.Redis) -> None:
+    """A Celery app with the option: countdown jobs all run (they were stranded), another
+    app's job on the same server is not run by it, remote control reaches the worker of
+    its own prefix only (fanout over pub/sub), the admin client reads each app's own keys,
+    and every key on the server carries one of the prefixes."""
+    rec.delete("runs:due", "runs:other")
+    worker = worker_factory("tests.apps.proj_keyprefix", env={"TEST_KEYPREFIX": "app1:"})
+    worker.start()
+    app1, app2 = make_app(broker_url, "app1:"), make_app(broker_url, "app2:")
+    for _ in range(10):
+        app1.tasks[TASK].apply_async(("due",), countdown=1)
+    app2.tasks[TASK].apply_async(("other",))
+    wait_for(lambda: rec.llen("runs:due") >= 10, 30, "every countdown job of app1 ran")
+    assert rec.lrange("runs:due", 0, -1) == [b"app1:"] * 10
+    assert rec.llen("runs:other") == 0  # app2's job waits for a worker of app2
+    assert [next(iter(reply)) for reply in app1.control.ping(timeout=2)] == \
+        [worker.hostname.replace("%h", socket.gethostname())]
+    assert app2.control.ping(timeout=1) == []
+    sizes1 = {q["name"]: q["size"] for q in Client.from_app(app1).job_queues()}
+    sizes2 = {q["name"]: q["size"] for q in Client.from_app(app2).job_queues()}
+    assert sizes1.get(TASK, 0) == 0 and sizes2[TASK] == 1
+    keys = keys_of(redis_client)
+    assert all(k.startswith(("app1:", "app2:")) for k in keys), keys
+    assert any(k.startswith("app1:_kombu.binding.") for k in keys), keys
+
+
+@pytest.mark.parametrize("prefix", ["{app}:", "app 1", "x" * 65])
+def test_a_keyprefix_that_cannot_be_a_namespace_is_refused_in_one_line(
+        broker_url: str, prefix: str) -> None:
+    with Connection(broker_url, transport_options=prefixed(prefix)) as conn:
+        with pytest.raises(ConfigError) as err:
+            conn.connect()
+    message = str(err.value)
+    assert "global_keyprefix" in message and "\n" not in message
