@@ -304,6 +304,7 @@ class Channel(kredis.Channel):
             super().close()  # reads a fetch still on the wire, then restore_unacked
         finally:
             self.fetcher.finished(lost=True)
+            self.fetcher.drop_kept()
 
 
 class Transport(kredis.Transport):

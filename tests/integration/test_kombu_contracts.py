@@ -1,5 +1,6 @@
 """Kombu's own contracts, tried through Kombu's API on the celery-ext:// transport (issue 33
-item 4): the ``global_keyprefix`` transport option.
+item 4): the ``global_keyprefix`` transport option and one event per ``drain_events``
+call.
 
 Real server, real ``celery worker`` for the Celery app; Kombu's ``Connection``,
 ``SimpleQueue``, ``Consumer`` and ``Hub`` as a Kombu user calls them.
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 import redis
-from kombu import Connection
+from kombu import Connection, Exchange, Queue
 
 from celery_ext.admin.client import Client
 from celery_ext.config import ConfigError
@@ -112,3 +113,89 @@ def test_a_keyprefix_that_cannot_be_a_namespace_is_refused_in_one_line(
             conn.connect()
     message = str(err.value)
     assert "global_keyprefix" in message and "\n" not in message
+
+
+# -- drain_events: one event per call --------------------------------------------------------
+
+
+def test_drain_events_delivers_one_message_per_call(broker_url: str,
+                                                    redis_client: redis.Redis) -> None:
+    """A loop of ``drain_events(timeout=1)`` gets every message, one per call (the fetch
+    takes several at once; the rest wait in the channel), then times out."""
+    n = 6
+    queue = Queue("kc.one", routing_key="kc.one")
+    got: list[Any] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body)
+        message.ack()
+
+    with Connection(broker_url) as conn:
+        producer = conn.Producer()
+        for i in range(n):
+            producer.publish(i, routing_key="kc.one", declare=[queue])
+        with conn.Consumer([queue], callbacks=[on_message]):
+            for i in range(n):
+                conn.drain_events(timeout=1)
+                assert len(got) == i + 1, got
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.5)
+    assert got == list(range(n))
+    assert redis_client.llen(Keys("celery_ext").queue("kc.one")) == 0
+
+
+def test_priority_messages_drain_one_per_call_in_priority_order(broker_url: str) -> None:
+    """Kombu's priority example: messages of several priorities, drained with
+    ``drain_events(timeout=1)`` in a loop, come one per call, lower priority number first."""
+    exchange = Exchange("kc.prio_x", type="direct")
+    queue = Queue("kc.prio", exchange, routing_key="kc.prio",
+                  queue_arguments={"x-max-priority": 10})
+    sent = [(9, "low"), (0, "high"), (3, "mid"), (6, "lower")]
+    got: list[str] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body)
+        message.ack()
+
+    with Connection(broker_url) as conn:
+        producer = conn.Producer(exchange=exchange)
+        for priority, body in sent:
+            producer.publish(body, routing_key="kc.prio", priority=priority, declare=[queue])
+        with conn.Consumer([queue], callbacks=[on_message]):
+            calls = 0
+            while True:
+                try:
+                    conn.drain_events(timeout=1)
+                except TimeoutError:
+                    break
+                calls += 1
+    assert got == ["high", "mid", "lower", "low"]
+    assert calls == len(sent)
+
+
+def test_jobs_kept_for_later_calls_stay_owned_and_return_when_the_channel_closes(
+        broker_url: str, redis_client: redis.Redis) -> None:
+    """The jobs a fetch brought beyond the one delivered stay in the pool's in-flight
+    record and count as held: a reconcile returns none of them (each is delivered once).
+    Kept jobs of a channel that closes are returned by the next reconcile."""
+    k = Keys("celery_ext")
+    queue = Queue("kc.kept", routing_key="kc.kept")
+    got: list[Any] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body)
+        message.ack()
+
+    with Connection(broker_url) as conn:
+        producer = conn.Producer()
+        for i in range(6):
+            producer.publish(i, routing_key="kc.kept", declare=[queue])
+        with conn.Consumer([queue], callbacks=[on_message]):
+            conn.drain_events(timeout=1)
+            pool = conn.default_channel.worker_pool
+            assert pool.reconcile() == []
+            conn.drain_events(timeout=1)
+            assert got == [0, 1]
+            conn.default_channel.close()
+            assert len(pool.reconcile()) == 4
+    assert redis_client.llen(k.queue("kc.kept")) == 4
