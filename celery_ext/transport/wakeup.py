@@ -139,16 +139,21 @@ class Wakeups:
         self._arm_timer()
 
     def close(self) -> None:
-        """Cancel the timer and drop the wake-up connection (the channel closes)."""
+        """Cancel the timer and drop the wake-up connection (the channel closes).
+
+        The connection is disconnected while the subscription still names it: Kombu's
+        disconnect hook finds a registered socket by its client's connection, and only
+        then takes its reader off the event loop (else the closed channel's reader
+        stays on the hub)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = self._timer_at = None
         wake = self._client
         if wake is not None:
             with suppress(Exception):
-                conn, wake.connection = wake.connection, None
-                if conn is not None:
-                    conn.disconnect()
+                if wake.connection is not None:
+                    wake.connection.disconnect()
+            wake.connection = None
 
 
 #: Longest a poll waits once the worker is stopping (seconds). It does wait, and yields: a

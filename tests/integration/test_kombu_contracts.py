@@ -1,6 +1,6 @@
 """Kombu's own contracts, tried through Kombu's API on the celery-ext:// transport (issue 33
-item 4): the ``global_keyprefix`` transport option and one event per ``drain_events``
-call.
+item 4): the ``global_keyprefix`` transport option, one event per ``drain_events`` call,
+and a connection on an event loop that leaves nothing on it once closed.
 
 Real server, real ``celery worker`` for the Celery app; Kombu's ``Connection``,
 ``SimpleQueue``, ``Consumer`` and ``Hub`` as a Kombu user calls them.
@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 import redis
 from kombu import Connection, Exchange, Queue
+from kombu.asynchronous import Hub
 
 from celery_ext.admin.client import Client
 from celery_ext.config import ConfigError
 from celery_ext.store.keys import Keys
+from celery_ext.testing.server import RedisServer
 from tests.apps.proj_keyprefix import make_app
 from tests.helpers import Factory, wait_for
 
@@ -199,3 +201,43 @@ def test_jobs_kept_for_later_calls_stay_owned_and_return_when_the_channel_closes
             conn.default_channel.close()
             assert len(pool.reconcile()) == 4
     assert redis_client.llen(k.queue("kc.kept")) == 4
+
+
+# -- an event loop's readers -----------------------------------------------------------------
+
+
+def test_a_connection_on_a_hub_leaves_no_reader_after_reconnect_and_close(
+        redis_server: RedisServer, broker_url: str) -> None:
+    """Register with Kombu's Hub, consume, lose the connections (the server drops them),
+    reconnect, close: none of the transport's sockets stays a reader on the hub."""
+    hub = Hub()
+    queue = Queue("kc.hub", routing_key="kc.hub")
+    conn = Connection(broker_url)
+    try:
+        conn.ensure_connection()
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        consumer = conn.Consumer([queue], no_ack=True, callbacks=[lambda body, msg: None])
+        consumer.consume()
+        for _ in range(3):
+            hub.run_once()
+        assert hub.readers
+        killer = redis_server.client()
+        killer.client_kill_filter(_type="normal", skipme=True)
+        killer.close()
+        for _ in range(3):
+            try:
+                hub.run_once()
+            except conn.connection_errors:
+                pass  # the consumer's cue to reconnect
+        conn.collect()
+        conn.ensure_connection()
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        consumer.revive(conn.default_channel)
+        consumer.consume()
+        for _ in range(3):
+            hub.run_once()
+        assert hub.readers
+    finally:
+        conn.release()
+    assert not hub.readers, hub.readers
+    hub.close()
