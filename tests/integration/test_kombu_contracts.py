@@ -8,7 +8,9 @@ Real server, real ``celery worker`` for the Celery app; Kombu's ``Connection``,
 
 from __future__ import annotations
 
+import json
 import socket
+import uuid
 from typing import Any
 
 import pytest
@@ -19,9 +21,9 @@ from kombu.asynchronous import Hub
 from celery_ext.admin.client import Client
 from celery_ext.config import ConfigError
 from celery_ext.store.keys import Keys
-from celery_ext.testing.server import RedisServer
+from celery_ext.testing.server import ClusterGroup, RedisServer
 from tests.apps.proj_keyprefix import make_app
-from tests.helpers import Factory, wait_for
+from tests.helpers import Factory, celery_cli, wait_for
 
 TASK = "keyprefix.record"
 
@@ -84,7 +86,8 @@ def test_a_celery_app_with_a_keyprefix_runs_every_countdown_job(
         rec: redis.Redis) -> None:
     """A Celery app with the option: countdown jobs all run (they were stranded), another
     app's job on the same server is not run by it, remote control reaches the worker of
-    its own prefix only (fanout over pub/sub), the admin client reads each app's own keys,
+    its own prefix only (fanout over pub/sub), the admin client and ``celery ext`` read
+    each app's own keys,
     and every key on the server carries one of the prefixes."""
     rec.delete("runs:due", "runs:other")
     worker = worker_factory("tests.apps.proj_keyprefix", env={"TEST_KEYPREFIX": "app1:"})
@@ -102,6 +105,13 @@ def test_a_celery_app_with_a_keyprefix_runs_every_countdown_job(
     sizes1 = {q["name"]: q["size"] for q in Client.from_app(app1).job_queues()}
     sizes2 = {q["name"]: q["size"] for q in Client.from_app(app2).job_queues()}
     assert sizes1.get(TASK, 0) == 0 and sizes2[TASK] == 1
+    for prefix, size in (("app1:", 0), ("app2:", 1)):
+        out = celery_cli("-A", "tests.apps.proj_keyprefix", "ext", "queues", "--json",
+                         broker_url=broker_url, env={"TEST_KEYPREFIX": prefix})
+        assert out.returncode == 0, out.stderr
+        rows = json.loads(out.stdout)
+        items = rows["items"] if isinstance(rows, dict) else rows
+        assert {q["name"]: q["size"] for q in items}.get(TASK, 0) == size, (prefix, items)
     keys = keys_of(redis_client)
     assert all(k.startswith(("app1:", "app2:")) for k in keys), keys
     assert any(k.startswith("app1:_kombu.binding.") for k in keys), keys
@@ -241,3 +251,30 @@ def test_a_connection_on_a_hub_leaves_no_reader_after_reconnect_and_close(
         conn.release()
     assert not hub.readers, hub.readers
     hub.close()
+
+
+def test_a_keyprefix_on_a_cluster_prefixes_every_copy(cluster: ClusterGroup,
+                                                      cluster_url: str) -> None:
+    """On a cluster the prefix goes before each job queue's own tag (``{ns:queue}``) and the
+    home tag alike: put, get, requeue, get delivers again, and every key the round wrote,
+    on every master, carries the prefix."""
+    namespace = f"kp-{uuid.uuid4().hex[:8]}"
+    options = {"cluster": True, "namespace": namespace, **prefixed("app1:")}
+    with Connection(cluster_url, transport_options=options) as conn:
+        queue = conn.SimpleQueue("kc.cl")
+        queue.put({"n": 1})
+        first = queue.get(timeout=5)
+        first.requeue()
+        again = queue.get(timeout=5)
+        assert again.payload == {"n": 1}
+        again.ack()
+        queue.close()
+    written: list[str] = []
+    for master in cluster.master_servers():
+        with master.client() as c:
+            mine = [k.decode() for k in c.scan_iter(match=f"*{namespace}*", count=1000)]
+            if mine:
+                c.delete(*mine)
+            written += mine
+    assert any(k.startswith(f"app1:{{{namespace}:kc.cl}}:") for k in written), written
+    assert all(k.startswith("app1:") for k in written), written
