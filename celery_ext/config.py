@@ -19,6 +19,9 @@ from typing import Any
 
 #: Prefix of every Redis key and pub/sub channel; also the Redis Cluster hash tag.
 DEFAULT_NAMESPACE = "celery_ext"
+#: Kombu's ``global_keyprefix`` transport option: written before every key and pub/sub
+#: channel, the plugin's and Kombu's own, so apps sharing one server keep apart. "" = none.
+DEFAULT_GLOBAL_KEYPREFIX = ""
 #: Seconds between two heartbeats of a worker pool.
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
 #: A pool whose last heartbeat is older than this (by Redis time) is dead.
@@ -144,6 +147,7 @@ DEFAULT_STOP_REQUEST_TTL = 24 * 3600.0
 
 _ENV_PREFIX = "CELERY_EXT_"
 _NAMESPACE_RE = re.compile(r"\A[A-Za-z0-9_.:-]{1,64}\Z")  # not "$": it accepts a trailing newline
+_KEYPREFIX_RE = re.compile(r"\A[A-Za-z0-9_.:/-]{0,64}\Z")
 
 
 class ConfigError(ValueError):
@@ -155,6 +159,8 @@ class Settings:
     """All tunables of one transport/worker, validated at construction."""
 
     namespace: str = DEFAULT_NAMESPACE
+    #: Kombu's option of that name (``store/keys.py``: before every key and channel).
+    global_keyprefix: str = DEFAULT_GLOBAL_KEYPREFIX
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
     dead_after: float = DEFAULT_DEAD_AFTER
     reap_interval: float = DEFAULT_REAP_INTERVAL
@@ -203,6 +209,11 @@ class Settings:
                 f"celery_ext: namespace {self.namespace!r} must be 1-64 characters of "
                 "letters, digits and _ . : - (no braces: it becomes the Redis hash tag)"
             )
+        if not _KEYPREFIX_RE.match(self.global_keyprefix):
+            raise ConfigError(
+                f"celery_ext: global_keyprefix {self.global_keyprefix!r} must be at most 64 "
+                "characters of letters, digits and _ . : / - (no braces or spaces: a brace "
+                "would change the Redis Cluster hash tag of every key)")
         for name in ("heartbeat_interval", "dead_after", "reap_interval", "idle_refresh_interval",
                      "promote_interval", "unique_ttl", "retry_backoff_base",
                      "retry_backoff_max", "reply_timeout", "reply_probe_after",

@@ -4,6 +4,15 @@ All names start with ``{<tag>}:``; the braces make ``<tag>`` the Redis Cluster h
 tag, so the keys of one tag live in one hash slot and every script, which touches
 the keys of one tag only, runs on a cluster as on one node.
 
+*Kombu's ``global_keyprefix``* (setting ``global_keyprefix``, e.g. "app1:") goes before
+every name: ``app1:{ns}:queue:<name>``, Kombu's own binding tables
+(``app1:_kombu.binding.<exchange>``) and fanout channels (``app1:/0.<exchange>``)
+alike, as Kombu's prefixing client would write them, so two apps with different
+prefixes share a server without seeing each other's jobs. The prefix holds no brace,
+so the hash tag stays the one in the braces. Every name is built here, whole: the
+transport never uses Kombu's prefixing client, which prefixes only some commands'
+keys (an ``EVALSHA``'s first key alone).
+
 *One node* (the default): one tag, the namespace; the whole layout below is one copy.
 
 *A cluster* (setting ``cluster``): every job queue has its own copy of the layout
@@ -101,7 +110,8 @@ Layout (``ns`` = namespace)::
     {ns}:_kombu.binding.<exchange>, {ns}:_kombu.binding_permanent.<exchange>,
     {ns}:_kombu.binding_deadlines
                              Kombu's binding tables, on a cluster only (Kombu's own
-                             names, without a tag, on one node)
+                             names, without a tag, on one node; both after the
+                             global_keyprefix)
     {ns}:periodic            set     names of the periodic job entries (the leader's beat_schedule;
                                      worker/periodic_leader.py)
     {ns}:periodic:<name>     hash    one entry's state: next_due, last_due, last_run_at (ms),
@@ -147,24 +157,32 @@ class Keys:
     cluster: bool = False
     #: The hash tag of this copy; "" = the namespace's home copy.
     tag: str = ""
+    #: Kombu's ``global_keyprefix``: before every key and channel name ("" = none).
+    keyprefix: str = ""
 
     @classmethod
     def for_settings(cls, settings: Any) -> Keys:
         """The home copy for a :class:`~celery_ext.config.Settings`."""
-        return cls(settings.namespace, cluster=settings.cluster)
+        return cls(settings.namespace, cluster=settings.cluster,
+                   keyprefix=settings.global_keyprefix)
 
     @property
     def prefix(self) -> str:
-        return "{" + (self.tag or self.namespace) + "}:"
+        return self.keyprefix + "{" + (self.tag or self.namespace) + "}:"
+
+    @property
+    def _home_prefix(self) -> str:
+        """The home copy's prefix: pub/sub channels and Kombu's tables on a cluster."""
+        return self.keyprefix + "{" + self.namespace + "}:"
 
     @property
     def home(self) -> Keys:
         """The namespace's own copy: registrations, heartbeats, leases, registry."""
-        return Keys(self.namespace, self.cluster) if self.tag else self
+        return Keys(self.namespace, self.cluster, keyprefix=self.keyprefix) if self.tag else self
 
     def of(self, queue: str) -> Keys:
         """The copy that holds ``queue`` and every per-queue record (itself on one node)."""
-        return _queue_copy(self.namespace, queue) if self.cluster else self
+        return _queue_copy(self.namespace, queue, self.keyprefix) if self.cluster else self
 
     def groups(self, queues: Iterable[str]) -> dict[Keys, list[str]]:
         """``queues`` by the copy holding them, in first-seen order (one group on one
@@ -174,20 +192,33 @@ class Keys:
             out.setdefault(self.of(q), []).append(q)
         return out
 
-    # Kombu's binding keys, on a cluster only (on one node Kombu's own names are kept):
-    # under the home tag, so Kombu's binding scripts (an expiring binding and its
-    # deadline in one call) touch one slot. Format strings as Kombu's channel has them.
+    # Kombu's binding keys. On a cluster under the home tag, so Kombu's binding scripts
+    # (an expiring binding and its deadline in one call) touch one slot; on one node
+    # Kombu's own names. Both after the global_keyprefix. Format strings as Kombu's
+    # channel has them.
+    @property
+    def _kombu_prefix(self) -> str:
+        return self._home_prefix if self.cluster else self.keyprefix
+
     @property
     def kombu_binding(self) -> str:
-        return "{" + self.namespace + "}:_kombu.binding.%s"
+        return self._kombu_prefix + "_kombu.binding.%s"
 
     @property
     def kombu_binding_permanent(self) -> str:
-        return "{" + self.namespace + "}:_kombu.binding_permanent.%s"
+        return self._kombu_prefix + "_kombu.binding_permanent.%s"
 
     @property
     def kombu_binding_deadlines(self) -> str:
-        return "{" + self.namespace + "}:_kombu.binding_deadlines"
+        return self._kombu_prefix + "_kombu.binding_deadlines"
+
+    def kombu_channel(self, topic: str) -> str:
+        """Kombu's fanout pub/sub channel for ``topic`` (events, remote control)."""
+        return self.keyprefix + topic
+
+    def kombu_topic(self, channel: str) -> str:
+        """Inverse of :meth:`kombu_channel` (a channel name as a message names it)."""
+        return channel[len(self.keyprefix):] if channel.startswith(self.keyprefix) else channel
 
     @property
     def is_home(self) -> bool:
@@ -244,7 +275,7 @@ class Keys:
 
     @property
     def wake_channel(self) -> str:
-        return "{" + self.namespace + "}:wake"  # a channel, not a key: always the home's
+        return self._home_prefix + "wake"  # a channel, not a key: always the home's
 
     @property
     def pools(self) -> str:
@@ -313,7 +344,7 @@ class Keys:
 
     @property
     def schedule_channel(self) -> str:
-        return "{" + self.namespace + "}:schedule"  # a channel: always the home's
+        return self._home_prefix + "schedule"  # a channel: always the home's
 
     @property
     def requeuer_lease(self) -> str:
@@ -368,7 +399,7 @@ class Keys:
 
     @property
     def periodic_handover(self) -> str:
-        return "{" + self.namespace + "}:periodic_handover"  # a channel: always the home's
+        return self._home_prefix + "periodic_handover"  # a channel: always the home's
 
     def periodic_pushed(self, name: str) -> str:
         """A job queue's copy's record of the entry's latest due time pushed (cluster)."""
@@ -376,7 +407,7 @@ class Keys:
 
 
 @lru_cache(maxsize=4096)
-def _queue_copy(namespace: str, queue: str) -> Keys:
+def _queue_copy(namespace: str, queue: str, keyprefix: str = "") -> Keys:
     """A job queue's copy of the layout on a cluster: tag ``<namespace>:<queue>``. A
     ``}`` in the name ends the tag early, the same way for every key of the copy."""
-    return Keys(namespace, cluster=True, tag=f"{namespace}:{queue}")
+    return Keys(namespace, cluster=True, tag=f"{namespace}:{queue}", keyprefix=keyprefix)

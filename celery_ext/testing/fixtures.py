@@ -94,8 +94,8 @@ def celery_ext_namespace(celery_ext_server: TestServer) -> Iterator[str]:
     client = celery_ext_server.client()
     try:
         # Test teardown, not a hot path: every copy's keys ({ns}:... and, on a cluster
-        # layout, {ns:<queue>}:...) by pattern.
-        for pattern in (f"{{{namespace}}}*", f"{{{namespace}:*}}*"):
+        # layout, {ns:<queue>}:...), after any global_keyprefix, by pattern.
+        for pattern in (f"*{{{namespace}}}*", f"*{{{namespace}:*}}*"):
             batch = list(client.scan_iter(match=pattern, count=1000))
             for start in range(0, len(batch), 1000):
                 client.delete(*batch[start:start + 1000])

@@ -487,8 +487,9 @@ _pools_lock = threading.Lock()
 
 def pool_for(client_factory: Callable[[], redis.Redis], settings: Settings,
              server_id: str) -> WorkerPool:
-    """This process's worker pool for one server and namespace, started on first use."""
-    key = (server_id, settings.namespace)
+    """This process's worker pool for one server and namespace (with its key prefix),
+    started on first use."""
+    key = (server_id, settings.global_keyprefix + settings.namespace)
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
