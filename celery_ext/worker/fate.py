@@ -1,20 +1,20 @@
 """Job fate: what happens to a job that fails, expires or is started.
 
 * :class:`JobFateRequest` is the base of the Request class ``install(app)`` sets
-  (see :mod:`celery_ext.request`). It runs in the worker's main process, where
+  (see :mod:`celery_ext.worker.request`). It runs in the worker's main process, where
   Celery acks and rejects even when the job ran in a prefork child:
 
   - a job that raised and will not be retried (no retries left, or an exception it
     does not retry) goes to the dead set with its name, args, kwargs, exception
     type and message, traceback, attempts, pool and node, instead of being acked
     away; ``self.retry()`` / ``autoretry_for`` republish into the retry set
-    (:mod:`celery_ext.scheduled`) and Celery acks the old message as usual;
+    (:mod:`celery_ext.producer.scheduled`) and Celery acks the old message as usual;
   - a job whose ``expires`` passed before it started goes to the dead set with
     reason "expired" (Celery would only mark it revoked);
   - the ``eta`` header is ignored: a job reaches a job queue only when it is due
     (the requeuer promotes it on the Redis clock), so a worker whose clock runs
     behind must not hold it back in memory;
-  - a unique job's lock is released when the job starts (:mod:`celery_ext.unique`).
+  - a unique job's lock is released when the job starts (:mod:`celery_ext.options.unique`).
 
 Retry delays (the task option ``backoff``) are :mod:`celery_ext.options.backoff`.
 """

@@ -1,6 +1,7 @@
 -- periodic_run: enqueue one run of a periodic job entry and record it on the entry, or
 -- only move the entry's next due time on (a paused, skipped or unpublishable due time).
--- Called by whichever requeuer leads; a due time is enqueued once however many call.
+-- Called by the periodic leader's producer (worker/periodic_leader.py); a due time is
+-- enqueued once however many leaders call.
 -- KEYS[1]  entry state hash          {ns}:periodic:<name>
 -- KEYS[2]  (with a payload) job queue list   {ns}:queue:<queue>
 -- KEYS[3]  (with a payload) ready set        {ns}:ready
