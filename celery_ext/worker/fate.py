@@ -7,8 +7,10 @@
   - a job that raised and will not be retried (no retries left, or an exception it
     does not retry) goes to the dead set with its name, args, kwargs, exception
     type and message, traceback, attempts, pool and node, instead of being acked
-    away; ``self.retry()`` / ``autoretry_for`` republish into the retry set
-    (:mod:`celery_ext.producer.scheduled`) and Celery acks the old message as usual;
+    away (during a cold shutdown, one acked late goes back to its queue instead:
+    the shutdown may be why it failed); ``self.retry()`` / ``autoretry_for``
+    republish into the retry set (:mod:`celery_ext.producer.scheduled`) and Celery
+    acks the old message as usual;
   - a job whose ``expires`` passed before it started goes to the dead set with
     reason "expired" (Celery would only mark it revoked);
   - the ``eta`` header is ignored: a job reaches a job queue only when it is due
@@ -93,7 +95,14 @@ class JobFateRequest(CeleryRequest):
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
         if self._ext_is_final(exc):
-            self._ext_dead("failed", **_exception_fields(exc, exc_info.traceback))
+            if worker_state.should_terminate and not self.acknowledged:
+                # A cold shutdown: the failure may be the shutdown's doing, and Celery
+                # would ack the job without a failure recorded. Acked late, it goes back
+                # to the front of its queue and runs again (at least once); a failure of
+                # its own recurs there and reaches the dead set then.
+                self.reject(requeue=True)
+            else:
+                self._ext_dead("failed", **_exception_fields(exc, exc_info.traceback))
         elif isinstance(exc, Reject) and not exc.requeue:
             # The transport would dead-letter the reject too, without the why.
             self._ext_dead("rejected", **_exception_fields(exc, exc_info.traceback))
@@ -101,8 +110,9 @@ class JobFateRequest(CeleryRequest):
                                   return_ok=return_ok)
 
     def _ext_is_final(self, exc: Any) -> bool:
-        """Will Celery drop this failed job for good (ack, or reject without requeue)?"""
-        if isinstance(exc, _NOT_FINAL) or worker_state.should_terminate:
+        """Will Celery drop this failed job for good (ack, or reject without requeue)?
+        Also during a cold shutdown, where Celery acks a failed job and stores nothing."""
+        if isinstance(exc, _NOT_FINAL):
             return False
         task = self.task
         if task.acks_late and isinstance(exc, TimeLimitExceeded):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import signal
 import socket
 import threading
 import time
@@ -133,6 +134,32 @@ def test_unknown_task_and_garbage_land_in_dead_set_worker_keeps_going(
 
 # -- client API on the dead set ------------------------------------------------------------------
 
+
+
+def test_job_failing_during_a_cold_shutdown_is_not_lost(
+        app: Any, mode: Mode, client: Client, rec: redis.Redis,
+        redis_client: redis.Redis, worker_factory: Factory) -> None:
+    """A job that fails while its worker shuts down cold (SIGQUIT) is accounted for: one
+    acked when it ends (``install(app)``'s default) goes back to the front of its queue,
+    since the shutdown may be why it failed, and the next pool runs it again, after which
+    its own failure lands in the dead set; one acked when it started (drop-in) goes to
+    the dead set with its reason. Celery acks such a job and records no failure. (A
+    threads pool lets the job run on; a cold shutdown kills prefork children.)"""
+    (worker,) = start_workers(worker_factory, 1, pool="threads", env=mode.env())
+    mode.send(app.fails_late, "cold", 2.0)
+    wait_for(lambda: rec.llen("start:cold"), 10, "the job to start")
+    worker.stop(signal.SIGQUIT, timeout=30)
+    assert rec.llen("runs:cold") == 1  # it failed while its worker shut down
+    queued = {q["name"]: q["size"] for q in client.job_queues()}.get(mode.queue(app.fails_late), 0)
+    if mode.dropin:
+        (dead,) = client.dead()["items"]
+        assert dead["reason"] == "failed" and dead["error"] == "ValueError: cold fails"
+        assert queued == 0
+        return
+    assert (queued, client.counts()["dead"]) == (1, 0)
+    start_workers(worker_factory, 1, pool="threads", env=mode.env())
+    (dead,) = wait_for(lambda: client.dead()["items"], 15, "the rerun's failure in the dead set")
+    assert dead["reason"] == "failed" and rec.llen("runs:cold") == 2
 
 def _payload(tag: str, task: str, args: list[Any]) -> str:
     body = base64.b64encode(json.dumps([args, {}, {}]).encode()).decode()
