@@ -24,6 +24,7 @@
 -- (already moved: idempotent). The dead job's id is the tag, with "~<n>" added
 -- if that id is already dead.
 local indexTtl = tonumber(ARGV[7] or 0) or 0
+-- @include clock
 -- @include job_index
 -- @include fair
 local rec = redis.call('HGET', KEYS[1], ARGV[1])
@@ -43,8 +44,7 @@ elseif ARGV[5] and ARGV[5] ~= '' then
 else
   return 0
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = clock_ms()
 -- An id already dead (a duplicated message) gets a suffix: both stay listed.
 local id, n = ARGV[1], 0
 while redis.call('HEXISTS', KEYS[3], id) == 1 do

@@ -33,8 +33,8 @@
 -- ARGV[10..] delivery tags, one per KEYS[12..], in the order to push them
 -- Returns {status, requeued tags, dead tags}; status 0 = the pool heartbeated
 -- meanwhile (alive: nothing done), 1 = done.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- @include clock
+local now = clock_ms()
 if ARGV[2] == 'pool' then
   local beat = redis.call('ZSCORE', KEYS[2], ARGV[1])
   local ownDeadAfter = tonumber(redis.call('HGET', KEYS[3], 'dead_after_ms'))

@@ -44,6 +44,7 @@ if taskId ~= '' then
 else
   markerKey = KEYS[7]
 end
+-- @include clock
 -- @include job_index
 if runRecordKey and tonumber(redis.call('GET', runRecordKey) or '-1') >= tonumber(runDueMs) then
   return {0, 0, ''}
@@ -55,8 +56,7 @@ if markerKey then
     return {0, 0, stored}
   end
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = clock_ms()
 local due = now + delayMs
 if lockKey then
   local holder = redis.call('GET', lockKey)
