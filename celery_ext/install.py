@@ -17,7 +17,7 @@ from celery_ext.worker.bootsteps import JobQueues, add_worker_parts, declare_job
 
 logger = logging.getLogger("celery_ext")
 
-#: Celery's own task strategy; install() replaces it (only it) with celery_ext.strategy.
+#: Celery's own task strategy; install() replaces it (only it) with celery_ext.worker.strategy.
 CELERY_DEFAULT_STRATEGY = "celery.worker.strategy:default"
 
 #: Celery settings install() changes unless the user set them: a job is acked when

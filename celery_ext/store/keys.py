@@ -121,9 +121,10 @@ Layout (``ns`` = namespace)::
                                      living the holder's dead_after; periodic_leader.py)
     {ns}:periodic_handover   channel published when the periodic leader gives up its lease
     {ns}:periodic_pushed:<name>
-                             string  cluster, in a job queue's copy: the latest due time (ms)
-                                     of entry <name> pushed into that queue; enqueue.lua
-                                     pushes no run of that due time or an earlier one again
+                             string  cluster, or a run with a countdown/eta, in a job queue's
+                                     copy: the latest due time (ms) of entry <name> written
+                                     there; enqueue.lua and schedule.lua write no run of
+                                     that due time or an earlier one again
                                      (producer/periodic_run.py)
 """
 

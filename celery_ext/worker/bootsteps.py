@@ -1,7 +1,7 @@
 """Celery worker integration: bootsteps and the worker signals the plugin listens to.
 
 The worker pool itself (heartbeat, reaper, requeuer, what the process holds of its
-in-flight record) is owned by :class:`celery_ext.pool.WorkerPool`, which the
+in-flight record) is owned by :class:`celery_ext.worker.worker_pool.WorkerPool`, which the
 transport makes for any worker consuming through our scheme. This module adds what
 needs Celery's worker objects, in every mode unless said otherwise:
 
@@ -10,7 +10,7 @@ needs Celery's worker objects, in every mode unless said otherwise:
   stall_after, rate_limit) and the concurrency and rate limits written (Celery's
   per-process rate limit is off for the tasks whose limit holds in all pools);
 - ``DeadLetters``: unknown and invalid messages go to the dead set;
-- ``PeriodicJobs``: the app's ``beat_schedule`` handed to the worker pool's requeuer;
+- ``PeriodicJobs``: the app's ``beat_schedule`` handed to the worker pool's periodic leader;
 - ``worker_ready``: the pool's registration details (node, concurrency, pool type,
   queues) and the job queues' weights;
 - ``worker_shutting_down`` / ``worker_shutdown``: the pool says "stopping", then stops.
@@ -462,8 +462,8 @@ class DeadLetters(bootsteps.Step):
 
 
 class PeriodicJobs(bootsteps.StartStopStep):
-    """Consumer step: the worker pool runs the app's ``beat_schedule`` (its requeuer's
-    leader enqueues each due run; see ``periodic_leader.py``)."""
+    """Consumer step: the worker pool runs the app's ``beat_schedule`` (the pool holding
+    the periodic lease enqueues each due run; see ``periodic_leader.py``)."""
 
     name = "celery_ext.PeriodicJobs"
     requires = ("celery.worker.consumer.tasks:Tasks",)  # after the connection step

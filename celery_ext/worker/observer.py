@@ -453,7 +453,7 @@ def _on_failure(sender: Any = None, task_id: str | None = None, exception: Any =
                 **kw: Any) -> None:
     """Celery reports a lost worker in the main process with this signal when it does
     not requeue the job (``acks_late`` off, the default without ``install(app)``); the
-    requeue case goes through ``celery_ext.request.Request`` (``install(app)``)."""
+    requeue case goes through ``celery_ext.worker.request.Request`` (``install(app)``)."""
     if isinstance(exception, WorkerLostError) and task_id and sender is not None:
         job_lost(sender.app, task_id)
 

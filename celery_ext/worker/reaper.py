@@ -5,10 +5,10 @@ time across the cluster. ``reap()`` is the one-shot pass that tests call, and
 ``reap_now()`` the one ``celery ext reap`` and ``Client.reap()`` run.
 
 Staleness is judged by Redis time only, and by each pool's own ``dead_after`` (the
-rule is :mod:`celery_ext.liveness`). A Redis outage or stall makes every heartbeat
+rule is :mod:`celery_ext.store.liveness`). A Redis outage or stall makes every heartbeat
 look old at once, so a pool is only judged by a reaper that has seen Redis answer
 steadily for long enough: in a worker, ``dead_after`` of its own contact and the
-pool's :attr:`~celery_ext.liveness.Liveness.confirm_ms`; in a one-shot process,
+pool's :attr:`~celery_ext.store.liveness.Liveness.confirm_ms`; in a one-shot process,
 ``reap_now()`` first watches Redis for the confirm time of the pools that look dead
 (``force=True`` skips the watch).
 

@@ -7,8 +7,8 @@
 -- ARGV[3..] field, value pairs for the pool hash (registration only)
 -- Returns {registered, now_ms}: registered = 0 means the pool had been declared
 -- dead (reaped) and did not stamp; the caller re-registers.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- @include clock
+local now = clock_ms()
 if ARGV[2] ~= 'register' and not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   return {0, now}
 end

@@ -24,6 +24,7 @@
 -- fair keys' sub-queues (include/fair.lua: one LLEN per active key); stamp = the oldest job's
 -- enqueued_at (the earliest of its levels' and sub-queues' oldest) as a string, '' when
 -- the queue is empty, the stamp is missing, or it was not asked for.
+-- @include clock
 local STAMP_WINDOW = 1024
 local known, ready, paused, limits, weights, running = KEYS[1], KEYS[2], KEYS[3], KEYS[4],
   KEYS[5], KEYS[6]
@@ -53,8 +54,7 @@ local function in_use(name)
     or (tonumber(redis.call('HGET', running, name)) or 0) > 0
 end
 
-local t = redis.call('TIME')
-local out = {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)}
+local out = {clock_ms()}
 for n = 1, nnames do
   local first, name = 6 + (n - 1) * nlev, ARGV[n + 1]
   local size, sizes = 0, {}
