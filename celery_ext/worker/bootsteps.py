@@ -53,10 +53,11 @@ from kombu.asynchronous import get_event_loop
 from celery_ext.config import ConfigError, Settings, check_broker_url, uses_our_transport
 from celery_ext.options.backoff import apply_backoffs
 from celery_ext.options.fair import job_fair_limits, write_fair_limits
-from celery_ext.options.limits import job_limits, write_limits
+from celery_ext.options.limits import job_limits, shared_limits, write_limits
 from celery_ext.options.rate_limits import ClusterBuckets, job_rate_limits, write_rate_limits
+from celery_ext.options.routing import task_queue, task_queues
 from celery_ext.options.unique import validate_unique_options
-from celery_ext.options.weights import all_weights, set_weights
+from celery_ext.options.weights import all_weights, set_weights, task_weight
 from celery_ext.store.connections import (
     CLUSTER_NO_WAIT,
     cluster_config,
@@ -78,26 +79,23 @@ UNSUPPORTED_EXECUTORS = ("eventlet",)
 
 
 def job_queues(app: Any, finalize: bool = True, strict: bool = True) -> dict[str, int]:
-    """Job queue name -> weight for every registered task (explicit ``queue=`` kept).
+    """Job queue name -> weight for every registered task, on the queue Celery's router
+    sends its jobs to (``options/routing.py``; tasks sharing a queue: the largest weight).
 
     A weight that is not a whole number >= 1 raises ValueError naming the task, or
     counts as 1 with ``strict=False`` (producers: only workers use weights, and a
     worker refuses to start with one)."""
-    if finalize:
-        app.finalize(auto=True)
+    queues = task_queues(app, finalize=finalize)
     result: dict[str, int] = {}
     for name, task in sorted(app.tasks.items()):
-        queue = getattr(task, "queue", None) or name
-        weight = getattr(task, "weight", None)
-        if weight is not None:
-            if not isinstance(weight, int) or isinstance(weight, bool) or weight < 1:
-                if not strict:
-                    weight = 1
-                else:
-                    raise ValueError(
-                        f"celery_ext: task {name!r} has weight={weight!r}; "
-                        "weight must be a whole number >= 1")
-        result[queue] = max(result.get(queue, 1), weight or 1)
+        try:
+            weight = task_weight(task) or 1
+        except ValueError:
+            if strict:
+                raise
+            weight = 1
+        queue = queues[name]
+        result[queue] = max(result.get(queue, 1), weight)
     return result
 
 
@@ -170,7 +168,7 @@ def task_bound(task: Any, app: Any) -> None:
     for consumer in list(_running_consumers):
         if consumer.app is not app:
             continue
-        queue = getattr(task, "queue", None) or task.name
+        queue = task_queue(app, task)
         every = getattr(consumer.controller, "_celery_ext_every_job_queue", False)
         if every:
             try:
@@ -426,6 +424,8 @@ class Sets(bootsteps.StartStopStep):
             apply_backoffs(app.tasks, settings)
         except (ConfigError, ValueError) as exc:
             raise SystemExit(str(exc)) from None
+        for line in [*shared_limits(app), *shared_limits(app, "fair_max_concurrency")]:
+            logger.warning("%s", line)
         #: None: this pool leaves rate limits to Celery (not our transport) or has them
         #: off (``worker_disable_rate_limits``), and writes none.
         self.buckets: ClusterBuckets | None = None
