@@ -37,8 +37,9 @@ logger = logging.getLogger("celery_ext.options.routing")
 #: Prefix of Celery's built-in tasks (``celery.chord_unlock`` ...): they share the default
 #: queue without taking part in the options of the tasks there.
 BUILTIN_PREFIX = "celery."
-#: Tasks whose router raised without arguments, said once per process.
-_warned: set[str] = set()
+#: Whether a router raised without arguments: said once per process, for the first of
+#: the app's own tasks (a router that reads its arguments raises for every task).
+_warned = False
 
 
 def task_queue(app: Any, task: Any) -> str:
@@ -49,11 +50,13 @@ def task_queue(app: Any, task: Any) -> str:
     try:
         route = app.amqp.router.route(options, task.name, (), {}, task)
     except Exception as exc:
+        global _warned
         queue = own or app.conf.task_default_queue
-        if task.name not in _warned:
-            _warned.add(task.name)
-            logger.warning("celery_ext: task_routes raised %s for task %s without arguments; its "
-                       "options and consumed queue are those of %s", type(exc).__name__,
+        if not _warned and not is_builtin(task.name):
+            _warned = True
+            logger.warning("celery_ext: task_routes raised %s for task %s without arguments; "
+                           "its options and consumed queue are those of %s (and so for any "
+                           "other task it raises for)", type(exc).__name__,
                            one_line(task.name), one_line(str(queue)))
         return str(getattr(queue, "name", queue))
     queue = route.get("queue") or app.conf.task_default_queue
