@@ -11,6 +11,7 @@ from celery.app.amqp import AMQP as CeleryAMQP
 from kombu.connection import maybe_channel
 from kombu.utils.objects import cached_property
 
+from celery_ext.options.checks import refuse_bad_options
 from celery_ext.options.unique import patch_send_task
 from celery_ext.producer.publish import Producer, Producers
 from celery_ext.worker.bootsteps import JobQueues, add_worker_parts, declare_job_queues
@@ -137,6 +138,7 @@ def install(app: Celery, *, route_by_name: bool = True) -> Celery:
         app.amqp_cls = f"{__name__}:AMQP"
     app.steps["worker"].add(JobQueues)
     patch_send_task(app)
+    refuse_bad_options(app)  # outside the unique wrapper: a bad task takes no lock
     # Every task of the app gets the counting Request class and a checkin() method
     # (as in drop-in mode), and the consumer steps of the sets and the dead set.
     app.Task.Request = "celery_ext.worker.request:Request"
