@@ -56,7 +56,8 @@ def fetch_call(keys: Keys, settings: Settings, pool_id: str, queues: list[str],
     of ``queues`` for ``pool_id`` ("-": none tracked), ``flags`` a "1" (tracked) or "0"
     (no-ack) per queue."""
     return (keys.fetch(pool_id, queues, settings.priority_steps),
-            [pool_id, flags, *queues, settings.max_payload_bytes, int(settings.job_index)])
+            [pool_id, flags, *queues, settings.max_payload_bytes, int(settings.job_index),
+             settings.dead_max_size, int(settings.dead_max_age * 1000)])
 
 
 def envelope_json(payload: bytes | str) -> Any:

@@ -276,8 +276,10 @@ def add_worker_parts(app: Any) -> None:
     ran: the consumer steps, the Request class (lost-worker counting, failed jobs to
     the dead set, promoted jobs' eta ignored), ``task.checkin()`` and the hook that
     makes a running worker learn a task bound after it started. Idempotent."""
+    from celery_ext.worker import control
     from celery_ext.worker.observer import _task_checkin
 
+    control.register()
     app.steps["consumer"].add(Sets)
     app.steps["consumer"].add(DeadLetters)
     app.steps["consumer"].add(PeriodicJobs)

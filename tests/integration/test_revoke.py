@@ -1,0 +1,134 @@
+"""Revoke that holds (issue 35): a revoke is state in Redis, not in the workers' memory.
+
+Real server, real ``celery worker`` subprocesses. Celery's own revoke keeps revoked ids
+in each worker's memory: with no worker up, ``app.control.revoke(id)`` of a queued job
+and ``AsyncResult.revoke()`` of a countdown job are lost, and both jobs run when a
+worker starts. Here the producer's channel records the revoke as it publishes Celery's
+broadcast (``producer/control.py``), and every fetch checks the jobs it pops.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from celery_ext.client import Client
+from celery_ext.config import Settings
+from celery_ext.store.keys import Keys
+from tests.apps import proj
+from tests.helpers import Factory, Mode, recorded, wait_for
+from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
+
+K = Keys("celery_ext")
+APP = "tests.apps.proj"
+
+
+def dead_reasons(client: redis.Redis) -> dict[str, dict[str, Any]]:
+    """Task id -> meta of every dead job (its record's first line)."""
+    out = {}
+    for raw in client.hvals(K.dead_jobs):
+        meta, _queue, payload = raw.decode().split("\n", 2)
+        out[json.loads(payload)["headers"]["id"]] = json.loads(meta)
+    return out
+
+
+def test_revoke_with_no_worker_up_holds_for_a_worker_started_later(
+        mode: Mode, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """With no worker running: ``app.control.revoke`` of a job queued behind 1,000
+    others in its job queue and ``AsyncResult.revoke()`` of a countdown job. A worker started later runs
+    the 1,000 and a job sent after them, and neither revoked job: the queued one is
+    dropped at its fetch, the countdown one left the scheduled set at the revoke. Both
+    are in the dead set with reason ``revoked`` and who sent the revoke."""
+    for _ in range(10):
+        with mode.app.producer_or_acquire() as producer:
+            for _ in range(100):
+                mode.send(proj.record, "filler", producer=producer)
+    queued = mode.send(proj.record, "queued")
+    later = mode.send(proj.record, "countdown", countdown=1)
+    assert redis_client.zcard(K.scheduled) == 1
+    mode.app.control.revoke(queued.id)
+    later.revoke()
+    # The countdown job left the scheduled set at once, into the dead set.
+    assert redis_client.zcard(K.scheduled) == 0
+    assert set(dead_reasons(redis_client)) == {later.id}
+    mode.send(proj.record, "control")  # (behind the 1,000 and the revoked one)
+    worker_factory(APP, env=mode.env()).start()
+    wait_for(lambda: recorded(rec, "runs", "control"), 60, "the job sent after the revoke")
+    time.sleep(1.5)  # (the countdown job's due time has passed)
+    assert recorded(rec, "runs", "queued") == []
+    assert recorded(rec, "runs", "countdown") == []
+    assert len(recorded(rec, "runs", "filler")) == 1000
+    dead = dead_reasons(redis_client)
+    assert set(dead) == {queued.id, later.id}
+    for meta in dead.values():
+        assert meta["reason"] == "revoked" and meta["via"] == "celery control revoke"
+        assert ":" in meta["by"] and meta["revoked_at"] > 0
+    # The index says where they are: dead, revoked.
+    client = Client(redis_client)
+    assert client.job(queued.id)["state"] == "dead"
+
+
+def test_a_job_enqueued_after_its_revoke_does_not_run(
+        mode: Mode, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """A revoke of an id not enqueued yet holds for the job enqueued later with it (a
+    retry, a countdown promoted later, a producer that reuses the id), with a worker
+    up and one started later alike."""
+    mode.app.control.revoke("not-yet")
+    worker_factory(APP, env=mode.env()).start()
+    mode.send(proj.record, "late", task_id="not-yet")
+    mode.send(proj.record, "late-countdown", task_id="not-yet-2", countdown=0.5)
+    mode.app.control.revoke("not-yet-2")
+    mode.send(proj.record, "control")
+    wait_for(lambda: recorded(rec, "runs", "control"), 30, "the control job")
+    wait_for(lambda: len(dead_reasons(redis_client)) == 2, 10, "both in the dead set")
+    assert recorded(rec, "runs", "late") == []
+    assert recorded(rec, "runs", "late-countdown") == []
+
+
+def test_inspect_revoked_answers_from_redis(
+        mode: Mode, redis_client: redis.Redis, worker_factory: Factory) -> None:
+    """``celery inspect revoked`` asked of a worker started after the revoke (and
+    without mingle) lists it: the worker answers from Redis, not its memory."""
+    mode.app.control.revoke(["r-1", "r-2"])
+    worker = worker_factory(APP, env=mode.env()).start()
+    replies = mode.app.control.inspect(timeout=5).revoked() or {}
+    assert replies, worker.log_tail()
+    assert [sorted(ids) for ids in replies.values()] == [["r-1", "r-2"]]
+
+
+def test_revoked_ids_are_bounded(redis_client: redis.Redis, broker_url: str) -> None:
+    """A copy keeps at most ``revoked_max`` ids, dropping the oldest, and a revoke
+    lapses after ``revoked_ttl``."""
+    settings = Settings(revoked_max=3, revoked_ttl=0.3)
+    client = Client(redis_client, settings)
+    for i in range(5):
+        client.cancel(f"c{i}")
+    assert sorted(r.decode() for r in redis_client.zrange(K.revoked, 0, -1)) == \
+        ["c2", "c3", "c4"]
+    assert redis_client.hlen(K.revoked_by) == 3
+    time.sleep(0.35)
+    assert client.revoked() == []
+    client.cancel("c5")
+    assert [r.decode() for r in redis_client.zrange(K.revoked, 0, -1)] == ["c5"]
+    assert redis_client.hlen(K.revoked_by) == 1
+
+
+@pytest.mark.parametrize("pool", ["threads", "gevent"])
+def test_revoke_holds_in_other_pools(pool: str, broker_url: str, redis_client: redis.Redis,
+                                     rec: redis.Redis, worker_factory: Factory) -> None:
+    """The same with a threads and a gevent worker (the check is in the fetch script,
+    whatever runs the jobs)."""
+    mode = Mode("install", broker_url)
+    queued = mode.send(proj.record, "queued")
+    mode.app.control.revoke(queued.id)
+    mode.send(proj.record, "control")
+    worker_factory(APP, pool=pool, concurrency=4).start()
+    wait_for(lambda: recorded(rec, "runs", "control"), 30, "the control job")
+    assert recorded(rec, "runs", "queued") == []
+    assert set(dead_reasons(redis_client)) == {queued.id}
