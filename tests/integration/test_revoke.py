@@ -40,10 +40,10 @@ def test_revoke_with_no_worker_up_holds_for_a_worker_started_later(
         mode: Mode, redis_client: redis.Redis, rec: redis.Redis,
         worker_factory: Factory) -> None:
     """With no worker running: ``app.control.revoke`` of a job queued behind 1,000
-    others in its job queue and ``AsyncResult.revoke()`` of a countdown job. A worker started later runs
-    the 1,000 and a job sent after them, and neither revoked job: the queued one is
-    dropped at its fetch, the countdown one left the scheduled set at the revoke. Both
-    are in the dead set with reason ``revoked`` and who sent the revoke."""
+    others in its job queue and ``AsyncResult.revoke()`` of a countdown job. A worker
+    started later runs the 1,000 and a job sent after them, and neither revoked job: the
+    queued one is dropped at its fetch, the countdown one left the scheduled set at the
+    revoke. Both are in the dead set with reason ``revoked`` and who sent the revoke."""
     for _ in range(10):
         with mode.app.producer_or_acquire() as producer:
             for _ in range(100):
@@ -132,3 +132,107 @@ def test_revoke_holds_in_other_pools(pool: str, broker_url: str, redis_client: r
     wait_for(lambda: recorded(rec, "runs", "control"), 30, "the control job")
     assert recorded(rec, "runs", "queued") == []
     assert set(dead_reasons(redis_client)) == {queued.id}
+
+
+def test_revoke_of_a_job_in_the_retry_set_removes_it_at_once(
+        mode: Mode, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """A job waiting in the retry set after a failed run leaves it at the revoke, into
+    the dead set (reason revoked), and does not run again."""
+    from tests.apps import proj_sets
+
+    worker_factory("tests.apps.proj_sets", env=mode.env()).start()
+    job = mode.send(proj_sets.flaky, "r")
+    wait_for(lambda: redis_client.zcard(K.retry), 30, "the failed run in the retry set")
+    job.revoke()
+    assert redis_client.zcard(K.retry) == 0
+    assert dead_reasons(redis_client)[job.id]["reason"] == "revoked"
+    time.sleep(2.0)  # (its retry was due after 1 s)
+    assert len(recorded(rec, "runs", "r")) == 1
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_terminate_reaches_the_running_job(
+        pool: str, broker_url: str, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """``revoke(terminate=True)`` of a running job: its next checkin says stop (a
+    threads pool, where Celery cannot terminate, included); the job ends early."""
+    from tests.apps import proj_pools
+
+    mode = Mode("install", broker_url)
+    worker_factory("tests.apps.proj_pools", pool=pool, concurrency=2).start()
+    job = mode.send(proj_pools.long_checkin, "t", 20.0)
+    wait_for(lambda: recorded(rec, "start", "t"), 30, "the job to start")
+    time.sleep(0.3)  # (its index entry says in flight; its first checkin is written)
+    job.revoke(terminate=True)
+
+    def ended() -> bool:
+        if pool == "threads":  # (Celery cannot terminate a thread: the checkin says stop)
+            return bool(recorded(rec, "stopped", "t"))
+        entry = redis_client.hget(K.job_index, job.id) or b""
+        return not entry.startswith(b"inflight") and not redis_client.lrange(K.queue(
+            mode.queue(proj_pools.long_checkin)), 0, -1)
+
+    wait_for(ended, 15, "the job to end")
+    time.sleep(1.0)
+    assert recorded(rec, "runs", "t") == []
+    assert len(recorded(rec, "start", "t")) == 1
+
+
+def test_cancel_from_the_cli_and_the_client(
+        broker_url: str, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """``celery ext cancel ID`` of a countdown job removes it now and says so;
+    ``celery ext revoked`` lists it with who cancelled it; ``Client.cancel`` of a queued
+    job with no worker up: the worker started later does not run it."""
+    from tests.helpers import celery_cli
+
+    mode = Mode("install", broker_url)
+    later = mode.send(proj.record, "later", countdown=30)
+    queued = mode.send(proj.record, "queued")
+    out = celery_cli("-A", APP, "ext", "cancel", later.id, broker_url=broker_url)
+    assert out.returncode == 0, out.stderr
+    assert "removed from the scheduled set" in out.stdout
+    assert redis_client.zcard(K.scheduled) == 0
+    listing = celery_cli("-A", APP, "ext", "revoked", broker_url=broker_url)
+    assert later.id in listing.stdout and "cancel" in listing.stdout
+    outcome = Client(redis_client).cancel(queued.id, by="ops")
+    assert outcome["queued"] == [queued.id]
+    mode.send(proj.record, "control")
+    worker_factory(APP).start()
+    wait_for(lambda: recorded(rec, "runs", "control"), 30, "the control job")
+    assert recorded(rec, "runs", "queued") == []
+    assert dead_reasons(redis_client)[queued.id]["by"] == "ops"
+
+
+def test_revoke_racing_fetches_never_runs_a_job_twice_nor_loses_one(
+        redis_client: redis.Redis, rec: redis.Redis, broker_url: str,
+        worker_factory: Factory) -> None:
+    """400 jobs drain through two pools while every other one is revoked, one by one:
+    a job not revoked runs once; a revoked one ran (fetched before its revoke), is in the
+    dead set as revoked (fetched after), or was discarded by Celery's own check (its
+    worker heard the broadcast before starting it): exactly one of these, never none."""
+    mode = Mode("install", broker_url)
+    jobs = [mode.send(proj.record, f"race{i}") for i in range(400)]
+    for w in [worker_factory(APP, concurrency=2) for _ in range(2)]:
+        w.start(wait_ready=False)
+    for job in jobs[::2]:
+        mode.app.control.revoke(job.id)
+
+    def outcomes() -> tuple[set[int], set[int], set[int]]:
+        ran = {i for i in range(400) if recorded(rec, "runs", f"race{i}")}
+        dead = dead_reasons(redis_client)
+        dead_i = {i for i, job in enumerate(jobs) if job.id in dead}
+        discarded = {i for i in range(0, 400, 2)
+                     if i not in ran | dead_i and jobs[i].state == "REVOKED"}
+        return ran, dead_i, discarded
+
+    wait_for(lambda: sum(map(len, outcomes())) >= 400, 90, "every job accounted for",
+             step=0.5)
+    time.sleep(1.0)
+    ran, dead_i, discarded = outcomes()
+    assert all(len(recorded(rec, "runs", f"race{i}")) == 1 for i in ran)
+    assert not (ran & dead_i) and not (ran & discarded) and not (dead_i & discarded)
+    assert ran | dead_i | discarded == set(range(400))
+    assert dead_i | discarded <= set(range(0, 400, 2))
+    assert all(dead_reasons(redis_client)[jobs[i].id]["reason"] == "revoked" for i in dead_i)
