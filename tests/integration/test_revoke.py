@@ -236,3 +236,60 @@ def test_revoke_racing_fetches_never_runs_a_job_twice_nor_loses_one(
     assert ran | dead_i | discarded == set(range(400))
     assert dead_i | discarded <= set(range(0, 400, 2))
     assert all(dead_reasons(redis_client)[jobs[i].id]["reason"] == "revoked" for i in dead_i)
+
+
+@pytest.mark.parametrize("mode", ["install", "dropin"])
+def test_revoke_with_no_worker_up_on_a_cluster(
+        mode: str, cluster: Any, redis_server: Any, worker_factory: Factory) -> None:
+    """On a 3-master cluster, with no worker up: jobs of 6 job queues (their copies on
+    every master) queued, one of each revoked, and a countdown job revoked. A worker
+    started later runs the others and none of the revoked ones; each revoked job is in
+    its own queue's copy's dead set."""
+    import uuid
+
+    from celery_ext.store.connections import cluster_client, cluster_config
+    from tests.apps import proj_cluster
+    from tests.integration.test_cluster_workers import producer, runs
+
+    namespace = "rv" + uuid.uuid4().hex[:8]
+    record_url = redis_server.url(db=3)
+    rec = redis.Redis.from_url(record_url)
+    rec.flushdb()
+    url = cluster.url()
+    app = producer(url, namespace, install=mode == "install")
+    names = [f"job{n}" for n in range(6)]
+    sent = {name: [app.send_task(f"{proj_cluster.__name__}.{name}", (i,)) for i in range(3)]
+            for name in names}
+    later = app.send_task(f"{proj_cluster.__name__}.later", (0,), countdown=1)
+    for name in names:
+        app.control.revoke(sent[name][1].id)
+    later.revoke()
+    env = {"CELERY_EXT_NAMESPACE": namespace, "CELERY_EXT_RECORD_URL": record_url}
+    if mode == "dropin":
+        env["CELERY_EXT_NO_INSTALL"] = "1"
+    worker_factory(proj_cluster.__name__, broker_url=url, pool="threads", concurrency=4,
+                   env=env).start(timeout=60)
+    wait_for(lambda: int(rec.get("done") or 0) >= 12, 60, "the jobs not revoked")
+    time.sleep(1.5)  # (the countdown job would be due)
+    for name in names:
+        assert runs(rec, name, 3) == [1, 0, 1], name
+    assert runs(rec, "later", 1) == [0]
+    config = cluster_config([url], {"cluster": True})
+    assert config is not None
+    rc = cluster_client(config, {"socket_timeout": 5.0})
+    try:
+        k = Keys(namespace, cluster=True)
+        queue = (lambda name: f"{proj_cluster.__name__}.{name}") if mode == "install" \
+            else (lambda name: "celery")
+        dead_ids = set()
+        for name in [*names, "later"]:
+            for raw in rc.hvals(k.of(queue(name)).dead_jobs):
+                meta, _q, payload = raw.decode().split("\n", 2)
+                assert json.loads(meta)["reason"] == "revoked"
+                dead_ids.add(json.loads(payload)["headers"]["id"])
+        assert dead_ids == {*(sent[n][1].id for n in names), later.id}
+        assert sorted(Client(rc, Settings(namespace=namespace, cluster=True)).revoked(),
+                      key=lambda r: r["task_id"])[0]["meta"]["reason"] == "revoked"
+    finally:
+        rc.close()
+        rec.close()
