@@ -293,3 +293,33 @@ def test_revoke_with_no_worker_up_on_a_cluster(
     finally:
         rc.close()
         rec.close()
+
+
+def test_cancel_through_the_json_api(broker_url: str, redis_client: redis.Redis) -> None:
+    """``POST /api/jobs/cancel`` (the dashboard's Cancel button) of a countdown job moves
+    it to the dead set now, where the dead listing shows it with reason revoked;
+    ``GET /api/revoked`` lists the id."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from starlette.testclient import TestClient
+
+    from celery_ext.admin.web import create_app
+
+    mode = Mode("install", broker_url)
+    later = mode.send(proj.record, "later", countdown=30)
+    client = Client.for_app(proj.app)
+    try:
+        with TestClient(create_app(client, sample_interval=0.2)) as tc:
+            token = tc.get("/api/csrf").json()["csrf_token"]
+            r = tc.post("/api/jobs/cancel", json={"job_id": later.id},
+                        headers={"X-CSRF-Token": token})
+            assert r.status_code == 200, r.text
+            assert r.json()["removed"] == {later.id: "scheduled"}
+            assert [i["task_id"] for i in tc.get("/api/revoked").json()["items"]] == [later.id]
+            dead = tc.get("/api/dead").json()["items"]
+            assert [(j["task_id"], j["reason"]) for j in dead] == [(later.id, "revoked")]
+    finally:
+        client.client.close()
+    assert redis_client.zcard(K.scheduled) == 0
