@@ -23,6 +23,9 @@ On a cluster a fetch touches its job queue's copy only, so the id is written to 
 copy (``copies``: the home copy and every known job queue's), one script per copy, in
 one pipeline per master. A job queue first seen after the revoke has no copy of it.
 
+A person who retries a revoked job from the dead set lifts its revoke first (:func:`lift`),
+so the retried job runs.
+
 Bounded: a revoke lapses ``revoked_ttl`` seconds after it was made, and a copy keeps at
 most ``revoked_max`` ids (Celery's ``REVOKE_EXPIRES`` and ``REVOKES_MAX``); each revoke
 drops up to 100 lapsed ids and 100 over the cap.
@@ -30,6 +33,7 @@ drops up to 100 lapsed ids and 100 over the cap.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -40,7 +44,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from celery_ext.config import Settings
 from celery_ext.store.clock import now_ms
-from celery_ext.store.copies import copies, run_scripts
+from celery_ext.store.copies import copies, per_copy, run_scripts
 from celery_ext.store.job_index import index_ttl_ms
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
@@ -121,3 +125,22 @@ def revoked(client: Any, keys: Keys) -> list[RevokedId]:
 def revoked_ids(client: Any, keys: Keys) -> list[str]:
     """The task ids whose revoke holds now (what ``celery inspect revoked`` lists)."""
     return [r["task_id"] for r in revoked(client, keys)]
+
+
+def lift(client: Any, keys: Keys, task_ids: Iterable[str]) -> None:
+    """End the revokes of ``task_ids`` in every copy: a person retries a revoked job from
+    the dead set (``JobSets``), and its fetch must not drop it again."""
+    ids = [i for i in task_ids if i]
+    if ids:
+        per_copy(client, copies(client, keys), lambda pipe, copy: (
+            pipe.zrem(copy.revoked, *ids), pipe.hdel(copy.revoked_by, *ids)))
+
+
+def revoked_task_id(meta: dict[str, Any], payload: str) -> str | None:
+    """The task id of a dead job whose record says it was revoked, else None."""
+    if meta.get("reason") != "revoked":
+        return None
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        task_id = json.loads(payload)["headers"]["id"]
+        return task_id if isinstance(task_id, str) else None
+    return None

@@ -323,3 +323,20 @@ def test_cancel_through_the_json_api(broker_url: str, redis_client: redis.Redis)
     finally:
         client.client.close()
     assert redis_client.zcard(K.scheduled) == 0
+
+
+def test_retrying_a_revoked_job_from_the_dead_set_runs_it(
+        broker_url: str, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """A person who retries a revoked job from the dead set means it: the retry lifts
+    the revoke, and the job runs once (the fetch would drop it again otherwise)."""
+    mode = Mode("install", broker_url)
+    later = mode.send(proj.record, "again", countdown=30)
+    later.revoke()
+    client = Client(redis_client)
+    (dead,) = client.dead()["items"]
+    assert client.retry_dead(dead["id"])
+    assert client.revoked() == []
+    worker_factory(APP).start()
+    wait_for(lambda: recorded(rec, "runs", "again"), 30, "the retried job")
+    assert client.dead()["items"] == []
