@@ -235,6 +235,10 @@ def test_revoke_racing_fetches_never_runs_a_job_twice_nor_loses_one(
     assert not (ran & dead_i) and not (ran & discarded) and not (dead_i & discarded)
     assert ran | dead_i | discarded == set(range(400))
     assert dead_i | discarded <= set(range(0, 400, 2))
+    # The pools start as the revokes go out: most revoked jobs are fetched after their
+    # revoke, which the fetch itself catches (Celery alone would have discarded them in
+    # the worker, or run them when no worker had heard the broadcast).
+    assert dead_i
     assert all(dead_reasons(redis_client)[jobs[i].id]["reason"] == "revoked" for i in dead_i)
 
 
@@ -340,3 +344,18 @@ def test_retrying_a_revoked_job_from_the_dead_set_runs_it(
     worker_factory(APP).start()
     wait_for(lambda: recorded(rec, "runs", "again"), 30, "the retried job")
     assert client.dead()["items"] == []
+
+
+def test_mingle_hello_reply_carries_no_revoked_ids(
+        mode: Mode, redis_client: redis.Redis, worker_factory: Factory) -> None:
+    """Celery's ``hello`` reply (mingle, when a worker starts) carries every revoked id
+    its peers hold, up to 50,000 (about 40 bytes each). A worker on our transport
+    replies with none: every fetch reads the revokes from Redis. The ids a peer sends
+    are still merged."""
+    worker_factory(APP, env=mode.env()).start()
+    ids = [f"rv-{i:04d}" for i in range(1000)]
+    mode.app.control.revoke(ids)
+    replies = mode.app.control.inspect(timeout=5).hello("peer@elsewhere", ["from-peer"])
+    assert replies and next(iter(replies.values()))["revoked"] == []
+    listed = next(iter((mode.app.control.inspect(timeout=5).revoked() or {}).values()))
+    assert sorted(listed) == sorted([*ids, "from-peer"])
