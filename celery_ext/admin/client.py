@@ -55,6 +55,7 @@ from celery_ext.store.keys import Keys
 from celery_ext.store.memory import eviction_warning
 from celery_ext.store.revoked import RevokedId, RevokeOutcome, revoke, revoked, sender
 from celery_ext.store.scripts import Scripts
+from celery_ext.worker.control import mark_revoked
 from celery_ext.worker.reaper import Reaper, ReapResult
 
 __all__ = ["Client", "DeadJob", "Page", "ScheduledJob", "SetCounts"]
@@ -126,10 +127,14 @@ class Client:
         does here: queued, it is dropped by the fetch that pops it; scheduled or in the
         retry set, it moves to the dead set now (reason ``revoked``); in flight, its next
         checkin says stop; enqueued later with this id, it does not run either (for
-        ``revoked_ttl``). ``by``: who, for the record (default this host and pid). See
-        :mod:`celery_ext.store.revoked`."""
-        return revoke(self.client, self.scripts, self.settings, [job_id], by=by or sender(),
-                      via="cancel", terminate=True)
+        ``revoked_ttl``). ``by``: who, for the record (default this host and pid). Built
+        with :meth:`from_app`, the job's result says ``REVOKED`` too, as Celery's revoke
+        makes it. See :mod:`celery_ext.store.revoked`."""
+        outcome = revoke(self.client, self.scripts, self.settings, [job_id],
+                         by=by or sender(), via="cancel", terminate=True)
+        if self.app is not None:
+            mark_revoked([job_id], self.app.backend)
+        return outcome
 
     def revoked(self) -> list[RevokedId]:
         """The revokes that hold now, oldest first, with who made them and when."""

@@ -10,6 +10,10 @@ not ours answers as Celery does.
   worker holds (up to 50,000, about 40 bytes each: 2 MB in one reply key). Every fetch
   checks the revokes in Redis, so a starting worker needs none of them: the reply carries
   the clock only, and the ids a peer sends are still merged as Celery does.
+
+And what Celery does for a revoked job it receives, for the jobs the fetch drops as
+revoked (:func:`mark_revoked`): their results say ``REVOKED``, so a caller waiting on one
+is answered (a revoke sent while no worker was up has no worker to do it otherwise).
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery.worker import state as worker_state
-from celery.worker.control import Panel, inspect_command
+from celery import states
 
 from celery_ext.store.keys import Keys
 from celery_ext.store.revoked import revoked_ids
+from celery_ext.text import one_line
 
 logger = logging.getLogger("celery_ext.worker.control")
 
@@ -35,6 +39,8 @@ def _our_channel(state: Any) -> Any:
 
 def revoked(state: Any, **kwargs: Any) -> list[str]:
     """List of revoked task-ids (from Redis, with the ones this worker was told)."""
+    from celery.worker import state as worker_state
+
     channel = _our_channel(state)
     mine = list(worker_state.revoked)
     if channel is None:
@@ -46,6 +52,8 @@ def revoked(state: Any, **kwargs: Any) -> list[str]:
 
 def hello(state: Any, from_node: str, revoked: Any = None, **kwargs: Any) -> Any:
     """Request mingle sync-data."""
+    from celery.worker import state as worker_state
+
     if from_node == state.hostname:
         return None
     logger.info("sync with %s", from_node)
@@ -59,7 +67,33 @@ def hello(state: Any, from_node: str, revoked: Any = None, **kwargs: Any) -> Any
 
 def register() -> None:
     """Put the commands above in Celery's registry (idempotent)."""
+    from celery.worker.control import Panel, inspect_command
+
     if Panel.data.get("revoked") is not revoked:
         inspect_command(alias="dump_revoked")(revoked)
     if Panel.data.get("hello") is not hello:
         inspect_command(visible=False)(hello)
+
+
+#: The result states a revoke overwrites (Celery's ``_revoke`` leaves the others alone:
+#: a result there already, or a job another worker started).
+REVOCABLE = (states.PENDING, states.RECEIVED, states.RETRY, states.REJECTED)
+
+
+def mark_revoked(task_ids: list[str], backend: Any = None) -> None:
+    """Mark the results of revoked jobs as revoked in ``backend`` (default the worker's
+    app's, for the jobs its fetch dropped; none configured: nothing). A backend that fails
+    is logged on one line."""
+    from celery import current_app
+    from celery.backends.base import DisabledBackend
+
+    backend = backend if backend is not None else current_app.backend
+    if isinstance(backend, DisabledBackend):
+        return
+    for task_id in task_ids:
+        try:
+            if backend.get_state(task_id) in REVOCABLE:
+                backend.mark_as_revoked(task_id, reason="revoked", store_result=True)
+        except Exception as exc:
+            logger.warning("celery_ext: could not mark the result of revoked job %s: %s",
+                           one_line(task_id), one_line(f"{exc}"))

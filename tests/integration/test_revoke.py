@@ -68,9 +68,11 @@ def test_revoke_with_no_worker_up_holds_for_a_worker_started_later(
     for meta in dead.values():
         assert meta["reason"] == "revoked" and meta["via"] == "celery control revoke"
         assert ":" in meta["by"] and meta["revoked_at"] > 0
-    # The index says where they are: dead, revoked.
+    # The index says where they are: dead, revoked; the worker that dropped the queued
+    # one marked its result as Celery does.
     client = Client(redis_client)
     assert client.job(queued.id)["state"] == "dead"
+    assert queued.state == "REVOKED"
 
 
 def test_a_job_enqueued_after_its_revoke_does_not_run(

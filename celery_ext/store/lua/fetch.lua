@@ -65,7 +65,9 @@
 -- over the limit), recoveries or -1}, ...};
 -- empties = names of candidate queues found or left empty; blocked = names of
 -- candidate queues skipped (paused, at their limit or not due) or left at their limit
--- or not due; waits = {{queue name, µs until its next job is due}, ...}.
+-- or not due; waits = {{queue name, µs until its next job is due}, ...}; and, only when
+-- jobs were dropped as revoked, a sixth element: their task ids (the worker marks their
+-- results revoked, as Celery does for a revoked job it receives).
 local FAIR_TRIES = 8
 local MAX_WAIT_US = 86400000000
 local NFIXED = 17
@@ -150,6 +152,7 @@ if rated then
 end
 local tracked = false
 local any_revoked = redis.call('EXISTS', KEYS[13]) == 1
+local dropped = {}
 for i = 1, ncand do
   local first, qname = NFIXED + (i - 1) * nlev, ARGV[2 + i]
   if not skip[qname] and not checked[qname] then
@@ -206,6 +209,7 @@ for i = 1, ncand do
         local did = dead_add(KEYS[15], KEYS[16], rtag, rmeta .. '\n' .. qname .. '\n' .. payload)
         if indexed then jix_set(KEYS[12], tid, 'dead', qname, did, 'revoked') end
         dead_trim(KEYS[15], KEYS[16], KEYS[12], indexed and 1 or 0, dead_max, dead_age)
+        dropped[#dropped + 1] = tid
       else
         local tag = tag_of(payload)
         local track = string.sub(flags, i, i) == '1'
@@ -259,5 +263,8 @@ for i = 1, ncand do
 end
 if tracked then
   redis.call('SADD', KEYS[5], ARGV[1])
+end
+if #dropped > 0 then
+  return {1, jobs, empties, blocked, waits, dropped}
 end
 return {1, jobs, empties, blocked, waits}
