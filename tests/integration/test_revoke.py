@@ -185,8 +185,9 @@ def test_cancel_from_the_cli_and_the_client(
         broker_url: str, redis_client: redis.Redis, rec: redis.Redis,
         worker_factory: Factory) -> None:
     """``celery ext cancel ID`` of a countdown job removes it now and says so;
-    ``celery ext revoked`` lists it with who cancelled it; ``Client.cancel`` of a queued
-    job with no worker up: the worker started later does not run it."""
+    ``celery ext revoked`` lists it with who cancelled it; ``Client.cancel`` and
+    ``celery control revoke`` of queued jobs with no worker up: the worker started later
+    runs neither."""
     from tests.helpers import celery_cli
 
     mode = Mode("install", broker_url)
@@ -200,11 +201,15 @@ def test_cancel_from_the_cli_and_the_client(
     assert later.id in listing.stdout and "cancel" in listing.stdout
     outcome = Client(redis_client).cancel(queued.id, by="ops")
     assert outcome["queued"] == [queued.id]
+    # Celery's own command line, with no worker to answer it (it says so), holds too.
+    by_cli = mode.send(proj.record, "by-cli")
+    celery_cli("-A", APP, "control", "revoke", by_cli.id, broker_url=broker_url)
     mode.send(proj.record, "control")
     worker_factory(APP).start()
     wait_for(lambda: recorded(rec, "runs", "control"), 30, "the control job")
-    assert recorded(rec, "runs", "queued") == []
-    assert dead_reasons(redis_client)[queued.id]["by"] == "ops"
+    assert recorded(rec, "runs", "queued") == [] and recorded(rec, "runs", "by-cli") == []
+    dead = dead_reasons(redis_client)
+    assert dead[queued.id]["by"] == "ops" and dead[by_cli.id]["via"] == "celery control revoke"
 
 
 def test_revoke_racing_fetches_never_runs_a_job_twice_nor_loses_one(
