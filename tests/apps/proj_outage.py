@@ -1,8 +1,11 @@
-"""Test app for a Redis outage under a running job (issue 33): the job checks in at
-every step and writes its steps to a file, not to Redis, which the test kills."""
+"""Test app for faults under a job that checks in (issue 33): a Redis outage (the job
+writes its steps to a file, not to Redis, which the test kills), and a worker pool
+killed whole right after a job's first checkin."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -21,4 +24,13 @@ def stepping(self: Any, path: str, steps: int, pause: float) -> int:
     return steps
 
 
-__all__ = ["app", "stepping"]
+@app.task(bind=True)
+def checkin_then_die(self: Any) -> None:
+    """Checks in once, then SIGKILLs its whole worker pool (the worker's process group:
+    main process and children) before the pool's background thread, which writes a busy
+    record ``BUSY_RECORD_DELAY`` after the start, had its turn."""
+    self.checkin(message="first", progress=0.0)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+__all__ = ["app", "checkin_then_die", "stepping"]

@@ -1,10 +1,11 @@
-"""A Redis outage under a job that checks in (issue 33, item 1).
+"""Faults under a job that checks in (issue 33, items 1 and 10).
 
 The server is SIGKILLed while a job checks in at every step and started again from its
 AOF a few seconds later. Stock Celery has no checkin, so the same job would have
 finished: ``checkin()`` must not end it, its busy record and checkin must go with it,
 the pool's in-flight record must empty, and the outage must cost the worker's log a few
-lines, not a traceback per checkin.
+lines, not a traceback per checkin. And a pool killed whole right after a job's first
+checkin leaves no checkin behind once the reaper has found it dead.
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
+from celery_ext.config import Settings
 from celery_ext.testing.node import RedisServer
+from celery_ext.worker.observer import BUSY_RECORD_DELAY
+from celery_ext.worker.reaper import Reaper
 from tests.apps import proj
 from tests.helpers import Factory, K, wait_for
 
@@ -89,3 +94,27 @@ def test_a_job_checking_in_through_a_redis_outage_finishes_and_leaves_nothing(
             assert outage.count("Traceback (most recent call last)") <= MAX_OUTAGE_TRACEBACKS
         assert worker.alive
         worker.stop()  # before its server, whose end it would log
+
+
+FAST = {"CELERY_EXT_HEARTBEAT_INTERVAL": "0.25", "CELERY_EXT_DEAD_AFTER": "1.5"}
+
+
+def test_a_checkin_does_not_outlive_a_pool_killed_right_after_it(
+        broker_url: str, redis_client: redis.Redis, worker_factory: Factory) -> None:
+    """The job checks in, then kills its pool (main process and children) at once, well
+    within ``BUSY_RECORD_DELAY``: its busy record was written with its first checkin,
+    so the reaper, which drops the checkins of the jobs in a dead pool's busy hash, drops
+    this one too (before, it stayed in ``{ns}:checkins`` for good: no TTL)."""
+    assert BUSY_RECORD_DELAY > 0
+    proj.configure(broker_url)
+    from tests.apps import proj_outage
+
+    worker = worker_factory(APP, pool="prefork", concurrency=1, env=FAST).start()
+    (pool_id,) = wait_for(lambda: redis_client.zrange(K.pools, 0, -1), 10, "the pool")
+    job = proj_outage.checkin_then_die.delay()
+    wait_for(lambda: not worker.alive, 20, "the job to kill its pool")
+    assert redis_client.hexists(K.checkins, job.id)  # the checkin it left
+    reaper = Reaper(redis_client, Settings.load({}, environ=FAST))
+    wait_for(lambda: pool_id.decode() in reaper.reap().dead_pools, 10, "the reaper")
+    assert not redis_client.hexists(K.checkins, job.id)
+    assert redis_client.hlen(K.busy(pool_id.decode())) == 0
