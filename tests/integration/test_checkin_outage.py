@@ -96,6 +96,43 @@ def test_a_job_checking_in_through_a_redis_outage_finishes_and_leaves_nothing(
         worker.stop()  # before its server, whose end it would log
 
 
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_job_ending_during_a_redis_outage_is_stored_and_acked_when_it_is_back(
+        tmp_path: Path, worker_factory: Factory, pool: str) -> None:
+    """The job ends while the server is down: its result is stored once Redis is back
+    (``install(app)`` sets Celery's ``result_backend_always_retry``), its ack is applied
+    then and its records go. Before, its result was PENDING for good and, in a threads
+    pool, the tracer's error (the result's write gave up) was never reported: the job
+    stayed in the live pool's in-flight record until the worker stopped."""
+    with RedisServer(data_dir=tmp_path / "data") as server:
+        url = server.url(scheme="celery-ext")
+        proj.configure(url)
+        from tests.apps import proj_outage
+
+        worker = worker_factory(APP, broker_url=url, pool=pool, concurrency=2).start()
+        client = server.client()
+        (pool_id,) = wait_for(lambda: client.zrange(K.pools, 0, -1), 10, "the pool")
+        client.close()
+        path = tmp_path / "steps.txt"
+        job = proj_outage.stepping.delay(str(path), 10, PAUSE)
+        wait_for(lambda: len(steps_run(path)) >= 3, 20, "the first steps")
+        server.kill()
+        wait_for(lambda: len(steps_run(path)) == 10, 20, "the last step, Redis down")
+        time.sleep(DOWN_FOR)
+        server.start()
+
+        assert job.get(timeout=60) == 10
+        client = server.client()
+        wait_for(lambda: client.hlen(K.inflight(pool_id.decode())) == 0, 20,
+                 "the pool's in-flight record to empty")
+        wait_for(lambda: client.hlen(K.busy(pool_id.decode())) == 0, 10,
+                 "the job's busy record to go")
+        wait_for(lambda: client.hlen(K.checkins) == 0, 10, "the job's checkin to go")
+        assert client.zcard(K.dead) == 0
+        client.close()
+        worker.stop()
+
+
 FAST = {"CELERY_EXT_HEARTBEAT_INTERVAL": "0.25", "CELERY_EXT_DEAD_AFTER": "1.5"}
 
 
