@@ -96,7 +96,7 @@ def test_a_job_checking_in_through_a_redis_outage_finishes_and_leaves_nothing(
         worker.stop()  # before its server, whose end it would log
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads"])
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent", "solo"])
 def test_a_job_ending_during_a_redis_outage_is_stored_and_acked_when_it_is_back(
         tmp_path: Path, worker_factory: Factory, pool: str) -> None:
     """The job ends while the server is down: its result is stored once Redis is back
@@ -109,7 +109,8 @@ def test_a_job_ending_during_a_redis_outage_is_stored_and_acked_when_it_is_back(
         proj.configure(url)
         from tests.apps import proj_outage
 
-        worker = worker_factory(APP, broker_url=url, pool=pool, concurrency=2).start()
+        worker = worker_factory(APP, broker_url=url, pool=pool,
+                                concurrency=1 if pool == "solo" else 2).start()
         client = server.client()
         (pool_id,) = wait_for(lambda: client.zrange(K.pools, 0, -1), 10, "the pool")
         client.close()
