@@ -18,8 +18,9 @@ import pytest
 import redis
 
 from celery_ext.config import Settings
+from celery_ext.errors import CONNECTION_ERRORS
 from celery_ext.testing.node import RedisServer
-from celery_ext.worker.observer import BUSY_RECORD_DELAY
+from celery_ext.worker.observer import BUSY_RECORD_DELAY, Observer
 from celery_ext.worker.reaper import Reaper
 from tests.apps import proj
 from tests.helpers import Factory, K, wait_for
@@ -156,3 +157,23 @@ def test_a_checkin_does_not_outlive_a_pool_killed_right_after_it(
     wait_for(lambda: pool_id.decode() in reaper.reap().dead_pools, 10, "the reaper")
     assert not redis_client.hexists(K.checkins, job.id)
     assert redis_client.hlen(K.busy(pool_id.decode())) == 0
+
+
+def test_counters_a_flush_could_not_write_are_written_by_the_next(tmp_path: Path) -> None:
+    """The observer's processed/failed counters survive a flush made while Redis is
+    down: they are written by the first flush after it is back (they were dropped)."""
+    with RedisServer(data_dir=tmp_path / "data") as server:
+        client = server.client()
+        obs = Observer(client, Settings(), "pool-counters")
+        obs.job_finished("job-1", "q", "processed")
+        obs.job_finished("job-2", "q", "failed")
+        server.kill()
+        with pytest.raises(CONNECTION_ERRORS):
+            obs.flush(force_stats=True)
+        server.start()
+        obs.job_finished("job-3", "q", "processed")
+        wait_for(lambda: client.ping(), 10, "the server back")
+        obs.flush(force_stats=True)
+        stats = {k.decode(): int(v) for k, v in client.hgetall(K.stats).items()}
+        assert stats == {"processed": 2, "processed:q": 2, "failed": 1, "failed:q": 1}
+        client.close()
