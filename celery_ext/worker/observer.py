@@ -38,6 +38,7 @@ from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
 from celery_ext.text import one_line
 from celery_ext.worker.heartbeater import owning_pool_id
+from celery_ext.worker.outage import Outage
 
 logger = logging.getLogger("celery_ext.worker.observer")
 
@@ -91,43 +92,6 @@ def preview(args: Any, kwargs: Any) -> str:
     text = ", ".join([*(repr(a) for a in (args or ())),
                       *(f"{k}={v!r}" for k, v in (kwargs or {}).items())])
     return text if len(text) <= ARGS_PREVIEW_CHARS else text[:ARGS_PREVIEW_CHARS - 1] + "…"
-
-
-class _Outage:
-    """Redis out of reach, as this process's observer sees it: says so once when it
-    starts and once when it ends (not a line per write), and spaces the attempts while
-    it lasts (``OBSERVER_RETRY_INTERVAL``), so jobs checking in do not wait on Redis."""
-
-    __slots__ = ("_lock", "next_try", "since")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.since: float | None = None
-        self.next_try = 0.0
-
-    def waiting(self) -> bool:
-        """An attempt failed less than ``OBSERVER_RETRY_INTERVAL`` ago: do not try."""
-        return self.since is not None and time.monotonic() < self.next_try
-
-    def failed(self, exc: BaseException) -> None:
-        now = time.monotonic()
-        with self._lock:
-            first = self.since is None
-            if first:
-                self.since = now
-            self.next_try = now + OBSERVER_RETRY_INTERVAL
-        if first:
-            logger.warning("celery_ext: Redis unavailable, busy records, checkins and counters "
-                           "wait in memory until it is back: %s", one_line(str(exc)))
-
-    def ok(self) -> None:
-        if self.since is None:  # every write asks: no lock unless an outage ends
-            return
-        with self._lock:
-            since, self.since = self.since, None
-        if since is not None:
-            logger.warning("celery_ext: Redis back after %.1fs, busy records and checkins "
-                           "written again", time.monotonic() - since)
 
 
 class _CheckinState:
@@ -209,7 +173,9 @@ class Observer:
         #: Finished jobs whose records ``flush`` clears: (job id, slot, when it finished),
         #: in finish order.
         self._ends: list[tuple[str, str, float]] = []
-        self._outage = _Outage()
+        self._outage = Outage(
+            logger, "busy records, checkins and counters wait in memory until it is back",
+            "busy records and checkins written again")
 
     @classmethod
     def for_app(cls, app: Any) -> Observer | None:
