@@ -112,6 +112,11 @@ class Holdings:
             for tag in tags:
                 self._messages.pop(tag, None)
 
+    def acking_tags(self) -> list[str]:
+        """Tags whose ack was made and not yet confirmed."""
+        with self._lock:
+            return sorted(self._acking)
+
     def to_replay(self) -> list[str]:
         with self._lock:
             return sorted(self._replay)
@@ -198,32 +203,53 @@ class WorkerPool:
             logger.warning("celery_ext: could not mark pool stopping: %s", exc)
 
     def stop(self) -> None:
-        """Stop everything in reverse start order; return the jobs left in flight."""
+        """Stop everything in reverse start order; return the jobs left in flight.
+
+        Each step runs whatever the one before it raised (logged): a pool that stopped
+        half way would stay registered, its record full, its jobs waiting for another
+        pool's reaper, each counted as a recovery."""
         if self.state != "running":
             return
         self.state = "stopped"
-        if self.periodic is not None:
-            self.periodic.stop()
-        self.requeuer.stop()
-        self.reaper.stop()
-        stop_observers()
+        periodic = self.periodic
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("stop the periodic leader", periodic.stop if periodic else lambda: None),
+            ("stop the requeuer", self.requeuer.stop),
+            ("stop the reaper", self.reaper.stop),
+            ("flush the busy records", stop_observers),
+            ("apply the acks", self._settle_acks),
+            ("return the jobs left in flight", self._return_everything),
+            ("close the ack connection", self.acks.close),
+            ("leave the queues' copies", self.record.leave),
+            ("deregister", lambda: self.heartbeater.stop(deregister=True)),
+        ]
+        for what, step in steps:
+            try:
+                step()
+            except redis.RedisError as exc:
+                logger.error("celery_ext: pool %s could not %s at shutdown (%s)%s",
+                             self.pool_id, what, one_line(str(exc)),
+                             "; the reaper will requeue its jobs" if what.startswith(
+                                 "return") else "")
+            except Exception:
+                logger.exception("celery_ext: pool %s could not %s at shutdown; "
+                                 "stopping goes on", self.pool_id, what)
+
+    def _settle_acks(self) -> None:
+        """Shutdown: every ack made is applied before anything is returned. An ack
+        whose reply could not be read is applied again here (acks are idempotent), so
+        a finished job is never returned to run twice."""
         try:
-            self._return_everything()
-        except redis.RedisError as exc:
-            logger.error("celery_ext: could not return the jobs of pool %s at shutdown "
-                         "(%s); the reaper will requeue them", self.pool_id, exc)
-        self.acks.close()
-        try:
-            self.record.leave()
-        except redis.RedisError as exc:
-            logger.debug("celery_ext: could not leave the queues' copies: %s", exc)
-        self.heartbeater.stop(deregister=True)
+            self.event_loop_gone()
+            self.acks.flush()
+        except Exception:
+            self.holdings.unconfirmed(self.holdings.acking_tags())
+            raise
+        finally:
+            self._replay_acks()
 
     def _return_everything(self) -> None:
         """Shutdown: nothing of this process runs anymore; return what is left."""
-        self.event_loop_gone()
-        self.acks.flush()
-        self._replay_acks()
         left = set(self.record.tags())
         if not left:
             return
