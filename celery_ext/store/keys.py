@@ -47,7 +47,8 @@ Layout (``ns`` = namespace)::
     {ns}:wake                channel queue name, published when a queue becomes non-empty
     {ns}:pools               zset    pool id -> last heartbeat (Redis time, ms)
     {ns}:pool:<id>           hash    a pool's registration (host, pid, concurrency,
-                                     its dead_after_ms and heartbeat_interval_ms, ...)
+                                     its dead_after_ms and heartbeat_interval_ms, the job
+                                     queues it consumes ("consumes"; liveness.py), ...)
     {ns}:inflight:<id>       hash    delivery tag -> "<queue>\\n<payload>" jobs a pool owns
     {ns}:inflight_pools      set     pool ids that may own in-flight jobs (finds orphans)
     {ns}:redelivery          hash    delivery tag -> times recovered from a dead pool

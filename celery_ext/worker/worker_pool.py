@@ -50,6 +50,7 @@ from celery_ext.errors import CONNECTION_ERRORS
 from celery_ext.store.connections import green_sockets
 from celery_ext.store.job_index import index_ttl_ms
 from celery_ext.store.keys import Keys
+from celery_ext.store.liveness import QUEUES_FIELD, queues_field
 from celery_ext.store.memory import eviction_warning
 from celery_ext.text import one_line
 from celery_ext.worker.acks import AckSender, SyncAcks
@@ -174,6 +175,12 @@ class WorkerPool:
         #: the jobs runnable now have run (``_spawn_green_write``); it is due when True.
         self._green = green_sockets()
         self._green_write_due = False
+        #: The job queues each channel of the process consumes (``consumes``), and the
+        #: value last written to the registration (None: not yet, or the write failed).
+        self._consumed: weakref.WeakKeyDictionary[Any, frozenset[str]] = (
+            weakref.WeakKeyDictionary())
+        self._consumed_lock = threading.Lock()
+        self._consumed_written: str | None = None
         self.state = "new"
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -236,6 +243,31 @@ class WorkerPool:
         """Add registration details (node name, concurrency, ...): shown by the
         dashboard and ``celery ext status``."""
         self.heartbeater.update_info(**info)
+
+    def consumes(self, channel: Any, queues: frozenset[str]) -> None:
+        """The job queues ``channel`` now consumes (its consumers changed); written to
+        the registration by the next :meth:`describe_consumed`."""
+        with self._consumed_lock:
+            self._consumed[channel] = queues
+
+    def describe_consumed(self) -> None:
+        """Write the job queues the process consumes to the pool's registration if they
+        changed since last written, so readers can mark a queue no live pool consumes
+        (its jobs wait for a worker that knows the task). Called by the consumer before
+        a fetch: one write for all the consumers a worker starts, none after. A failed
+        write is tried again at the next call."""
+        with self._consumed_lock:
+            value = queues_field(q for names in list(self._consumed.values()) for q in names)
+            if value == self._consumed_written:
+                return
+            self._consumed_written = value
+        try:
+            self.heartbeater.set_info(**{QUEUES_FIELD: value})
+        except redis.RedisError as exc:
+            with self._consumed_lock:
+                self._consumed_written = None
+            logger.debug("celery_ext: could not record the queues pool %s consumes: %s",
+                         self.pool_id, exc)
 
     def _warn_on_eviction(self) -> None:
         try:
