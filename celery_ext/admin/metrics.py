@@ -35,6 +35,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from celery_ext.admin.overview import QUEUE_INFO_CHUNK, State, queue_info_rows
 from celery_ext.store.copies import copies, per_copy, set_counts
 from celery_ext.store.keys import (
+    RUNTIME_BUCKET_NAMES,
+    RUNTIME_BUCKETS,
     STAT_POISON_PILLS,
     STAT_POOLS_REAPED,
     STAT_RECOVERED,
@@ -42,7 +44,6 @@ from celery_ext.store.keys import (
 )
 from celery_ext.store.liveness import Liveness, consumed_by
 from celery_ext.store.scripts import sha
-from celery_ext.worker.observer import RUNTIME_BUCKET_NAMES, RUNTIME_BUCKETS
 
 logger = logging.getLogger("celery_ext.admin.metrics")
 
@@ -178,7 +179,7 @@ def read_snapshot(state: State) -> Snapshot:
                 latency=max(0.0, now_ms / 1000 - stamp) if stamp is not None else 0.0,
                 in_flight=max(0, in_flight.get(name, 0)),
                 paused=name in paused_names,
-                consumed=consumed is None or name in consumed)
+                consumed=name in consumed)
     beat_of = {bytes_to_str(p): s for p, s in beats}
     for i, pool_id in enumerate(pool_ids):
         _, busy, held = pool_replies[3 * i:3 * i + 3]

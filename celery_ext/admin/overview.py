@@ -23,7 +23,7 @@ from celery_ext.options.rate_limits import format_rate
 from celery_ext.store.clock import now_ms
 from celery_ext.store.copies import copies, per_copy
 from celery_ext.store.keys import Keys
-from celery_ext.store.liveness import Liveness, consumed_by, queues_of
+from celery_ext.store.liveness import Consumed, Liveness, queues_of
 from celery_ext.store.queue_sizes import (
     QUEUE_INFO_CHUNK,
     QueueSizes,
@@ -66,13 +66,13 @@ class State:
     def job_queues(self, offset: int = 0, limit: int | None = None,
                    prefix: str | None = None) -> list[QueueInfo]:
         """One page of job queues with size, latency, weight and counters."""
-        now, rows = self.sizes.sizes(offset, limit, prefix)
+        consumed = self.consumed_queues()
+        now, rows = self.sizes.sizes(offset, limit, prefix, consumed)
         if not rows:
             return []
         names = [name for name, _, _ in rows]
         reads = self._copies_reads(names) if self.keys.cluster else self._reads(names)
         fair = fair_info(self.client, self.keys, names)
-        consumed = self.consumed_queues()
         result: list[QueueInfo] = []
         for (name, size, stamp), (weight, paused, limit_, running, processed, failed,
                                   rate) in zip(rows, reads, strict=True):
@@ -88,23 +88,13 @@ class State:
                 processed=_int(processed),
                 failed=_int(failed),
                 fair=fair.get(name),
-                consumed=consumed is None or name in consumed,
+                consumed=name in consumed,
             ))
         return result
 
-    def consumed_queues(self) -> frozenset[str] | None:
-        """The job queues some live worker pool consumes (None: a live pool of an older
-        version does not say, and every queue counts as consumed). Two round trips."""
-        k = self.keys
-        beats = self.client.zrange(k.pools, 0, -1, withscores=True)
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.time()
-            for pool_id, _ in beats:
-                pipe.hgetall(k.pool(bytes_to_str(pool_id)))
-            (seconds, micros), *infos = pipe.execute()
-        now = int(seconds) * 1000 + int(micros) // 1000
-        return consumed_by(zip(infos, (beat for _, beat in beats), strict=True), now,
-                           self.settings)
+    def consumed_queues(self) -> Consumed:
+        """The job queues some live worker pool consumes (see :func:`consumed_by`)."""
+        return self.sizes.consumers()
 
     def _reads(self, names: list[str]) -> list[tuple[Any, bool, Any, Any, Any, Any, Any]]:
         """Per queue (one node, one pipeline): weight, paused, concurrency limit, jobs

@@ -123,12 +123,28 @@ class Liveness:
         return 2 * self.heartbeat_interval_ms + CONFIRM_SLACK_MS
 
 
+@dataclass(frozen=True)
+class Consumed:
+    """The job queues the live worker pools consume (``name in consumed``); ``every``
+    when one of them does not say (a pool of an older version): every queue counts."""
+
+    names: frozenset[str] = frozenset()
+    every: bool = False
+
+    def __contains__(self, name: object) -> bool:
+        return self.every or name in self.names
+
+
+#: What a reader that did not look assumes: every queue is consumed (nothing is
+#: forgotten for want of a consumer).
+EVERY = Consumed(every=True)
+
+
 def consumed_by(pools: Iterable[tuple[Mapping[Any, Any], float | None]], now_ms: int,
-                settings: Settings) -> frozenset[str] | None:
+                settings: Settings) -> Consumed:
     """The job queues consumed by the live pools among ``pools`` (each a pool hash and
     its heartbeat, Redis time): those judged alive by the reaper's rule and not
-    stopping (a stopping pool fetches nothing more). None when one of them does not
-    say what it consumes: every queue then counts as consumed."""
+    stopping (a stopping pool fetches nothing more)."""
     out: set[str] = set()
     for info, beat in pools:
         if not info or Liveness.of(info, settings).stale(beat, now_ms) \
@@ -136,6 +152,6 @@ def consumed_by(pools: Iterable[tuple[Mapping[Any, Any], float | None]], now_ms:
             continue
         names = queues_of(info)
         if names is None:
-            return None
+            return EVERY
         out.update(names)
-    return frozenset(out)
+    return Consumed(frozenset(out))
