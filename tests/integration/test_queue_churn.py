@@ -3,10 +3,11 @@
 A worker consumes job queues of names made up for the test, runs one job of each and
 stops; then a reader (``Client.job_queues()``, as the dashboard and the CLI call it)
 runs. Every name is forgotten: from the registry ``{ns}:queues``, with its fields of
-``{ns}:stats`` and ``{ns}:runtime``; on a cluster also from the home registry, so the
-reaper's pass runs one script for the home copy again, not one per queue ever seen.
-Before, the per-queue fields stayed for good on one node, and on a cluster the home
-registry never shrank. One node and a cluster, real workers.
+``{ns}:stats``, ``{ns}:runtime`` and ``{ns}:running`` (a count of 0 since its last
+ack); on a cluster also from the home registry, so the reaper's pass runs one script
+for the home copy again, not one per queue ever seen. Before, the per-queue fields
+stayed for good on one node, and on a cluster the home registry never shrank. One node
+and a cluster, real workers.
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ APP = "tests.apps.proj_cluster"  # its tasks record their runs on a one-node ser
 
 
 def per_queue_fields(client: Any, keys: Keys, names: list[str]) -> list[str]:
-    """The fields of ``names`` left in the stats and runtime hashes of every copy."""
+    """The fields of ``names`` left in the stats, runtime and running hashes of every
+    copy."""
     left = []
     for copy in {keys, *(keys.of(n) for n in names)}:
         for hash_key in (copy.stats, copy.runtime):
             left += [f.decode() for f in client.hkeys(hash_key)
                      if f.decode().partition(":")[2] in names]
+        left += [f"running {f.decode()}" for f in client.hkeys(copy.running)
+                 if f.decode() in names]
     return left
 
 

@@ -22,7 +22,7 @@
 -- list is gone) when it is one of Kombu's remote-control reply queues ("*.pidbox", see enqueue.lua), or when
 -- its list is gone (drained, deleted, expired) and nothing configures or uses it: not
 -- paused, no max_concurrency, no weight written by a worker pool, no job in flight, no
--- live pool consuming it. Its fields of the counters and runtime hashes go with it, so
+-- live pool consuming it. Its fields of the running, counters and runtime hashes go with it, so
 -- names that come and go leave nothing behind (a late counter flush adds the name again,
 -- stats.lua, and the next read forgets both).
 -- A job in the scheduled or retry set brings its name back when it is promoted.
@@ -94,6 +94,7 @@ for n = 1, nnames do
   if string.sub(name, -7) == '.pidbox' or (size == 0 and not in_use(n, name)) then
     redis.call('SREM', known, name)
     if size == 0 then redis.call('SREM', ready, name) end
+    redis.call('HDEL', running, name)  -- its count of jobs in flight, 0 since the last ack
     forget_fields(stats, ARGV[2], name)
     forget_fields(runtime, ARGV[3], name)
     size = -1
