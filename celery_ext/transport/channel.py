@@ -226,9 +226,9 @@ class Channel(kredis.Channel):
 
     def _consumers_changed(self) -> None:
         """Tell the pool (the next fetch writes it to its registration: readers mark a
-        job queue no live pool consumes)."""
+        job queue no live pool consumes); nothing is computed per consumer here."""
         if self._worker_pool is not None:
-            self._worker_pool.consumes(self, self.consumed_job_queues())
+            self._worker_pool.consumes(self)
 
     def _update_queue_cycle(self) -> None:
         """Unused: Kombu calls this after every basic_consume and basic_cancel to
@@ -263,7 +263,7 @@ class Channel(kredis.Channel):
         pool = self._worker_pool
         if pool is None:
             pool = self._worker_pool = pool_for(self.new_client, self.settings, self.server_id)
-            pool.consumes(self, self.consumed_job_queues())
+            pool.consumes(self)
             pool.describe_consumed()
         return pool
 

@@ -204,6 +204,7 @@ def describe_pool(sender: Any = None, **kwargs: Any) -> None:
     controller = getattr(c, "controller", None)
     executor_cls = getattr(controller, "pool_cls", None)
     consumed = c.app.amqp.queues.consume_from
+    pool.describe_consumed()  # the consumers are up: the registration below carries them
     pool.describe(
         node=c.hostname,
         concurrency=getattr(controller, "concurrency", "") or "",

@@ -175,10 +175,10 @@ class WorkerPool:
         #: the jobs runnable now have run (``_spawn_green_write``); it is due when True.
         self._green = green_sockets()
         self._green_write_due = False
-        #: The job queues each channel of the process consumes (``consumes``), and the
-        #: value last written to the registration (None: not yet, or the write failed).
-        self._consumed: weakref.WeakKeyDictionary[Any, frozenset[str]] = (
-            weakref.WeakKeyDictionary())
+        #: The channels whose consumers changed (``consumes``) and the job queues of
+        #: the last registration write (None: not yet, or it failed).
+        self._consumers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._consumers_changed = False
         self._consumed_lock = threading.Lock()
         self._consumed_written: str | None = None
         self.state = "new"
@@ -244,20 +244,22 @@ class WorkerPool:
         dashboard and ``celery ext status``."""
         self.heartbeater.update_info(**info)
 
-    def consumes(self, channel: Any, queues: frozenset[str]) -> None:
-        """The job queues ``channel`` now consumes (its consumers changed); written to
-        the registration by the next :meth:`describe_consumed`."""
+    def consumes(self, channel: Any) -> None:
+        """``channel``'s consumers changed: :meth:`describe_consumed` writes them."""
         with self._consumed_lock:
-            self._consumed[channel] = queues
+            self._consumers.add(channel)
+            self._consumers_changed = True
 
     def describe_consumed(self) -> None:
-        """Write the job queues the process consumes to the pool's registration if they
-        changed since last written, so readers can mark a queue no live pool consumes
-        (its jobs wait for a worker that knows the task). Called by the consumer before
-        a fetch: one write for all the consumers a worker starts, none after. A failed
-        write is tried again at the next call."""
+        """Write the job queues the process consumes to the registration when they changed
+        (readers mark a queue no live pool consumes). Before each fetch: one write for
+        all the consumers a worker starts; a failed one is tried again at the next."""
+        if not self._consumers_changed:
+            return
         with self._consumed_lock:
-            value = queues_field(q for names in list(self._consumed.values()) for q in names)
+            self._consumers_changed = False
+            value = queues_field(q for channel in list(self._consumers)
+                                 for q in channel.consumed_job_queues())
             if value == self._consumed_written:
                 return
             self._consumed_written = value
@@ -265,7 +267,7 @@ class WorkerPool:
             self.heartbeater.set_info(**{QUEUES_FIELD: value})
         except redis.RedisError as exc:
             with self._consumed_lock:
-                self._consumed_written = None
+                self._consumed_written, self._consumers_changed = None, True
             logger.debug("celery_ext: could not record the queues pool %s consumes: %s",
                          self.pool_id, exc)
 
