@@ -28,7 +28,8 @@ so the retried job runs.
 
 Bounded: a revoke lapses ``revoked_ttl`` seconds after it was made, and a copy keeps at
 most ``revoked_max`` ids (Celery's ``REVOKE_EXPIRES`` and ``REVOKES_MAX``); each revoke
-drops up to 100 lapsed ids and 100 over the cap.
+drops up to 100 lapsed ids and 100 over the cap, and both keys of a copy expire when its
+last revoke lapses (a copy no later revoke visits goes whole).
 """
 
 from __future__ import annotations

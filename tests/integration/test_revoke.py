@@ -114,7 +114,9 @@ def test_revoked_ids_are_bounded(redis_client: redis.Redis, broker_url: str) -> 
     assert sorted(r.decode() for r in redis_client.zrange(K.revoked, 0, -1)) == \
         ["c2", "c3", "c4"]
     assert redis_client.hlen(K.revoked_by) == 3
+    assert 0 < redis_client.pttl(K.revoked) <= 300 and 0 < redis_client.pttl(K.revoked_by) <= 300
     time.sleep(0.35)
+    assert not redis_client.exists(K.revoked, K.revoked_by)  # (a copy no revoke visits)
     assert client.revoked() == []
     client.cancel("c5")
     assert [r.decode() for r in redis_client.zrange(K.revoked, 0, -1)] == ["c5"]

@@ -21,6 +21,7 @@
 -- ARGV[6]  job index TTL of finished entries in ms, "0" = no index (nothing is found
 --          by id then: a scheduled job is dropped at the fetch after its promotion)
 -- ARGV[7..] task ids
+-- Both revoked keys expire ARGV[2] ms after this revoke, when every id in them has lapsed.
 -- Returns {moved, inflight, queued}: moved = {task id, "scheduled" or "retry", ...} of
 -- the jobs moved to the dead set; inflight, queued = task ids the index says are in
 -- flight or queued in this copy.
@@ -67,5 +68,9 @@ for _, id in ipairs(old) do
   redis.call('ZREM', KEYS[1], id)
   redis.call('HDEL', KEYS[2], id)
 end
+-- Every id here lapses by then: a copy no later revoke visits (its job queue forgotten
+-- on a cluster) loses both keys whole.
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
 dead_trim(KEYS[5], KEYS[6], KEYS[3], indexTtl, tonumber(ARGV[4]), tonumber(ARGV[5]))
 return {moved, inflight, queued}
