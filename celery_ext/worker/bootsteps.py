@@ -283,6 +283,7 @@ def add_worker_parts(app: Any) -> None:
     control.register()
     app.steps["consumer"].add(Sets)
     app.steps["consumer"].add(DeadLetters)
+    app.steps["consumer"].add(RevokedEvents)
     app.steps["consumer"].add(PeriodicJobs)
     app.steps["consumer"].add(NewTasks)
     if "on_bound" not in vars(app.Task):
@@ -470,6 +471,19 @@ class DeadLetters(bootsteps.Step):
         if not getattr(c, "_celery_ext_dead_letters", False):
             wrap_consumer_handlers(c)
             c._celery_ext_dead_letters = True
+
+
+class RevokedEvents(bootsteps.Step):
+    """Consumer step: the jobs the fetch drops as revoked are announced with Celery's
+    ``task-revoked`` event from this consumer, as Celery announces a revoked job it
+    receives (``worker/control.mark_revoked``): Flower shows them revoked."""
+
+    name = "celery_ext.RevokedEvents"
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        from celery_ext.worker import control
+
+        control.watch(c)
 
 
 class PeriodicJobs(bootsteps.StartStopStep):

@@ -13,12 +13,14 @@ not ours answers as Celery does.
 
 And what Celery does for a revoked job it receives, for the jobs the fetch drops as
 revoked (:func:`mark_revoked`): their results say ``REVOKED``, so a caller waiting on one
-is answered (a revoke sent while no worker was up has no worker to do it otherwise).
+is answered (a revoke sent while no worker was up has no worker to do it otherwise), and a
+worker that sends events (``-E``) announces each with ``task-revoked`` (Flower).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 from celery import states
@@ -80,14 +82,37 @@ def register() -> None:
 REVOCABLE = (states.PENDING, states.RECEIVED, states.RETRY, states.REJECTED)
 
 
+#: The worker's consumer (``bootsteps.RevokedEvents``): its event dispatcher announces the
+#: jobs the fetch drops as revoked.
+_consumer: weakref.ReferenceType[Any] | None = None
+
+
+def watch(consumer: Any) -> None:
+    """Announce dropped revoked jobs through ``consumer``'s events (when it sends any)."""
+    global _consumer
+    _consumer = weakref.ref(consumer)
+
+
 def mark_revoked(task_ids: list[str], backend: Any = None) -> None:
     """Mark the results of revoked jobs as revoked in ``backend`` (default the worker's
-    app's, for the jobs its fetch dropped; none configured: nothing). A backend that fails
-    is logged on one line."""
+    app's, for the jobs its fetch dropped: those are also announced with a ``task-revoked``
+    event when the worker sends events; no backend configured: no result). A backend or
+    an event that fails is logged on one line."""
     from celery import current_app
     from celery.backends.base import DisabledBackend
 
-    backend = backend if backend is not None else current_app.backend
+    if backend is None:
+        backend = current_app.backend
+        consumer = _consumer() if _consumer is not None else None
+        dispatcher = getattr(consumer, "event_dispatcher", None)
+        if dispatcher is not None and dispatcher.enabled:
+            for task_id in task_ids:
+                try:
+                    dispatcher.send("task-revoked", uuid=task_id, terminated=False,
+                                    signum=None, expired=False)
+                except Exception as exc:
+                    logger.warning("celery_ext: could not announce revoked job %s: %s",
+                                   one_line(task_id), one_line(f"{exc}"))
     if isinstance(backend, DisabledBackend):
         return
     for task_id in task_ids:

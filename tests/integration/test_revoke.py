@@ -9,6 +9,7 @@ broadcast (``producer/control.py``), and every fetch checks the jobs it pops.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
@@ -372,3 +373,38 @@ def test_mingle_hello_reply_carries_no_revoked_ids(
     assert replies and next(iter(replies.values()))["revoked"] == []
     listed = next(iter((mode.app.control.inspect(timeout=5).revoked() or {}).values()))
     assert sorted(listed) == sorted([*ids, "from-peer"])
+
+
+def test_a_dropped_revoked_job_is_announced_with_a_task_revoked_event(
+        broker_url: str, redis_client: redis.Redis, worker_factory: Factory) -> None:
+    """A worker that sends events (``-E``) announces a job its fetch dropped as revoked
+    with Celery's ``task-revoked`` event, as Celery does for a revoked job it receives
+    (Flower's task list shows it revoked)."""
+    import threading
+
+    mode = Mode("install", broker_url)
+    job = mode.send(proj.record, "queued")
+    mode.app.control.revoke(job.id)
+    seen: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 40
+
+    def listen() -> None:
+        with mode.app.connection_for_read() as conn:
+            def on_revoked(event: dict[str, Any]) -> None:
+                seen.append(event)
+                receiver.should_stop = True
+
+            def on_any(event: dict[str, Any]) -> None:  # (the worker's heartbeats)
+                receiver.should_stop = time.monotonic() > deadline
+
+            receiver = mode.app.events.Receiver(
+                conn, handlers={"task-revoked": on_revoked, "*": on_any})
+            with contextlib.suppress(TimeoutError):  # (no event at all within 40 s)
+                receiver.capture(limit=None, timeout=40, wakeup=False)
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    time.sleep(1.0)  # (subscribed before the worker starts)
+    worker_factory(APP, extra_args=["-E"]).start()
+    listener.join(40)
+    assert [e["uuid"] for e in seen] == [job.id]
