@@ -292,6 +292,9 @@ def test_revoke_with_no_worker_up_on_a_cluster(
         # test_cluster_workers.py's matter; here: revoked never, the others ran.)
         assert [min(n, 1) for n in runs(rec, name, 3)] == [1, 0, 1], name
     assert runs(rec, "later", 1) == [0]
+    replies = app.control.inspect(timeout=5).revoked() or {}
+    assert [sorted(ids) for ids in replies.values()] == [
+        sorted([*(sent[n][1].id for n in names), later.id])]
     config = cluster_config([url], {"cluster": True})
     assert config is not None
     rc = cluster_client(config, {"socket_timeout": 5.0})
