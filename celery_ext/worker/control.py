@@ -7,7 +7,8 @@ not ours answers as Celery does.
 * ``inspect revoked``: the revokes that hold in Redis (``store/revoked.py``), so a worker
   started after a revoke lists it, without mingle; and the ids this worker was told.
 * ``hello`` (mingle, at a worker's start): Celery's reply carries every revoked id the
-  worker holds (up to 50,000, about 40 bytes each: 2 MB in one reply key). Every fetch
+  worker holds (up to 50,000, about 40 bytes each: 2.0 MB of JSON, 2.7 MB in its reply
+  key once Kombu base64-encodes it, per worker that replies). Every fetch
   checks the revokes in Redis, so a starting worker needs none of them: the reply carries
   the clock only, and the ids a peer sends are still merged as Celery does.
 
