@@ -74,6 +74,9 @@ class InflightRecord:
         self._queue_of: dict[str, str] = {}
         #: Cluster: the copies fetched from since the record was last read whole.
         self._touched: set[Keys] = set()
+        #: The unique lock digest of each job locked until finished that this process
+        #: delivered and has not finished: its ack releases the lock (``ack_call``).
+        self._locks: dict[str, str] = {}
 
     # -- where the record is (one copy on one node) -----------------------------------
     def copies(self) -> list[Keys]:
@@ -103,7 +106,13 @@ class InflightRecord:
         if self.keys.cluster:
             self._queue_of[tag] = queue
 
+    def locked(self, tag: str, digest: str) -> None:
+        """A delivered job is locked until finished by the lock ``digest``."""
+        self._locks[tag] = digest
+
     def finished(self, tags: Sequence[str]) -> None:
+        for tag in tags:
+            self._locks.pop(tag, None)
         if self.keys.cluster:
             for tag in tags:
                 self._queue_of.pop(tag, None)
@@ -134,10 +143,12 @@ class InflightRecord:
     # -- moves ----------------------------------------------------------------------------
     def ack_call(self, tags: list[str], keys: Keys | None = None
                  ) -> tuple[list[str], list[Any]]:
-        """KEYS and ARGV of the ``ack`` script for ``tags`` of one copy (tags last)."""
+        """KEYS and ARGV of the ``ack`` script for ``tags`` of one copy (tags last); the
+        unique locks of the jobs locked until finished among them go last in KEYS."""
         k = keys or self.keys
+        locks = {k.unique(d) for d in (self._locks.get(t) for t in tags) if d is not None}
         return ([k.inflight(self.pool_id), k.redelivery, k.running, k.limits, k.ready,
-                 *index_keys(k)], [k.wake_channel, self.index_ttl, *tags])
+                 *index_keys(k), *sorted(locks)], [k.wake_channel, self.index_ttl, *tags])
 
     def ack(self, tags: list[str]) -> int:
         """Drop finished jobs from the record; tags no longer in it are ignored."""
