@@ -31,6 +31,10 @@ DEFAULT_REAP_INTERVAL = 10.0
 #: An idle pool re-reads which job queues hold jobs this often, in case a wake-up
 #: notification was missed (pub/sub is at-most-once). Its only idle command.
 DEFAULT_IDLE_REFRESH_INTERVAL = 1.0
+#: While Redis cannot be reached, a job's process tries its busy records, checkins and
+#: counters again this often (seconds); meanwhile they wait in memory and a checkin
+#: answers from what it last heard, so an outage costs the jobs no round trips.
+OBSERVER_RETRY_INTERVAL = 1.0
 #: A job recovered from dead pools more often than this goes to the dead set.
 DEFAULT_MAX_RECOVERIES = 3
 #: Weight of a job queue whose task sets none.

@@ -22,11 +22,18 @@ logger = logging.getLogger("celery_ext")
 CELERY_DEFAULT_STRATEGY = "celery.worker.strategy:default"
 
 #: Celery settings install() changes unless the user set them: a job is acked when
-#: it *finishes* (so it stays in its pool's in-flight record while running), and a
-#: job whose prefork child died is returned to its queue instead of dropped.
+#: it *finishes* (so it stays in its pool's in-flight record while running), a job
+#: whose prefork child died is returned to its queue instead of dropped, and a result
+#: backend on a Redis out of reach retries its write until Redis is back: when it
+#: gives up, Celery's tracer raises out of the job, which a threads, gevent or solo
+#: pool never reports (the job is neither acked nor failed, its result PENDING). Its
+#: first wait is 0.5 s, not 10 ms: Celery logs each retry with its traceback, and an
+#: outage of a few seconds should cost a few of them, not ten.
 DEFAULTS: dict[str, Any] = {
     "task_acks_late": True,
     "task_reject_on_worker_lost": True,
+    "result_backend_always_retry": True,
+    "result_backend_base_sleep_between_retries_ms": 500,
 }
 
 

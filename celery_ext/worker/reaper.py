@@ -316,12 +316,18 @@ class Reaper(BackgroundLoop):
         interval = self.settings.reap_interval
         # Short first wait so a fresh pool checks soon; jitter spreads pools apart.
         wait = min(interval, self.settings.heartbeat_interval) * random.uniform(0.5, 1.0)
+        failing = False  # an outage is logged when it starts and when it ends, once
         while not self._stop.wait(wait):
             try:
                 self.tick()
+                if failing:
+                    logger.info("celery_ext: reaper reached Redis again")
+                    failing = False
             except redis.RedisError as exc:
-                logger.warning("celery_ext: reaper pass skipped (Redis unreachable or "
-                               "refusing writes): %s", exc)
+                if not failing:
+                    logger.warning("celery_ext: reaper passes skipped until Redis answers "
+                                   "(unreachable or refusing writes): %s", exc)
+                    failing = True
             except Exception:
                 logger.exception("celery_ext: reaper pass failed")
             wait = interval * random.uniform(0.8, 1.2)
