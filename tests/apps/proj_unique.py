@@ -25,16 +25,21 @@ def held(self: Any, key: str, seconds: float = 0.0) -> None:
 
 @app.task(bind=True, unique="until_finished", unique_key=lambda key: key, max_retries=1)
 def held_retry(self: Any, key: str) -> None:
-    """Fails its first run and retries 1.5 s later, under the same lock."""
+    """Fails its first run and retries 1.5 s later, under the same lock; the retry's run
+    takes 1.5 s."""
     recorder().rpush(f"runs:{key}", str(self.request.retries))
     if self.request.retries == 0:
         raise self.retry(countdown=1.5)
+    time.sleep(1.5)
+    recorder().rpush(f"done:{key}", str(self.request.retries))
 
 
 @app.task(unique="until_finished", unique_key=lambda key: key)
 def held_fails(key: str) -> None:
-    """Fails without retries: it goes to the dead set, and its lock with it."""
+    """Fails 1 s after it starts, without retries: it goes to the dead set, and its
+    lock with it."""
     recorder().rpush(f"runs:{key}", "x")
+    time.sleep(1.0)
     raise ValueError(f"{key} fails")
 
 

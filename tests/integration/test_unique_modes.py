@@ -74,7 +74,8 @@ def test_until_finished_runs_once_while_it_runs(
 def test_until_finished_keeps_its_lock_through_a_retry(
         app: Any, redis_client: redis.Redis, rec: redis.Redis, worker_factory: Factory) -> None:
     """A failed run retried through the retry set keeps the lock (the retry takes it
-    over before the old message is acked); the retry's success releases it."""
+    over before the old message is acked), while it waits and while it runs; the
+    retry's success releases it."""
     start_workers(worker_factory, 1, app=APP, pool="threads", concurrency=4)
     first = app.held_retry.delay("r")
     wait_for(lambda: recorded(rec, "runs", "r") == ["0"], 20, "the first run")
@@ -83,6 +84,8 @@ def test_until_finished_keeps_its_lock_through_a_retry(
     assert locks(redis_client)
     assert app.held_retry.delay("r").id == first.id  # still held: nothing enqueued
     wait_for(lambda: recorded(rec, "runs", "r") == ["0", "1"], 20, "the retry's run")
+    assert app.held_retry.delay("r").id == first.id  # the retry runs: still held
+    wait_for(lambda: recorded(rec, "done", "r"), 20, "the retry to finish")
     wait_for(lambda: not locks(redis_client), 5, "the lock released after the retry")
     time.sleep(1.0)
     assert recorded(rec, "runs", "r") == ["0", "1"]
@@ -90,10 +93,12 @@ def test_until_finished_keeps_its_lock_through_a_retry(
 
 def test_until_finished_dead_job_releases_its_lock(
         app: Any, redis_client: redis.Redis, rec: redis.Redis, worker_factory: Factory) -> None:
-    """A job that fails for good goes to the dead set and its lock is released in the
-    same script."""
+    """A job that fails for good holds its lock while it runs, goes to the dead set, and
+    its lock is released in the same script."""
     start_workers(worker_factory, 1, app=APP, pool="threads", concurrency=2)
-    app.held_fails.delay("f")
+    first = app.held_fails.delay("f")
+    wait_for(lambda: recorded(rec, "runs", "f"), 20, "the job to start")
+    assert app.held_fails.delay("f").id == first.id
     wait_for(lambda: redis_client.zcard(K.dead) == 1, 20, "the job in the dead set")
     assert not locks(redis_client)
     app.held_fails.delay("f")
