@@ -71,6 +71,24 @@ def test_until_finished_runs_once_while_it_runs(
     wait_for(lambda: not locks(redis_client), 5, "the second lock released")
 
 
+def test_until_finished_on_a_drop_in_worker_with_acks_late(
+        app: Any, redis_client: redis.Redis, rec: redis.Redis, worker_factory: Factory) -> None:
+    """A drop-in worker (no ``install(app)``, Celery's own ``task_acks_late``) running an
+    ``install(app)`` producer's jobs: the transport's ack releases the lock, so the job
+    is locked until it finishes there too."""
+    start_workers(worker_factory, 1, app=APP, pool="prefork", concurrency=4,
+                  queues=[app.held.name],
+                  env={"CELERY_EXT_NO_INSTALL": "1", "TEST_ACKS_LATE": "1"})
+    first = app.held.delay("w", 2.0)
+    wait_for(lambda: recorded(rec, "start", "w"), 20, "the job to start")
+    assert [app.held.delay("w", 2.0).id for _ in range(5)] == [first.id] * 5
+    wait_for(lambda: recorded(rec, "runs", "w"), 20, "the job to finish")
+    wait_for(lambda: not locks(redis_client), 5, "the lock released by the ack")
+    assert app.held.delay("w", 0.0).id != first.id
+    wait_for(lambda: len(recorded(rec, "runs", "w")) == 2, 20, "the next run")
+    assert len(recorded(rec, "start", "w")) == 2
+
+
 def test_until_finished_keeps_its_lock_through_a_retry(
         app: Any, redis_client: redis.Redis, rec: redis.Redis, worker_factory: Factory) -> None:
     """A failed run retried through the retry set keeps the lock (the retry takes it
