@@ -144,6 +144,23 @@ def test_until_finished_job_of_a_killed_pool_runs_again_once(
     assert recorded(rec, "runs", "s")[0].split(":")[0] != str(victim.pid)
 
 
+def test_until_finished_poison_pill_releases_its_lock(
+        app: Any, redis_client: redis.Redis, rec: redis.Redis, worker_factory: Factory) -> None:
+    """A job whose pool died once too often goes to the dead set from the reaper's
+    recovery, which releases its lock in the same script."""
+    env = {**FAST_REAPER, "CELERY_EXT_MAX_RECOVERIES": "0"}
+    victim = worker_factory(APP, pool="threads", concurrency=2, env=env).start()
+    app.held.delay("p", 5.0)
+    wait_for(lambda: recorded(rec, "start", "p"), 20, "the job to start")
+    assert locks(redis_client)
+    victim.stop(signal.SIGKILL)
+    worker_factory(APP, pool="threads", concurrency=2, env=env).start()
+    wait_for(lambda: redis_client.zcard(K.dead) == 1, 30, "the job in the dead set")
+    assert not locks(redis_client)
+    assert app.held.delay("p", 0.0)  # a new job, run at once
+    wait_for(lambda: recorded(rec, "runs", "p"), 20, "the new job to run")
+
+
 @pytest.mark.parametrize("pool", ["prefork", "gevent"])
 def test_debounce_burst_runs_once_with_the_latest_arguments(
         app: Any, pool: str, redis_client: redis.Redis, rec: redis.Redis,
