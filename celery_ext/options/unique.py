@@ -23,7 +23,8 @@ Two modes say how long the lock lives (see docs/sets.md, "Unique jobs"):
   (they are the same job) and take the lock again if it is free.
 * ``until_finished``: the lock is held from the enqueue through the run and every
   retry, and released by the script of the job's final move: the ``ack`` of its last
-  run, its move to the dead set, or its deletion from a set. Its value is the task id
+  run, its move to the dead set (a poison pill's too, in ``recover``), or its deletion
+  from a set. Its value is the task id
   and the delivery tag of the message holding it (:func:`lock_value`): a retry is a
   new message under the same task id, which takes the lock over when it is published
   (before the old message is acked), so the old message's ack leaves it alone. A job
@@ -33,8 +34,8 @@ Two modes say how long the lock lives (see docs/sets.md, "Unique jobs"):
 
 The TTL (``unique_ttl`` option, default ``Settings.unique_ttl``, counted from the
 job's due time, and for ``until_finished`` renewed when the job starts) is the safety
-net for a lock whose job never reaches its release (purged queue, a crash between two
-scripts, a poison pill dead-lettered by the reaper). Deleting a scheduled, retry or
+net for a lock whose job never reaches its release (a purged queue, a crash between
+two scripts). Deleting a scheduled, retry or
 dead job through ``celery_ext.client`` releases its lock in the same script
 (:func:`lock_of` reads it from the stored message).
 
