@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,18 +22,15 @@ from celery import Celery
 import celery_ext
 import celery_ext.client
 from celery_ext.store.keys import Keys
-from celery_ext.testing.server import ClusterGroup, RedisServer
+from celery_ext.testing.server import ClusterGroup
 from tests.apps import proj
 from tests.helpers import Factory, recorded, start_workers, wait_for
+from tests.integration.test_cluster_workers import records as records  # the fixture
+from tests.integration.test_unique_limits import FAST_REAPER
 from tests.workers import WorkerProcess
 
 K = Keys("celery_ext")
 APP = "tests.apps.proj_unique"
-FAST_REAPER = {
-    "CELERY_EXT_HEARTBEAT_INTERVAL": "0.25",
-    "CELERY_EXT_DEAD_AFTER": "1.5",
-    "CELERY_EXT_REAP_INTERVAL": "0.5",
-}
 
 
 @pytest.fixture
@@ -184,16 +181,6 @@ def test_debounce_burst_runs_once_with_the_latest_arguments(
 # -- a cluster ------------------------------------------------------------------------
 
 CLUSTER_APP = "tests.apps.proj_cluster"
-
-
-@pytest.fixture
-def records(redis_server: RedisServer) -> Iterator[tuple[str, redis.Redis]]:
-    """Where the cluster app's tasks record their runs: db 3 of the one-node server."""
-    url = redis_server.url(db=3)
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url, client
-    client.close()
 
 
 def _declared(i: int, sleep: float = 0.0, hold: str = "") -> None:
