@@ -47,3 +47,11 @@ def held_fails(key: str) -> None:
 def debounced(key: str, n: int) -> None:
     """Runs 2 s after the latest enqueue for ``key``, with that enqueue's ``n``."""
     recorder().rpush(f"runs:{key}", str(n))
+
+
+@app.task(bind=True, unique="until_finished", unique_key=lambda key, n: key, debounce=1.0)
+def debounced_held(self: Any, key: str, n: int) -> None:
+    """Debounced, then locked until it finishes (a run takes 2 s)."""
+    recorder().rpush(f"start:{key}", f"{n}:{self.request.id}")
+    time.sleep(2.0)
+    recorder().rpush(f"runs:{key}", str(n))

@@ -178,6 +178,21 @@ def test_debounce_burst_runs_once_with_the_latest_arguments(
     assert recorded(rec, "runs", "d") == ["999", "1000"]
 
 
+def test_debounce_with_until_finished_holds_through_the_run(
+        app: Any, redis_client: redis.Redis, rec: redis.Redis, worker_factory: Factory) -> None:
+    """Debounced and locked until finished: the burst runs once with its latest
+    arguments, an enqueue while that run goes on is a no-op, and its ack frees the key."""
+    start_workers(worker_factory, 1, app=APP, pool="threads", concurrency=4)
+    ids = [app.debounced_held.delay("b", n).id for n in range(50)]
+    wait_for(lambda: recorded(rec, "start", "b"), 20, "the debounced run to start")
+    assert recorded(rec, "start", "b") == [f"49:{ids[-1]}"]
+    assert app.debounced_held.delay("b", 50).id == ids[-1]  # running: held
+    wait_for(lambda: recorded(rec, "runs", "b"), 20, "the run to finish")
+    wait_for(lambda: not locks(redis_client), 5, "the lock released by the ack")
+    time.sleep(1.5)  # (a job replaced or enqueued meanwhile would have started by now)
+    assert recorded(rec, "runs", "b") == ["49"]
+
+
 # -- a cluster ------------------------------------------------------------------------
 
 CLUSTER_APP = "tests.apps.proj_cluster"
