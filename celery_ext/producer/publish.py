@@ -278,6 +278,7 @@ class Enqueuer:
                                        max_payload=max_payload, marker=marker,
                                        index_ttl_ms=self._index_ttl)
             self._run("schedule", keys, args, batch)
+            self._scheduled(queue, batch)
         elif delay is not None:
             assert uniq is not None
             with self._acquire() as client:
@@ -286,6 +287,7 @@ class Enqueuer:
                                           max_payload=max_payload, marker=marker,
                                           index_ttl_ms=self._index_ttl)
             self._count_unique_hit(uniq, message, copy)
+            self._scheduled(queue, None)
         elif uniq is not None:
             lock_key, value, ttl_ms, force = self._lock(uniq, message, copy)
             _, holder = self._run(
@@ -313,6 +315,19 @@ class Enqueuer:
         with self._acquire() as client:
             client.sadd(self.keys.queues, queue)
         self._registered[queue] = now
+
+    def _scheduled(self, queue: str, batch: Any) -> None:
+        """Cluster: a job was written to the scheduled or retry set of its queue's copy;
+        add the queue to the home registry after it, whatever the cache says: a reader
+        may have forgotten the queue since (``store/copies.forget_queues``), and the
+        requeuer finds due jobs only in the copies of known queues."""
+        if not self.keys.cluster:
+            return
+        if batch is not None:
+            batch.add("sadd", self.keys.queues, queue)
+            return
+        with self._acquire() as client:
+            client.sadd(self.keys.queues, queue)
 
     def _pushed(self, queue: str, n: Any, batch: Any) -> None:
         """Cluster: a push that found its list empty (``n`` == 1, or unknown) adds the

@@ -49,14 +49,18 @@ Layout (``ns`` = namespace)::
                                      key plus a suffix: the queue key's hash tag
     {ns}:ready               set     names of job queues that hold at least one job
     {ns}:queues              set     job queue names: added at enqueue (not Kombu's "*.pidbox"
-                                     reply queues), forgotten by readers (queue_info.lua)
-                                     once the list is gone, unless paused, limited,
-                                     weighted or in flight
+                                     reply queues) and by the stats flush, forgotten by
+                                     readers (queue_info.lua, with the queue's fields of
+                                     stats and runtime) once the list is gone, unless
+                                     paused, limited, weighted, in flight or consumed by a
+                                     live pool (on a cluster also: unless its copy holds
+                                     scheduled, retry, dead or index records, or joins)
     {ns}:weights             hash    queue name -> weight (written by worker pools)
     {ns}:wake                channel queue name, published when a queue becomes non-empty
     {ns}:pools               zset    pool id -> last heartbeat (Redis time, ms)
     {ns}:pool:<id>           hash    a pool's registration (host, pid, concurrency,
-                                     its dead_after_ms and heartbeat_interval_ms, ...)
+                                     its dead_after_ms and heartbeat_interval_ms, the job
+                                     queues it consumes ("consumes"; liveness.py), ...)
     {ns}:inflight:<id>       hash    delivery tag -> "<queue>\\n<payload>" jobs a pool owns
     {ns}:inflight_pools      set     pool ids that may own in-flight jobs (finds orphans)
     {ns}:redelivery          hash    delivery tag -> times recovered from a dead pool
@@ -140,6 +144,17 @@ STAT_RECOVERED = "recovered"
 STAT_POOLS_REAPED = "pools_reaped"
 STAT_POISON_PILLS = "poison_pills"
 STAT_UNIQUE_HITS = "unique_hits"
+#: Upper bounds (seconds) of the job runtime histogram's buckets, +Inf implied. Fixed:
+#: the counts in ``{ns}:runtime`` are per bucket, so changing them splits history.
+RUNTIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                   60.0, 300.0, 1800.0)
+#: The ``{ns}:runtime`` field prefix of each bucket: its bound as written by repr().
+RUNTIME_BUCKET_NAMES = (*(repr(b) for b in RUNTIME_BUCKETS), "inf")
+#: Per-queue fields of ``{ns}:stats`` and ``{ns}:runtime``: ``"<prefix>:<queue>"``. They go
+#: with the queue's name when a reader forgets it (``queue_info.lua``), so names that
+#: come and go leave nothing behind.
+QUEUE_STAT_PREFIXES = ("processed", "failed", "retried", "rate_limited")
+QUEUE_RUNTIME_PREFIXES = (*RUNTIME_BUCKET_NAMES, "sum_us")
 #: Between a job queue's key and a priority level in the key of that level's list:
 #: Kombu's Redis separator (``redis.Channel.sep``). Lua scripts check level keys by it.
 LEVEL_SEP = "\x06\x16"
@@ -257,6 +272,12 @@ class Keys:
     def fair_queue(self, name: str, key: str) -> str:
         """The sub-queue of one fair key of a job queue (:mod:`.fair`)."""
         return f"{self.queue(name)}{FAIR_SEP}{key}"
+
+    @staticmethod
+    def queue_fields(queue: str) -> tuple[list[str], list[str]]:
+        """The fields of ``queue`` in the ``stats`` and in the ``runtime`` hash."""
+        return ([f"{p}:{queue}" for p in QUEUE_STAT_PREFIXES],
+                [f"{p}:{queue}" for p in QUEUE_RUNTIME_PREFIXES])
 
     def queue_name(self, key: str) -> str:
         """Inverse of :meth:`queue`."""

@@ -197,7 +197,8 @@ def _learn(consumer: Any, queue: str | None) -> None:
 @worker_ready.connect(weak=False)
 def describe_pool(sender: Any = None, **kwargs: Any) -> None:
     """The worker consumes: add what only Celery knows to its pool's registration
-    (node name, concurrency, pool type, job queues) and publish the queues' weights."""
+    (node name, concurrency, pool type; its channel records the job queues it consumes)
+    and publish the queues' weights."""
     c = sender
     channel = getattr(getattr(c, "connection", None), "default_channel", None)
     if channel is None or not hasattr(channel, "worker_pool"):
@@ -206,11 +207,11 @@ def describe_pool(sender: Any = None, **kwargs: Any) -> None:
     controller = getattr(c, "controller", None)
     executor_cls = getattr(controller, "pool_cls", None)
     consumed = c.app.amqp.queues.consume_from
+    pool.describe_consumed()  # the consumers are up: the registration below carries them
     pool.describe(
         node=c.hostname,
         concurrency=getattr(controller, "concurrency", "") or "",
         pool_type=getattr(executor_cls, "__module__", str(executor_cls)).rsplit(".", 1)[-1],
-        queues=",".join(sorted(consumed)),
         started_at=int(time.time() * 1000),
         state="running",
     )

@@ -53,6 +53,7 @@ from celery_ext.options.unique import finished_lock
 from celery_ext.store.connections import green_sockets
 from celery_ext.store.job_index import index_ttl_ms
 from celery_ext.store.keys import Keys
+from celery_ext.store.liveness import QUEUES_FIELD, queues_field
 from celery_ext.store.memory import eviction_warning
 from celery_ext.text import one_line
 from celery_ext.worker.ack_batcher import AckBatcher
@@ -108,6 +109,12 @@ class WorkerPool:
         self._wire_lock = threading.Lock()
         #: Acks made and not yet written: one ``ack`` call per batch (``ack_batcher``).
         self.batcher = AckBatcher(self._write_ack_batch, green=green_sockets())
+        #: The channels whose consumers changed (``consumes``) and the job queues of
+        #: the last registration write (None: not yet, or it failed).
+        self._consumers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._consumers_changed = False
+        self._consumed_lock = threading.Lock()
+        self._consumed_written: str | None = None
         self.state = "new"
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -191,6 +198,33 @@ class WorkerPool:
         """Add registration details (node name, concurrency, ...): shown by the
         dashboard and ``celery ext status``."""
         self.heartbeater.update_info(**info)
+
+    def consumes(self, channel: Any) -> None:
+        """``channel``'s consumers changed: :meth:`describe_consumed` writes them."""
+        with self._consumed_lock:
+            self._consumers.add(channel)
+            self._consumers_changed = True
+
+    def describe_consumed(self) -> None:
+        """Write the job queues the process consumes to the registration when they changed
+        (readers mark a queue no live pool consumes). Before each fetch: one write for
+        all the consumers a worker starts; a failed one is tried again at the next."""
+        if not self._consumers_changed:
+            return
+        with self._consumed_lock:
+            self._consumers_changed = False
+            value = queues_field(q for channel in list(self._consumers)
+                                 for q in channel.consumed_job_queues())
+            if value == self._consumed_written:
+                return
+            self._consumed_written = value
+        try:
+            self.heartbeater.set_info(**{QUEUES_FIELD: value})
+        except redis.RedisError as exc:
+            with self._consumed_lock:
+                self._consumed_written, self._consumers_changed = None, True
+            logger.debug("celery_ext: could not record the queues pool %s consumes: %s",
+                         self.pool_id, exc)
 
     def _warn_on_eviction(self) -> None:
         try:

@@ -379,7 +379,12 @@
       { label: "Rate limit", render: function (q) { return q.rate_limit || "—"; }, num: true },
       { label: "Processed", render: function (q) { return fmtNum(q.processed); }, num: true },
       { label: "Failed", render: function (q) { return fmtNum(q.failed); }, num: true },
-      { label: "State", render: function (q) { return q.paused ? badge("paused", "warn") : badge("active", "good"); } },
+      { label: "State", render: function (q) {
+        var state = q.paused ? badge("paused", "warn") : badge("active", "good");
+        // No live worker pool consumes it: its jobs wait for one that knows the task.
+        if (q.consumed === false) return h("span", {}, state, " ", badge("no consumer", q.size ? "bad" : "warn"));
+        return state;
+      } },
       // A fair queue (docs/fair.md): its keys with jobs waiting, and the biggest ones.
       { label: "Fair keys", cls: "mono", render: function (q) {
         if (!q.fair) return "—";
