@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from celery_ext.config import INSPECT_SCHEDULED_MAX
+from celery_ext.config import INSPECT_SCHEDULED_MAX, INSPECT_SCHEDULED_PAGES
 from celery_ext.store.dead_set import split_record
 from celery_ext.store.keys import Keys
 from celery_ext.text import one_line
@@ -102,7 +102,9 @@ def scheduled_jobs(client: Any, keys: Keys, queues: Iterable[str], hostname: str
                    limit: int = INSPECT_SCHEDULED_MAX) -> list[dict[str, Any]]:
     """The first ``limit`` jobs by due time of the scheduled and retry sets whose job queue
     is one of ``queues``, as Celery's ``scheduled`` reply lists them. Each set is read
-    from its head in pages until ``limit`` of them are found or it ends."""
+    from its head in pages of ``limit`` until ``limit`` of them are found, it ends, or
+    ``INSPECT_SCHEDULED_PAGES`` pages were read (on one node every queue shares the sets:
+    a reply stays bounded when most of them are other workers' jobs)."""
     wanted = set(queues)
     parts = {keys.of(q) for q in wanted}
     found: list[tuple[float, dict[str, Any]]] = []
@@ -117,7 +119,9 @@ def _read(client: Any, k: Keys, zset: str, wanted: set[str], hostname: str,
           limit: int) -> list[tuple[float, dict[str, Any]]]:
     out: list[tuple[float, dict[str, Any]]] = []
     start = 0
-    while len(out) < limit:
+    for _ in range(INSPECT_SCHEDULED_PAGES):
+        if len(out) >= limit:
+            break
         page = client.zrange(zset, start, start + limit - 1, withscores=True)
         if not page:
             break

@@ -17,9 +17,13 @@ from typing import Any
 import pytest
 import redis
 
+from celery_ext.config import INSPECT_SCHEDULED_PAGES
+from celery_ext.producer.scheduled import schedule
 from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
+from celery_ext.worker.inspect_scheduled import scheduled_jobs
 from tests.apps import proj
-from tests.helpers import Factory, Mode, node_name, start_workers, wait_for
+from tests.helpers import Factory, Mode, message, node_name, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 from tests.webutil import env_for, free_port, stop_all
 from tests.workers import ManagedProcess, WorkerProcess
@@ -94,3 +98,21 @@ def test_flower_shows_the_scheduled_jobs(
         assert [e["request"]["id"] for e in entries] == [retry.id, at_eta.id]
     finally:
         stop_all([flower])
+
+
+def test_the_reply_is_bounded_first_due_first(redis_client: redis.Redis) -> None:
+    """At most ``limit`` jobs, first due first, of the worker's queues only; the sets are
+    read ``INSPECT_SCHEDULED_PAGES`` pages deep at most (bounded work per reply)."""
+    scripts = Scripts(redis_client)
+    for i in range(5):
+        schedule(scripts, K, "mine", message(f"m{i}", "mine"), 60_000 - i * 1000, redis_client)
+    for i in range(10):
+        schedule(scripts, K, "other", message(f"o{i}", "other"), 1000 + i, redis_client)
+    got = scheduled_jobs(redis_client, K, ["mine"], "node@h", limit=2)
+    assert [e["request"]["id"] for e in got] == ["id-m4", "id-m3"]
+    assert got[0]["request"]["delivery_info"]["routing_key"] == "mine"
+    assert len(scheduled_jobs(redis_client, K, ["mine", "other"], "node@h", limit=100)) == 15
+    # Deeper than the pages read: not found, the reply stays bounded.
+    for i in range(10, 10 + 2 * INSPECT_SCHEDULED_PAGES):
+        schedule(scripts, K, "other", message(f"o{i}", "other"), 1000 + i, redis_client)
+    assert scheduled_jobs(redis_client, K, ["mine"], "node@h", limit=2) == []
