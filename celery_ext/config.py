@@ -64,6 +64,12 @@ DEFAULT_PROMOTE_MIN_INTERVAL = 0.02
 DEFAULT_PROMOTE_BATCH = 100
 #: Seconds a unique job's lock lives past its due time if nobody releases it.
 DEFAULT_UNIQUE_TTL = 3600.0
+#: Most jobs a worker lists in its reply to ``celery inspect scheduled`` (the first by
+#: due time of the scheduled and retry sets: the reply is one message on the bus).
+INSPECT_SCHEDULED_MAX = 1000
+#: Most pages of ``INSPECT_SCHEDULED_MAX`` jobs that reply reads from each set, looking for
+#: jobs of the worker's queues among the other queues' (bounded work per reply).
+INSPECT_SCHEDULED_PAGES = 10
 #: Opt-in retry backoff (task option ``backoff=True``): first delay in seconds...
 DEFAULT_RETRY_BACKOFF_BASE = 2.0
 #: ...doubled per attempt up to this many seconds...

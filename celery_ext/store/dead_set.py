@@ -48,7 +48,8 @@ MAX_TRACEBACK = 8000
 
 def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,
                 reason: str, error: str = "", fallback: str | bytes = "",
-                keys: Keys | None = None, **meta: Any) -> bool:
+                keys: Keys | None = None, unique_digest: str | None = None,
+                **meta: Any) -> bool:
     """Move one in-flight job of ``pool_id`` to the dead set atomically.
 
     ``fallback`` (``"<queue>\\n<payload>"``) is recorded when the job is no longer in
@@ -56,7 +57,8 @@ def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,
     when nothing was recorded (the job had already been moved elsewhere). ``keys``:
     the copy holding the pool's record of the job (default the home copy; on a
     cluster the job queue's copy, ``Keys.of``, whose dead set keeps at most
-    ``dead_max_size`` jobs).
+    ``dead_max_size`` jobs). ``unique_digest``: the lock of a job locked until
+    finished, released in the same script if this message holds it.
     """
     keys = keys or Keys.for_settings(settings)
     record = json.dumps({"reason": reason, "error": error, "pool": pool_id, **meta},
@@ -64,7 +66,8 @@ def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,
     moved = Scripts(client)(
         "dead",
         [keys.inflight(pool_id), keys.dead, keys.dead_jobs, keys.redelivery, keys.running,
-         keys.limits, keys.ready, *index_keys(keys)],
+         keys.limits, keys.ready, *index_keys(keys),
+         *([keys.unique(unique_digest)] if unique_digest else [])],
         [tag, record, settings.dead_max_size, int(settings.dead_max_age * 1000), fallback,
          keys.wake_channel, index_ttl_ms(settings)],
     )
