@@ -1,0 +1,111 @@
+"""Celery app for the result backend's end-to-end tests (``-A tests.apps.proj_results``).
+
+The broker is ``CELERY_EXT_BROKER_URL`` (a one-node test server); results go to
+``CELERY_EXT_RESULT_URL`` through the plugin's backend (``celery-ext://...``), on a cluster
+when ``CELERY_EXT_RESULT_CLUSTER=1``, in the namespace ``CELERY_EXT_RESULT_NAMESPACE``. Tasks
+record their runs on ``CELERY_EXT_RECORD_URL`` (plain ``redis://``), so a test counts runs
+without trusting the backend it tests.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+import celery_ext
+
+BROKER_URL = os.environ.get("CELERY_EXT_BROKER_URL", "celery-ext://127.0.0.1:6379/0")
+RESULT_URL = os.environ.get("CELERY_EXT_RESULT_URL", "celery-ext://127.0.0.1:6379/1")
+RECORD_URL = os.environ.get("CELERY_EXT_RECORD_URL", "redis://127.0.0.1:6379/2")
+
+
+def result_options(cluster: bool, namespace: str) -> dict[str, Any]:
+    return {"cluster": cluster, "namespace": namespace}
+
+
+app = Celery("proj_results", broker=BROKER_URL, backend=RESULT_URL)
+app.conf.update(
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    task_track_started=True,
+    result_extended=True,
+    # CELERY_EXT_TEST_NO_EXPIRES=1: result_expires unset (the backend still sets a TTL).
+    result_expires=None if os.environ.get("CELERY_EXT_TEST_NO_EXPIRES") == "1" else 3600,
+    result_backend_transport_options=result_options(
+        os.environ.get("CELERY_EXT_RESULT_CLUSTER") == "1",
+        os.environ.get("CELERY_EXT_RESULT_NAMESPACE", "celery_ext")),
+)
+celery_ext.install(app)
+
+_record: redis.Redis | None = None
+
+
+def configure(broker_url: str, result_url: str, record_url: str, cluster: bool = False,
+              namespace: str = "celery_ext") -> None:
+    """Point this (test process's) app at the test servers."""
+    global RECORD_URL, _record
+    app.conf.broker_url = broker_url
+    app.conf.result_backend = result_url
+    app.conf.result_backend_transport_options = result_options(cluster, namespace)
+    app._backend = app._get_backend()  # Celery keeps one backend per thread: this one's
+    app._pool = None
+    app.amqp._producer_pool = None
+    RECORD_URL, _record = record_url, None
+
+
+def recorder() -> redis.Redis:
+    global _record
+    if _record is None:
+        _record = redis.Redis.from_url(RECORD_URL)
+    return _record
+
+
+def _hold(key: str) -> None:
+    """Wait (at most a minute) while the test keeps ``key``: a job held mid-run."""
+    deadline = time.monotonic() + 60
+    while key and recorder().exists(key) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+@app.task
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task
+def fail(message: str) -> None:
+    raise ValueError(message)
+
+
+@app.task(bind=True)
+def progress(self: Any, hold: str) -> str:
+    """Reports a custom PROGRESS state, then waits while ``hold`` exists."""
+    self.update_state(state="PROGRESS", meta={"done": 1, "of": 2})
+    _hold(hold)
+    return "finished"
+
+
+@app.task(bind=True)
+def part(self: Any, i: int, hold: str = "") -> int:
+    """A chord's header job: counts its runs, waits while ``hold`` exists."""
+    recorder().incr(f"part_runs:{i}")
+    _hold(hold)
+    return i
+
+
+@app.task(bind=True)
+def total(self: Any, values: list[int]) -> int:
+    """A chord's body: counts its calls (by the chord's id) and sums its header."""
+    recorder().incr(f"body_calls:{self.request.group or 'none'}")
+    recorder().incr("body_calls")
+    return sum(values)
+
+
+@app.task
+def on_error(request: Any, exc: Exception, traceback: Any) -> None:
+    """An error callback: records which job failed and why."""
+    recorder().rpush("errors", f"{request.id} {type(exc).__name__}: {exc}")

@@ -1,0 +1,192 @@
+"""The result backend (``result_backend = "celery-ext://..."``) against real servers and
+real ``celery worker`` subprocesses: Celery's result API unchanged, a TTL on every key, one
+subscription per waiting client however many results it waits for, results spread over a
+cluster's masters.
+
+The broker is the one-node test server (db 0); results go to its db 1 or to the session's
+3-master cluster (a namespace per test); tasks record their runs in db 2.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import group
+from celery.result import AsyncResult, GroupResult
+
+from celery_ext.store.connections import cluster_client, cluster_config
+from celery_ext.store.keys import ResultKeys
+from celery_ext.testing.server import ClusterGroup, RedisServer
+from tests.apps import proj_results
+from tests.helpers import wait_for
+from tests.workers import WorkerProcess
+
+APP = "tests.apps.proj_results"
+
+
+class Results:
+    """Where one test's results live: the URL, the namespace and a client to inspect it."""
+
+    def __init__(self, url: str, namespace: str, client: Any, cluster: bool) -> None:
+        self.url, self.namespace, self.client, self.cluster = url, namespace, client, cluster
+        self.keys = ResultKeys(namespace)
+
+    def our_keys(self) -> list[bytes]:
+        """Every key of this namespace's results, on every master."""
+        if self.cluster:
+            return list(self.client.scan_iter(match=self.keys.pattern,
+                                              target_nodes=self.client.PRIMARIES))
+        return list(self.client.scan_iter(match=self.keys.pattern))
+
+    def ttl(self, key: bytes) -> int:
+        return int(self.client.ttl(key))
+
+
+@pytest.fixture(params=["node", "cluster"])
+def results(request: pytest.FixtureRequest, redis_client: redis.Redis,
+            redis_server: RedisServer) -> Iterator[Results]:
+    namespace = "r" + uuid.uuid4().hex[:8]
+    if request.param == "node":
+        url = redis_server.url(scheme="celery-ext", db=1)
+        yield Results(url, namespace, redis_server.client(db=1), cluster=False)
+        return
+    group_: ClusterGroup = request.getfixturevalue("cluster")
+    url = group_.url()
+    config = cluster_config([url], {"cluster": True})
+    assert config is not None
+    client = cluster_client(config)
+    yield Results(url, namespace, client, cluster=True)
+    client.close()
+
+
+@pytest.fixture
+def app_for(results: Results, redis_server: RedisServer,
+            worker_factory: Callable[..., WorkerProcess]) -> Callable[..., WorkerProcess]:
+    """Point the test process's app at the servers and return a starter of workers."""
+    broker = redis_server.url(scheme="celery-ext")
+    record = redis_server.url(db=2)
+    proj_results.configure(broker, results.url, record, cluster=results.cluster,
+                           namespace=results.namespace)
+
+    def start(**kwargs: Any) -> WorkerProcess:
+        env = {"CELERY_EXT_RESULT_URL": results.url, "CELERY_EXT_RECORD_URL": record,
+               "CELERY_EXT_RESULT_NAMESPACE": results.namespace,
+               "CELERY_EXT_RESULT_CLUSTER": "1" if results.cluster else "0"}
+        env.update(kwargs.pop("env", {}))
+        return worker_factory(APP, broker_url=broker, env=env, **kwargs).start(timeout=60)
+
+    return start
+
+
+def test_result_api_round_trip(results: Results, app_for: Callable[..., WorkerProcess],
+                               rec: redis.Redis) -> None:
+    """get/ready/state/info/traceback/forget, a custom state, result_extended and
+    GroupResult save/restore behave as with Celery's own backend."""
+    app_for()
+    ok = proj_results.add.delay(2, 3)
+    assert ok.get(timeout=20) == 5
+    assert ok.ready() and ok.successful() and ok.state == "SUCCESS"
+    assert ok.name == "tests.apps.proj_results.add" and ok.args == [2, 3]  # result_extended
+
+    bad = proj_results.fail.delay("broken")
+    with pytest.raises(ValueError, match="broken"):
+        bad.get(timeout=20)
+    assert bad.state == "FAILURE" and "ValueError" in (bad.traceback or "")
+    assert bad.get(timeout=1, propagate=False).args == ("broken",)
+
+    hold = f"hold:{uuid.uuid4().hex}"
+    rec.set(hold, 1)
+    slow = proj_results.progress.delay(hold)
+    wait_for(lambda: AsyncResult(slow.id, app=proj_results.app).state == "PROGRESS", 20,
+             "the PROGRESS state")
+    assert AsyncResult(slow.id, app=proj_results.app).info == {"done": 1, "of": 2}
+    rec.delete(hold)
+    assert slow.get(timeout=20) == "finished"
+
+    saved = group(proj_results.add.s(i, i) for i in range(3)).delay()
+    saved.save()
+    restored = GroupResult.restore(saved.id, app=proj_results.app)
+    assert restored is not None and restored.get(timeout=20) == [0, 2, 4]
+
+    key = results.keys.result(ok.id)
+    assert results.client.exists(key)
+    ok.forget()
+    assert not results.client.exists(key)
+    assert AsyncResult(ok.id, app=proj_results.app).state == "PENDING"
+
+
+def test_every_key_expires(results: Results, app_for: Callable[..., WorkerProcess]) -> None:
+    """After results, failures, a saved group and a chord: no key of ours without a TTL,
+    even with ``result_expires`` unset (Celery's Redis backend then stores forever)."""
+    app_for(env={"CELERY_EXT_TEST_NO_EXPIRES": "1"})
+    proj_results.app.conf.result_expires = None
+    try:
+        proj_results.configure(proj_results.app.conf.broker_url, results.url,
+                               proj_results.RECORD_URL, cluster=results.cluster,
+                               namespace=results.namespace)
+        done = group(proj_results.add.s(i, 1) for i in range(20)).delay()
+        done.save()
+        assert done.get(timeout=30) == [i + 1 for i in range(20)]
+        with pytest.raises(ValueError):
+            proj_results.fail.delay("x").get(timeout=20)
+        from celery import chord
+
+        assert chord(proj_results.part.s(i) for i in range(5))(
+            proj_results.total.s()).get(timeout=30) == 10
+    finally:
+        proj_results.app.conf.result_expires = 3600
+    keys = results.our_keys()
+    assert len(keys) >= 22
+    without = [k for k in keys if results.ttl(k) < 0]
+    assert without == []
+    if results.cluster:  # results keyed by their own task id: on every master
+        masters = {results.client.get_node_from_key(k).name for k in keys}
+        assert len(masters) == 3
+
+
+def test_one_subscription_for_a_group_of_500(
+        results: Results, app_for: Callable[..., WorkerProcess]) -> None:
+    """A client waiting on a group of 500 holds one channel (Celery's Redis backend: 501)."""
+    app_for(concurrency=4)
+    backend = proj_results.app.backend
+    res = group(proj_results.add.s(i, 0) for i in range(500)).delay()
+    channels = _our_channels(results)
+    assert channels == [results.keys.wake_channel(proj_results.app.thread_oid)]
+    assert res.get(timeout=120) == list(range(500))
+    assert backend.result_consumer._pending == set()
+
+
+def _our_channels(results: Results) -> list[str]:
+    """The pub/sub channels of this namespace with a subscriber, on every node."""
+    pattern = "{" + results.namespace + ":*"
+    if results.cluster:
+        out: list[str] = []
+        for node in results.client.get_primaries():
+            conn = results.client.get_redis_connection(node)
+            out += [c.decode() for c in conn.execute_command("PUBSUB", "SHARDCHANNELS",
+                                                             pattern)]
+        return out
+    return [c.decode() for c in results.client.pubsub_channels(pattern)]
+
+
+def test_wakeup_delivers_without_polling(results: Results, rec: redis.Redis,
+                                         app_for: Callable[..., WorkerProcess],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's publish to the client's channel alone finishes a get(): with the
+    re-read turned off, a result stored after get() began still arrives."""
+    import threading
+
+    from celery_ext.results.consumer import WakeupConsumer
+
+    app_for()
+    monkeypatch.setattr(WakeupConsumer, "_poll", lambda self: None)
+    hold = f"hold:{uuid.uuid4().hex}"
+    rec.set(hold, 1)
+    res = proj_results.part.delay(7, hold)
+    wait_for(lambda: rec.get("part_runs:7"), 20, "the job to start")
+    threading.Timer(0.3, rec.delete, args=(hold,)).start()
+    assert res.get(timeout=20) == 7
