@@ -34,6 +34,7 @@ from celery_ext.config import (
     Settings,
     mask_url,
 )
+from celery_ext.results.chords import ChordCounting
 from celery_ext.results.connection import results_client
 from celery_ext.results.consumer import WakeupConsumer
 from celery_ext.store.keys import ResultKeys
@@ -42,7 +43,7 @@ from celery_ext.store.keys import ResultKeys
 MAX_VALUE_BYTES = 512 * 1024 * 1024
 
 
-class ResultBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
+class ResultBackend(ChordCounting, BaseKeyValueStoreBackend, AsyncBackendMixin):
     """Celery's result API on Redis/Valkey, one node, Sentinel or cluster."""
 
     ResultConsumer = WakeupConsumer
@@ -53,7 +54,8 @@ class ResultBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
     supports_autoexpire = True
     supports_native_join = True
     supports_failure_expires = True
-    implements_incr = True
+    #: Chords are counted by ``chords.py``, not by the base class's INCR.
+    implements_incr = False
 
     def __init__(self, url: str | None = None, **kwargs: Any) -> None:
         super().__init__(expires_type=int, url=url, **kwargs)
@@ -135,14 +137,6 @@ class ResultBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
 
     def delete(self, key: str) -> None:
         self.client.delete(key)
-
-    def incr(self, key: str) -> int:
-        # Only the base class's chord counter; its expire() follows in the same step.
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.incr(key)
-            pipe.expire(key, int(self.chord_expires or self.expires))
-            value, _ = pipe.execute()
-        return int(value)
 
     def expire(self, key: str, value: Any) -> None:
         self.client.expire(key, int(value or self.expires))

@@ -10,11 +10,12 @@ without trusting the backend it tests.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, signals
 
 import celery_ext
 
@@ -109,3 +110,22 @@ def total(self: Any, values: list[int]) -> int:
 def on_error(request: Any, exc: Exception, traceback: Any) -> None:
     """An error callback: records which job failed and why."""
     recorder().rpush("errors", f"{request.id} {type(exc).__name__}: {exc}")
+
+
+@app.task(bind=True)
+def part_then_die(self: Any, i: int) -> int:
+    """A chord's header job whose first run kills its whole worker pool right after its
+    result was stored and counted, before the ack (see ``_die_after_first_run``)."""
+    recorder().incr(f"part_runs:{i}")
+    return i
+
+
+@signals.task_postrun.connect
+def _die_after_first_run(sender: Any = None, task_id: str = "", **kwargs: Any) -> None:
+    # task_postrun comes after the result was stored and the chord counted it: the pool
+    # dies before the ack, so the job runs again on another pool.
+    if getattr(sender, "name", None) != part_then_die.name:
+        return
+    i = kwargs["args"][0]
+    if recorder().incr(f"postrun:{i}") == 1:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
