@@ -37,6 +37,8 @@ from celery_ext.config import (
 from celery_ext.results.chords import ChordCounting
 from celery_ext.results.connection import results_client
 from celery_ext.results.consumer import WakeupConsumer
+from celery_ext.results.dead_jobs import DeadJobResults
+from celery_ext.store.dead_set import on_dead
 from celery_ext.store.keys import ResultKeys
 
 #: Redis's largest string (512 MB): a bigger result is refused before it is sent.
@@ -75,6 +77,7 @@ class ResultBackend(ChordCounting, BaseKeyValueStoreBackend, AsyncBackendMixin):
         self.result_consumer = self.ResultConsumer(
             self, self.app, self.accept, self._pending_results, self._pending_messages)
         self.client  # noqa: B018 - bad URL or options fail here, at start, in one line
+        on_dead(DeadJobResults(self.app))  # jobs the dead set takes in fail their results
 
     def _full_url(self, url: str) -> str:
         if url.startswith("sentinel://"):

@@ -59,6 +59,13 @@ class ChordCounting:
                                    args=[int(chord_size), self._chord_ttl])
 
     def apply_chord(self, header_result_args: Any, body: Any, **kwargs: Any) -> None:
+        # The body is recorded with the chord: a header job whose message cannot be read
+        # (it went to the dead set undecodable) still fails its chord (dead_jobs.py).
+        gid = str(header_result_args[0])
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.hset(self.keys.chord(gid), "body", self.encode(dict(body)))
+            pipe.expire(self.keys.chord(gid), self._chord_ttl)
+            pipe.execute()
         # A header holding groups is saved, so the body gets its results nested as they
         # are (what Celery's Redis backend does); a flat header is read from the count.
         if isinstance(header_result_args[1], _regen):
@@ -69,6 +76,11 @@ class ChordCounting:
                             self.encode({"result": header.as_tuple()}),
                             ex=self._chord_ttl)
 
+    def chord_body(self, group_id: str) -> dict[str, Any] | None:
+        """The body signature recorded for the chord of ``group_id`` (None: no chord)."""
+        raw = self.client.hget(self.keys.chord(str(group_id)), "body")
+        return dict(self.decode(raw)) if raw else None
+
     def add_to_chord(self, group_id: str, result: Any) -> None:
         self.client.hincrby(self.keys.chord(str(group_id)), "size", 1)
 
@@ -77,16 +89,19 @@ class ChordCounting:
         tid, gid = request.id, request.group
         if not tid or not gid:
             return
+        body = request.chord or self.chord_body(gid)
+        if not body:
+            return
         index = "+inf" if request.group_index is None else request.group_index
         encoded = self.encode(
             [1, tid, state, self.encode_result(result, state)])
-        size = (request.chord or {}).get("chord_size")
+        size = body.get("chord_size")
         counted, _size, claimed = self._script("chord_part")(
             keys=self.keys.chord_keys(gid),
             args=[tid, index, encoded, self._chord_ttl, "" if size is None else int(size)])
         if counted == -1 or not claimed:
             return
-        callback = maybe_signature(request.chord, app=self.app)
+        callback = maybe_signature(body, app=self.app)
         try:
             values = self._header_values(gid)
         except ChordError as exc:

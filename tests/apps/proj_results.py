@@ -129,3 +129,11 @@ def _die_after_first_run(sender: Any = None, task_id: str = "", **kwargs: Any) -
     i = kwargs["args"][0]
     if recorder().incr(f"postrun:{i}") == 1:
         os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+@app.task
+def kill_pool(i: int) -> None:
+    """Kills its whole worker pool on every run: a poison pill once it was recovered more
+    than ``max_recoveries`` times."""
+    recorder().incr(f"kill_runs:{i}")
+    os.killpg(os.getpgid(0), signal.SIGKILL)

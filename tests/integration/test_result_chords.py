@@ -79,3 +79,22 @@ def test_header_job_run_twice_counts_once(
     assert res.get(timeout=60) == 6
     wait_for(lambda: rec.get("body_calls"), 10, "the body's record")
     assert int(rec.get("body_calls") or 0) == 1
+
+
+def test_header_job_in_the_dead_set_fails_the_chord(
+        results: Results, app_for: Callable[..., WorkerProcess], rec: redis.Redis) -> None:
+    """A header job that kills its pool on every run goes to the dead set as a poison
+    pill, which Celery never sees: its result fails with the reason (a get() does not
+    wait forever) and its chord fails through the body's error callback."""
+    env = {**FAST_REAP, "CELERY_EXT_MAX_RECOVERIES": "0"}
+    workers = [app_for(env=env) for _ in range(2)]
+    p = proj_results
+    body = p.total.s().on_error(p.on_error.s())
+    res = chord([p.part.s(1), p.kill_pool.s(2)])(body)
+    errors = wait_for(lambda: rec.lrange("errors", 0, -1), 60, "the chord's error callback")
+    assert len(errors) == 1 and b"DeadJob" in errors[0] and b"worker_lost" in errors[0]
+    dead_job = next(r for r in res.parent.results if r.state == "FAILURE")
+    assert "worker_lost" in str(dead_job.result)
+    wait_for(lambda: res.state == "FAILURE", 10, "the body's FAILURE")
+    assert not rec.get("body_calls")
+    assert any(w.alive for w in workers)
