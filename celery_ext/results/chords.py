@@ -55,8 +55,12 @@ class ChordCounting:
     # -- what Celery calls ------------------------------------------------------------
 
     def set_chord_size(self, group_id: str, chord_size: int) -> None:
-        self._script("chord_size")(keys=self.keys.chord_keys(str(group_id)),
-                                   args=[int(chord_size), self._chord_ttl])
+        applied = self._script("chord_size")(keys=self.keys.chord_keys(str(group_id)),
+                                             args=[int(chord_size), self._chord_ttl])
+        with self.client.pipeline(transaction=False) as pipe:  # the index operators read
+            pipe.zadd(self.keys.pending_chords, {str(group_id): int(applied)})
+            pipe.expire(self.keys.pending_chords, self._chord_ttl)
+            pipe.execute()
 
     def apply_chord(self, header_result_args: Any, body: Any, **kwargs: Any) -> None:
         # The body is recorded with the chord: a header job whose message cannot be read
@@ -146,6 +150,31 @@ class ChordCounting:
     def _settle(self, gid: str, state: str, reason: str) -> None:
         self._script("chord_done")(keys=self.keys.chord_keys(gid),
                                    args=[state, reason, self._chord_ttl])
+        self.client.zrem(self.keys.pending_chords, gid)
+
+    def pending_chords(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The chords not yet settled, oldest first: group id, header results counted of
+        the header's size, when applied (seconds, Redis clock). Entries whose chord
+        settled or expired are dropped from the index on the way."""
+        ids = [i.decode() if isinstance(i, bytes) else str(i) for i in
+               self.client.zrange(self.keys.pending_chords, 0, max(limit, 1) - 1)]
+        if not ids:
+            return []
+        with self.client.pipeline(transaction=False) as pipe:
+            for gid in ids:
+                pipe.hmget(self.keys.chord(gid), ["size", "counted", "state", "applied_at"])
+            rows = pipe.execute()
+        out, gone = [], []
+        for gid, (size, counted, state, applied) in zip(ids, rows, strict=True):
+            if state != b"pending":
+                gone.append(gid)
+                continue
+            out.append({"group_id": gid, "counted": int(counted or 0),
+                        "size": int(size) if size is not None else None,
+                        "applied_at": int(applied or 0) / 1000})
+        if gone:
+            self.client.zrem(self.keys.pending_chords, *gone)
+        return out
 
     def _header_values(self, gid: str) -> list[Any]:
         """The header's results in header order; ChordError names a failed header job."""

@@ -131,6 +131,11 @@ the group's tag, so each chord step is one script. Every one of them is written 
     {ns:<group id>}:chord_results
                              zset    header results (Celery's encoding) scored by their place
                                      in the header, TTL chord expiry
+    {ns}:pending_chords      zset    group id -> applied at (Redis ms): chords not yet settled, for
+                                     the dashboard, the CLI and Client (an index written beside
+                                     each chord's script: another slot on a cluster; readers
+                                     drop entries whose chord settled or expired), TTL chord
+                                     expiry
     {ns:client:<oid>}:results
                              channel a waiting client's wake-up channel (one per client
                                      thread, named by Celery's ``reply_to``): the storing
@@ -434,6 +439,10 @@ class ResultKeys:
     def chord_keys(self, group_id: str) -> list[str]:
         """KEYS of ``chord_part.lua`` for the chord of ``group_id`` (one slot)."""
         return [self.chord(group_id), self.chord_ids(group_id), self.chord_results(group_id)]
+
+    @property
+    def pending_chords(self) -> str:
+        return "{" + self.namespace + "}:pending_chords"
 
     def wake_channel(self, oid: str) -> str:
         """The wake-up channel of a waiting client (its Celery ``reply_to``)."""

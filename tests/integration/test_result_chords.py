@@ -14,11 +14,12 @@ from celery import chain, chord, group
 
 from tests import resultutil
 from tests.apps import proj_results
-from tests.helpers import wait_for
+from tests.helpers import celery_cli, wait_for
 from tests.resultutil import Results
 from tests.workers import WorkerProcess
 
 results, app_for = resultutil.results, resultutil.app_for
+APP = resultutil.APP
 
 #: Pools declared dead within about two seconds (the reaper of the surviving pool).
 FAST_REAP = {"CELERY_EXT_HEARTBEAT_INTERVAL": "0.3", "CELERY_EXT_DEAD_AFTER": "1.5",
@@ -98,3 +99,42 @@ def test_header_job_in_the_dead_set_fails_the_chord(
     wait_for(lambda: res.state == "FAILURE", 10, "the body's FAILURE")
     assert not rec.get("body_calls")
     assert any(w.alive for w in workers)
+
+
+def test_pending_chords_are_visible(results: Results, app_for: Callable[..., WorkerProcess],
+                                    rec: redis.Redis) -> None:
+    """A chord waiting for a held header job shows "1 of 2" in Client, the CLI and the
+    dashboard's API, and leaves the list once its body was sent."""
+    import json
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from starlette.testclient import TestClient
+    from celery_ext.admin.web import create_app
+    from celery_ext.client import Client
+
+    worker = app_for()
+    p = proj_results
+    hold = f"hold:{uuid.uuid4().hex}"
+    rec.set(hold, 1)
+    res = chord([p.part.s(1), p.part.s(2, hold)])(p.total.s())
+    gid = res.parent.id
+    client = Client.from_app(p.app)
+    pending = wait_for(lambda: [c for c in client.pending_chords() if c["counted"] == 1],
+                       30, "the chord counted 1 of 2")
+    assert [(c["group_id"], c["counted"], c["size"]) for c in pending] == [(gid, 1, 2)]
+
+    cli = celery_cli("-A", APP, "ext", "chords", "--json", broker_url=worker.broker_url,
+                     env=worker.env)
+    assert cli.returncode == 0, cli.stderr
+    assert [(c["group_id"], c["counted"], c["size"]) for c in json.loads(cli.stdout)] == [
+        (gid, 1, 2)]
+    with TestClient(create_app(client, sample_interval=0.5)) as api:
+        shown = api.get("/api/chords").json()["items"]
+        assert [(c["group_id"], c["counted"]) for c in shown] == [(gid, 1)]
+        assert api.get("/chords").status_code == 200
+
+    rec.delete(hold)
+    assert res.get(timeout=30) == 3
+    assert client.pending_chords() == []

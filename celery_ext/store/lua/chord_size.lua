@@ -8,7 +8,8 @@
 -- Celery sets the size just before it publishes the header's last job, so the first jobs
 -- may have been counted already: their counts stay. A chord that already settled (sent or
 -- failed) and is applied again (a frozen chord reuses its group id) starts over, keeping
--- the body its apply_chord just recorded. Returns 1.
+-- the body its apply_chord just recorded. Returns the Redis time it was applied at (ms),
+-- the score of the chord in the pending chords' index.
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'sent' or state == 'failed' then
   local body = redis.call('HGET', KEYS[1], 'body')
@@ -18,10 +19,10 @@ if state == 'sent' or state == 'failed' then
   end
 end
 local t = redis.call('TIME')
-redis.call('HSET', KEYS[1], 'size', ARGV[1], 'state', 'pending',
-           'applied_at', t[1] * 1000 + math.floor(t[2] / 1000))
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('HSET', KEYS[1], 'size', ARGV[1], 'state', 'pending', 'applied_at', now)
 redis.call('HSETNX', KEYS[1], 'counted', 0)
 for i = 1, 3 do
   redis.call('EXPIRE', KEYS[i], ARGV[2])
 end
-return 1
+return now
