@@ -34,10 +34,12 @@ from celery_ext.config import (
     Settings,
     mask_url,
 )
+from celery_ext.errors import NotReplicated
 from celery_ext.results.chords import ChordCounting
 from celery_ext.results.connection import results_client
 from celery_ext.results.consumer import WakeupConsumer
 from celery_ext.results.dead_jobs import DeadJobResults
+from celery_ext.store.connections import CLUSTER_NO_WAIT
 from celery_ext.store.dead_set import on_dead
 from celery_ext.store.keys import ResultKeys
 
@@ -76,7 +78,8 @@ class ResultBackend(ChordCounting, BaseKeyValueStoreBackend, AsyncBackendMixin):
         self.connection_errors, self.channel_errors = get_redis_error_classes()
         self.result_consumer = self.ResultConsumer(
             self, self.app, self.accept, self._pending_results, self._pending_messages)
-        self.client  # noqa: B018 - bad URL or options fail here, at start, in one line
+        if self.cluster and self.settings.wait_replicas:  # (bad URLs fail here, in one line)
+            raise ConfigError(CLUSTER_NO_WAIT)
         on_dead(DeadJobResults(self.app))  # jobs the dead set takes in fail their results
 
     def _full_url(self, url: str) -> str:
@@ -153,8 +156,10 @@ class ResultBackend(ChordCounting, BaseKeyValueStoreBackend, AsyncBackendMixin):
     def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
                       request: Any = None, **kwargs: Any) -> Any:
         """Celery's store (a SUCCESS already stored is kept, as Celery does against a
-        duplicate run), then the wake-up: the meta published to the channel of the client
-        that sent the task (its ``reply_to``), if it named one."""
+        duplicate run) with its TTL, then the wake-up: the meta published to the channel of
+        the client that sent the task (its ``reply_to``), if it named one. With
+        ``wait_replicas`` the write is confirmed by that many replicas (``WAIT``, one node
+        or Sentinel) or ``NotReplicated`` says it is not."""
         meta = self._get_result_meta(result=result, state=state, traceback=traceback,
                                      request=request)
         meta["task_id"] = str(task_id)
@@ -162,16 +167,29 @@ class ResultBackend(ChordCounting, BaseKeyValueStoreBackend, AsyncBackendMixin):
             return result
         encoded = self.encode(meta)
         try:
-            self._set_with_state(self.get_key_for_task(task_id), encoded, state)
+            self._check_size(encoded)
         except BackendStoreError as exc:
             raise BackendStoreError(str(exc), state=state, task_id=task_id) from exc
+        key = self.get_key_for_task(task_id)
+        ttl = int(self.failure_expires if state == states.FAILURE else self.expires)
         reply_to = getattr(request, "reply_to", None) if request is not None else None
-        if reply_to:
-            channel = self.keys.wake_channel(str(reply_to))
-            if self.cluster:
+        channel = self.keys.wake_channel(str(reply_to)) if reply_to else None
+        if self.cluster:  # the result and the channel live on different shards
+            self.client.set(key, encoded, ex=ttl)
+            if channel:
                 self.client.spublish(channel, encoded)
-            else:
-                self.client.publish(channel, encoded)
+            return result
+        wanted = self.settings.wait_replicas
+        with self.client.pipeline(transaction=False) as pipe:  # one round trip
+            pipe.set(key, encoded, ex=ttl)
+            if wanted:  # on the connection that wrote it, as WAIT requires
+                pipe.execute_command("WAIT", wanted, self.settings.wait_timeout_ms)
+            if channel:
+                pipe.publish(channel, encoded)
+            replies = pipe.execute()
+        if wanted and int(replies[1]) < wanted:
+            raise NotReplicated(f"the result of {task_id}", wanted, int(replies[1]),
+                                self.settings.wait_timeout_ms)
         return result
 
     def on_task_call(self, producer: Any, task_id: str) -> None:

@@ -38,10 +38,14 @@ def results_client(url: str, options: Mapping[str, Any], settings: Settings) -> 
     ``cluster`` option, a client of the master the sentinels name for a sentinel URL, a
     plain ``redis.Redis`` otherwise."""
     params = socket_params(settings)
-    cluster = cluster_config([url], options)
+    try:
+        cluster = cluster_config([url], options)
+        sentinel = None if cluster is not None else sentinel_config([url], options)
+    except ConfigError as exc:  # the broker's checks, said of the result backend
+        raise ConfigError(str(exc).replace("broker URL", "result backend URL").replace(
+            "broker_transport_options", "result_backend_transport_options")) from None
     if cluster is not None:
         return cluster_client(cluster, params)
-    sentinel = sentinel_config([url], options)
     if sentinel is not None:
         return redis.Redis(connection_pool=connections_for(params, sentinel))
     try:

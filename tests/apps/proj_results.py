@@ -2,7 +2,8 @@
 
 The broker is ``CELERY_EXT_BROKER_URL`` (a one-node test server); results go to
 ``CELERY_EXT_RESULT_URL`` through the plugin's backend (``celery-ext://...``), on a cluster
-when ``CELERY_EXT_RESULT_CLUSTER=1``, in the namespace ``CELERY_EXT_RESULT_NAMESPACE``. Tasks
+when ``CELERY_EXT_RESULT_CLUSTER=1``, in the namespace ``CELERY_EXT_RESULT_NAMESPACE``
+(behind Sentinel, the master's name is ``CELERY_EXT_RESULT_MASTER_NAME``). Tasks
 record their runs on ``CELERY_EXT_RECORD_URL`` (plain ``redis://``), so a test counts runs
 without trusting the backend it tests.
 """
@@ -25,7 +26,10 @@ RECORD_URL = os.environ.get("CELERY_EXT_RECORD_URL", "redis://127.0.0.1:6379/2")
 
 
 def result_options(cluster: bool, namespace: str) -> dict[str, Any]:
-    return {"cluster": cluster, "namespace": namespace}
+    options: dict[str, Any] = {"cluster": cluster, "namespace": namespace}
+    if os.environ.get("CELERY_EXT_RESULT_MASTER_NAME"):  # a celery-ext+sentinel:// URL
+        options["master_name"] = os.environ["CELERY_EXT_RESULT_MASTER_NAME"]
+    return options
 
 
 app = Celery("proj_results", broker=BROKER_URL, backend=RESULT_URL)
@@ -46,12 +50,14 @@ _record: redis.Redis | None = None
 
 
 def configure(broker_url: str, result_url: str, record_url: str, cluster: bool = False,
-              namespace: str = "celery_ext") -> None:
-    """Point this (test process's) app at the test servers."""
+              namespace: str = "celery_ext", **options: Any) -> None:
+    """Point this (test process's) app at the test servers; ``options`` are more result
+    backend transport options (``master_name``)."""
     global RECORD_URL, _record
     app.conf.broker_url = broker_url
     app.conf.result_backend = result_url
-    app.conf.result_backend_transport_options = result_options(cluster, namespace)
+    app.conf.result_backend_transport_options = {**result_options(cluster, namespace),
+                                                 **options}
     app._backend = app._get_backend()  # Celery keeps one backend per thread: this one's
     app._pool = None
     app.amqp._producer_pool = None
