@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery import states
-from celery._state import task_join_will_block
 from celery.backends.asynchronous import AsyncBackendMixin
 from celery.backends.base import BaseKeyValueStoreBackend
 from celery.exceptions import BackendStoreError
@@ -55,6 +54,8 @@ class ResultBackend(ChordCounting, BaseKeyValueStoreBackend, AsyncBackendMixin):
     #: ``celery-ext+sentinel://`` URL over without the part before the ``+``.
     scheme = SCHEME
 
+    #: One instance serves every greenlet of a ``-P gevent`` worker (``worker/green.py``).
+    shared_by_greenlets = True
     supports_autoexpire = True
     supports_native_join = True
     supports_failure_expires = True
@@ -192,10 +193,9 @@ class ResultBackend(ChordCounting, BaseKeyValueStoreBackend, AsyncBackendMixin):
                                 self.settings.wait_timeout_ms)
         return result
 
-    def on_task_call(self, producer: Any, task_id: str) -> None:
-        if not task_join_will_block():
-            self.result_consumer.listen(self.app.thread_oid)
-            self.result_consumer.consume_from(task_id)
+    # No on_task_call: Celery's Redis backend subscribes there, when the task is sent, so a
+    # result nobody waits for holds a subscription until the process ends (#3808). Here a
+    # thread subscribes when it starts waiting (``WakeupConsumer.on_wait_for_pending``).
 
     def forget(self, task_id: str) -> None:
         super().forget(task_id)

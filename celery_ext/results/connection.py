@@ -20,6 +20,7 @@ from celery_ext.store.connections import (
     cluster_client,
     cluster_config,
     connections_for,
+    green_connections,
     keepalive_options,
     sentinel_config,
 )
@@ -27,10 +28,12 @@ from celery_ext.store.connections import (
 
 def socket_params(settings: Settings) -> dict[str, Any]:
     """Timeouts and keep-alive for every connection of the backend: a silent server or
-    a vanished peer (a failed-over master) is noticed instead of waited on forever."""
-    return {"socket_timeout": settings.reply_timeout,
-            "socket_connect_timeout": min(DEFAULT_CONNECT_TIMEOUT, settings.reply_timeout),
-            "socket_keepalive": True, "socket_keepalive_options": keepalive_options()}
+    a vanished peer (a failed-over master) is noticed instead of waited on forever. Under
+    gevent, room for every greenlet at once (the backend is shared by them)."""
+    return green_connections({
+        "socket_timeout": settings.reply_timeout,
+        "socket_connect_timeout": min(DEFAULT_CONNECT_TIMEOUT, settings.reply_timeout),
+        "socket_keepalive": True, "socket_keepalive_options": keepalive_options()})
 
 
 def results_client(url: str, options: Mapping[str, Any], settings: Settings) -> Any:

@@ -7,7 +7,10 @@ message it sends (``app.thread_oid``), and the worker that stores a result publi
 meta there (``ResultBackend.store_result``). However many results the thread waits for,
 it holds one subscription.
 
-Pub/sub is at-most-once, and a result waited on by a client that did not send its task
+A thread subscribes when it first waits (``on_wait_for_pending``) and reads the results
+it waits for once after that, so a result stored before is read and one stored after
+wakes it; a process that sends tasks and never waits holds no subscription. Pub/sub is
+at-most-once, and a result waited on by a client that did not send its task
 (``AsyncResult(id).get()`` elsewhere, ``GroupResult.restore``) publishes nowhere this
 client listens; so every ``RESULT_POLL_INTERVAL`` without a wake-up the waiting thread
 re-reads all its pending results in one MGET. The wake-up is the fast path, the read the
@@ -60,7 +63,7 @@ class WakeupConsumer(BaseResultConsumer):
 
     def listen(self, oid: str) -> None:
         """Subscribe to the wake-up channel of ``oid`` (the ``reply_to`` of the tasks this
-        thread sends), before its first task is published, so no wake-up comes early.
+        thread sends), before reading the results it waits for, so none falls between.
         A backend shared by threads (``result_backend_thread_safe``) adds each thread's
         channel to its one connection; on a cluster, where channels of other slots live on
         other nodes, it keeps the first, and the other threads' results come by the poll."""
@@ -90,7 +93,10 @@ class WakeupConsumer(BaseResultConsumer):
 
     def on_wait_for_pending(self, result: Any, timeout: float | None = None,
                             **kwargs: Any) -> None:
-        # A result stored before this thread subscribed published to nobody: read it now.
+        # Subscribed when a thread first waits, not when it sends (a process that only
+        # sends holds nothing); then a result stored before, which published to nobody,
+        # is read once: stored after the subscription, its wake-up arrives.
+        self.listen(self.app.thread_oid)
         for meta in result._iter_meta(**kwargs):
             if meta is not None:
                 self.on_state_change(meta, None)

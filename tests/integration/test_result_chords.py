@@ -138,3 +138,26 @@ def test_pending_chords_are_visible(results: Results, app_for: Callable[..., Wor
     rec.delete(hold)
     assert res.get(timeout=30) == 3
     assert client.pending_chords() == []
+
+
+def test_gevent_worker_shares_one_backend(results: Results,
+                                          app_for: Callable[..., WorkerProcess]) -> None:
+    """Under ``-P gevent`` the greenlets share the backend: the connections made while 120
+    jobs store their results stay about the concurrency's (one backend per job, as Celery
+    makes by default, connects anew for each), and a group and a chord come back whole."""
+    worker = app_for(pool="gevent", concurrency=20)
+    p = proj_results
+    made = _connections_made(results)
+    assert group(p.add.s(i, i) for i in range(100)).delay().get(timeout=60) == [
+        2 * i for i in range(100)]
+    assert chord(p.part.s(i) for i in range(20))(p.total.s()).get(timeout=60) == 190
+    assert worker.alive
+    assert _connections_made(results) - made < 60
+
+
+def _connections_made(results: Results) -> int:
+    """Connections the results' server(s) accepted so far."""
+    if results.cluster:
+        infos = results.client.info("stats", target_nodes=results.client.PRIMARIES)
+        return sum(int(i["total_connections_received"]) for i in infos.values())
+    return int(results.client.info("stats")["total_connections_received"])
