@@ -91,6 +91,11 @@ class ResultBackend(ChordCounting, BaseKeyValueStoreBackend, AsyncBackendMixin):
                               f"server (e.g. {SCHEME}://localhost:6379/1)")
         return url
 
+    def exception_safe_to_retry(self, exc: BaseException) -> bool:
+        """A lost connection (a failover, a restart) is retried by Celery's
+        ``result_backend_always_retry``, as with Celery's Redis backend."""
+        return isinstance(exc, self.connection_errors)
+
     @cached_property
     def client(self) -> Any:
         return results_client(self.url, self.options, self.settings)
