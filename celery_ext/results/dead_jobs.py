@@ -16,7 +16,6 @@ cannot be decoded. Counting by task id makes a job reported twice count once.
 from __future__ import annotations
 
 import base64
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ from celery.utils.log import get_logger
 from kombu.serialization import loads
 
 from celery_ext.errors import DeadJob
+from celery_ext.store.envelope import decode_message
 
 logger = get_logger(__name__)
 
@@ -42,7 +42,7 @@ class DeadJobResults:
         reason = str(meta.get("reason") or "dead")
         if reason in CELERY_REPORTS:
             return
-        envelope = _envelope(payload)
+        envelope = decode_message(payload)
         found = envelope.get("headers")
         headers: dict[str, Any] = found if isinstance(found, dict) else {}
         task_id = headers.get("id") or meta.get("task_id")
@@ -64,14 +64,6 @@ class DeadJobResults:
         logger.warning("celery_ext: job %s went to the dead set (%s); its result fails",
                        task_id, reason)
         backend.mark_as_failure(task_id, exc, request=request)
-
-
-def _envelope(payload: str) -> dict[str, Any]:
-    try:
-        envelope = json.loads(payload)
-    except ValueError:
-        return {}
-    return envelope if isinstance(envelope, dict) else {}
 
 
 def _embed(envelope: dict[str, Any]) -> dict[str, Any]:
