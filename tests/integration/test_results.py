@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 import redis
 from celery import group
+from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult, GroupResult
 
 from tests import resultutil
@@ -29,8 +30,8 @@ results, app_for = resultutil.results, resultutil.app_for
 
 def test_result_api_round_trip(results: Results, app_for: Callable[..., WorkerProcess],
                                rec: redis.Redis) -> None:
-    """get/ready/state/info/traceback/forget, a custom state, result_extended and
-    GroupResult save/restore behave as with Celery's own backend."""
+    """get/ready/state/info/traceback/forget, a custom state, the REVOKED state,
+    result_extended and GroupResult save/restore behave as with Celery's own backend."""
     app_for()
     ok = proj_results.add.delay(2, 3)
     assert ok.get(timeout=20) == 5
@@ -56,6 +57,12 @@ def test_result_api_round_trip(results: Results, app_for: Callable[..., WorkerPr
     saved.save()
     restored = GroupResult.restore(saved.id, app=proj_results.app)
     assert restored is not None and restored.get(timeout=20) == [0, 2, 4]
+
+    later = proj_results.add.apply_async((1, 1), countdown=2)
+    later.revoke()
+    with pytest.raises(TaskRevokedError):
+        later.get(timeout=30)
+    assert later.state == "REVOKED"
 
     key = results.keys.result(ok.id)
     assert results.client.exists(key)
