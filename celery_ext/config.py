@@ -149,6 +149,10 @@ DEFAULT_RESULT_EXPIRES = 24 * 3600
 #: wake-up arrived: pub/sub is at-most-once, and a result sent by another process (or
 #: stored before this thread subscribed) publishes nowhere this client listens.
 RESULT_POLL_INTERVAL = 0.5
+#: A waiting client whose wake-up subscription broke (a failover, a restart) waits this
+#: many seconds before it subscribes again, re-reading its pending results meanwhile: an
+#: attempt on a node that just died can block for seconds in redis-py's retries.
+RESULT_RESUBSCRIBE_AFTER = 2.0
 #: Longest a chord's counting keys live past their last header result (seconds), when
 #: neither ``result_chord_expires`` nor ``result_expires`` says otherwise.
 DEFAULT_CHORD_EXPIRES = 24 * 3600

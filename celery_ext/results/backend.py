@@ -33,7 +33,7 @@ from celery_ext.config import (
     Settings,
     mask_url,
 )
-from celery_ext.errors import NotReplicated
+from celery_ext.errors import CONNECTION_ERRORS, NotReplicated
 from celery_ext.results.chords import ChordCounting
 from celery_ext.results.connection import results_client
 from celery_ext.results.consumer import WakeupConsumer
@@ -76,7 +76,10 @@ class ResultBackend(ChordCounting, BaseKeyValueStoreBackend, AsyncBackendMixin):
                                 else self.prepare_expires(failure, type=int) or self.expires)
         from kombu.transport.redis import get_redis_error_classes
 
-        self.connection_errors, self.channel_errors = get_redis_error_classes()
+        connection_errors, self.channel_errors = get_redis_error_classes()
+        # A cluster failing over answers CLUSTERDOWN/TRYAGAIN for a moment: a lost
+        # connection too, to the waiting client's re-read and to always_retry.
+        self.connection_errors = (*connection_errors, *CONNECTION_ERRORS)
         self.result_consumer = self.ResultConsumer(
             self, self.app, self.accept, self._pending_results, self._pending_messages)
         if self.cluster and self.settings.wait_replicas:  # (bad URLs fail here, in one line)

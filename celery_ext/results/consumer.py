@@ -34,8 +34,9 @@ from typing import Any
 from celery import states
 from celery.backends.asynchronous import BaseResultConsumer
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 
-from celery_ext.config import RESULT_POLL_INTERVAL
+from celery_ext.config import RESULT_POLL_INTERVAL, RESULT_RESUBSCRIBE_AFTER
 
 
 class WakeupConsumer(BaseResultConsumer):
@@ -49,6 +50,8 @@ class WakeupConsumer(BaseResultConsumer):
         self._sharded = False
         self._lock = threading.Lock()
         self._last_poll = 0.0
+        #: After a broken subscription: no new one before this (monotonic) time.
+        self._subscribe_after = 0.0
 
     # -- what Celery calls ------------------------------------------------------------
 
@@ -125,10 +128,12 @@ class WakeupConsumer(BaseResultConsumer):
 
     def _subscribe(self) -> None:
         client = self.backend.client
-        if not self._channels:
+        if not self._channels or time.monotonic() < self._subscribe_after:
             return
         try:
             if isinstance(client, RedisCluster):
+                if self._subscribe_after:  # it broke before: the shard may have moved
+                    client.nodes_manager.initialize()  # (the slot map, read again)
                 channel = next(iter(self._channels))
                 node = client.get_node_from_key(channel)
                 pubsub = client.get_redis_connection(node).pubsub(ignore_subscribe_messages=True)
@@ -138,10 +143,14 @@ class WakeupConsumer(BaseResultConsumer):
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(*self._channels)
                 self._sharded = False
-        except self.backend.connection_errors:
-            self._pubsub = None  # polling carries on; the next drain tries again
+        except (RedisClusterException, *self.backend.connection_errors):
+            self._broken()  # polling carries on; a later drain subscribes again
             return
         self._pubsub = pubsub
+
+    def _broken(self) -> None:
+        self._close()
+        self._subscribe_after = time.monotonic() + RESULT_RESUBSCRIBE_AFTER
 
     def _close(self) -> None:
         if self._pubsub is not None:
@@ -171,11 +180,11 @@ class WakeupConsumer(BaseResultConsumer):
                     got = True
                     self.on_state_change(self.backend.decode_result(message["data"]), message)
         except self.backend.connection_errors:
-            # A cut or a failover: subscribe again (maybe on another node) and read what
-            # the cut may have hidden.
-            self._close()
-            self._subscribe()
+            # A cut or a failover: read what the cut may have hidden, and subscribe again
+            # (maybe on another node) once the dust settled.
+            self._broken()
             self._poll()
+            self._last_poll = time.monotonic()
             return True
 
     def _poll(self) -> None:

@@ -9,8 +9,10 @@ The broker is the one-node test server (db 0); results go to its db 1 or to the 
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -18,6 +20,7 @@ from celery import group
 from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult, GroupResult
 
+from celery_ext.testing.server import ClusterGroup
 from tests import resultutil
 from tests.apps import proj_results
 from tests.helpers import wait_for
@@ -112,6 +115,14 @@ def test_one_subscription_for_a_group_of_500(
     assert backend.result_consumer._pending == set()
 
 
+def _stored(backend: Any, ids: list[str]) -> list[Any] | None:
+    """The stored results of ``ids`` read afresh (None while the cluster settles)."""
+    try:
+        return [backend.get_task_meta(t, cache=False)["result"] for t in ids]
+    except backend.connection_errors:
+        return None
+
+
 def _our_channels(results: Results) -> list[str]:
     """The pub/sub channels of this namespace with a subscriber, on every node."""
     pattern = "{" + results.namespace + ":*"
@@ -142,3 +153,55 @@ def test_wakeup_delivers_without_polling(results: Results, rec: redis.Redis,
     wait_for(lambda: rec.get("part_runs:7"), 20, "the job to start")
     threading.Timer(0.3, rec.delete, args=(hold,)).start()
     assert res.get(timeout=20) == 7
+
+
+def test_a_cluster_master_failover_while_a_client_waits(
+        results: Results, app_for: Callable[..., WorkerProcess], rec: redis.Redis,
+        request: pytest.FixtureRequest) -> None:
+    """The master holding a waiting client's wake-up channel is killed while the client
+    waits on a group: its replica takes over, the client subscribes there again (or reads),
+    and get() returns every result; results stored (and replicated) before the kill are
+    all there afterwards."""
+    import threading
+
+    if not results.cluster:
+        pytest.skip("a cluster master's failover")
+    cluster: ClusterGroup = request.getfixturevalue("cluster")
+    app_for()
+    p = proj_results
+    before = group(p.add.s(i, 0) for i in range(50)).delay()
+    assert before.get(timeout=30) == list(range(50))
+    for master in cluster.master_servers():  # replicated before the kill:
+        # a write of this connection, then WAIT (it covers every earlier write: a WAIT
+        # on a connection that wrote nothing returns at once).
+        key = next(k for k in (f"barrier{{{i}}}" for i in range(10_000))
+                   if cluster.master_of(k) is master)
+        with master.client() as c:
+            c.set(key, 1, ex=60)
+            assert c.wait(1, 5000) == 1
+    channel = results.keys.wake_channel(p.app.thread_oid)
+    victim = cluster.master_of(channel)
+    hold = f"hold:{uuid.uuid4().hex}"
+    rec.set(hold, 1)
+    waiting = group(p.part.s(i, hold) for i in range(4)).delay()
+
+    def fail_over() -> None:
+        time.sleep(1.0)  # the client is waiting by now
+        cluster.kill_master(victim)
+        cluster.wait_promoted(victim)
+        rec.delete(hold)
+
+    mover = threading.Thread(target=fail_over)
+    mover.start()
+    try:
+        assert waiting.get(timeout=90) == [0, 1, 2, 3]
+        mover.join()
+        backend = p.app.backend
+        assert wait_for(lambda: _stored(backend, [r.id for r in before.results]), 30,
+                        "the results stored before the kill") == list(range(50))
+    finally:
+        mover.join()
+        rec.delete(hold)
+        victim.start()  # it rejoins as a replica of the promoted one
+        wait_for(lambda: cluster.healthy() and len(cluster.replica_servers()) == 3, 30,
+                 "the killed master to rejoin as a replica")
