@@ -13,7 +13,7 @@ from __future__ import annotations
 from celery.app.backends import BACKEND_ALIASES
 from kombu.transport import TRANSPORT_ALIASES
 
-from celery_ext.config import OUR_SCHEMES, SCHEME, TLS_SCHEME
+from celery_ext.config import OUR_SCHEMES, SCHEME, TLS_SCHEME, unreadable_scheme
 from celery_ext.install import install
 from celery_ext.worker.observer import checkin
 
@@ -33,5 +33,14 @@ _BACKENDS = {SCHEME: "celery_ext.results:ResultBackend",
              TLS_SCHEME: "celery_ext.results:TLSResultBackend"}
 for _scheme, _backend in _BACKENDS.items():
     BACKEND_ALIASES.setdefault(_scheme, _backend)
+
+
+def _unreadable_scheme() -> str:
+    """Kombu looks up transport "" when urlparse reads no scheme in a URL
+    (``celery_ext://``) and calls a callable alias: say why, not "No such transport: "."""
+    raise KeyError(f"No such transport: {unreadable_scheme()}")
+
+
+TRANSPORT_ALIASES.setdefault("", _unreadable_scheme)
 
 __all__ = ["SCHEME", "TLS_SCHEME", "TRANSPORT", "__version__", "checkin", "install"]

@@ -19,6 +19,9 @@ from typing import Any
 
 #: Prefix of every Redis key and pub/sub channel; also the Redis Cluster hash tag.
 DEFAULT_NAMESPACE = "celery_ext"
+#: Kombu's ``global_keyprefix`` transport option: written before every key and pub/sub
+#: channel, the plugin's and Kombu's own, so apps sharing one server keep apart. "" = none.
+DEFAULT_GLOBAL_KEYPREFIX = ""
 #: Seconds between two heartbeats of a worker pool.
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
 #: A pool whose last heartbeat is older than this (by Redis time) is dead.
@@ -28,6 +31,10 @@ DEFAULT_REAP_INTERVAL = 10.0
 #: An idle pool re-reads which job queues hold jobs this often, in case a wake-up
 #: notification was missed (pub/sub is at-most-once). Its only idle command.
 DEFAULT_IDLE_REFRESH_INTERVAL = 1.0
+#: While Redis cannot be reached, a job's process tries its busy records, checkins and
+#: counters again this often (seconds); meanwhile they wait in memory and a checkin
+#: answers from what it last heard, so an outage costs the jobs no round trips.
+OBSERVER_RETRY_INTERVAL = 1.0
 #: A job recovered from dead pools more often than this goes to the dead set.
 DEFAULT_MAX_RECOVERIES = 3
 #: Weight of a job queue whose task sets none.
@@ -159,6 +166,7 @@ DEFAULT_CHORD_EXPIRES = 24 * 3600
 
 _ENV_PREFIX = "CELERY_EXT_"
 _NAMESPACE_RE = re.compile(r"\A[A-Za-z0-9_.:-]{1,64}\Z")  # not "$": it accepts a trailing newline
+_KEYPREFIX_RE = re.compile(r"\A[A-Za-z0-9_.:/-]{0,64}\Z")
 
 
 class ConfigError(ValueError):
@@ -170,6 +178,8 @@ class Settings:
     """All tunables of one transport/worker, validated at construction."""
 
     namespace: str = DEFAULT_NAMESPACE
+    #: Kombu's option of that name (``store/keys.py``: before every key and channel).
+    global_keyprefix: str = DEFAULT_GLOBAL_KEYPREFIX
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
     dead_after: float = DEFAULT_DEAD_AFTER
     reap_interval: float = DEFAULT_REAP_INTERVAL
@@ -218,6 +228,11 @@ class Settings:
                 f"celery_ext: namespace {self.namespace!r} must be 1-64 characters of "
                 "letters, digits and _ . : - (no braces: it becomes the Redis hash tag)"
             )
+        if not _KEYPREFIX_RE.match(self.global_keyprefix):
+            raise ConfigError(
+                f"celery_ext: global_keyprefix {self.global_keyprefix!r} must be at most 64 "
+                "characters of letters, digits and _ . : / - (no braces or spaces: a brace "
+                "would change the Redis Cluster hash tag of every key)")
         for name in ("heartbeat_interval", "dead_after", "reap_interval", "idle_refresh_interval",
                      "promote_interval", "unique_ttl", "retry_backoff_base",
                      "retry_backoff_max", "reply_timeout", "reply_probe_after",
@@ -371,6 +386,15 @@ def mask_url(url: str) -> str:
 _PASSWORD_RE = re.compile(r"(://[^:/@\s;]*:)[^\s;]*@")
 
 
+def unreadable_scheme(url: str = "") -> str:
+    """Why a URL's scheme names no transport when urlparse reads none in it (an
+    underscore: ``celery_ext://``); Kombu alone would say "No such transport: "."""
+    written = url.partition("://")[0] if "://" in url else ""
+    shown = f"scheme {written!r}" if written else "the URL's scheme"
+    return (f"{shown} cannot be read (letters, digits, + - . only): ours is {SCHEME}:// "
+            f"(or {TLS_SCHEME}://)")
+
+
 def check_broker_url(url: str, transport: str | None = None) -> None:
     """Raise ConfigError (one line, password masked) for a broker URL Kombu cannot
     use: unknown scheme, port or db that is not a number. ``transport`` is
@@ -390,6 +414,8 @@ def check_broker_url(url: str, transport: str | None = None) -> None:
             raise ConfigError(
                 f"celery_ext: broker URL {shown}: cannot read host:port (the port must be a "
                 "whole number 0-65535; percent-encode / @ : in a password)") from None
+        if not (transport or parts.scheme):
+            raise ConfigError(f"celery_ext: broker URL {shown}: {unreadable_scheme(one)}")
         try:
             cls = resolve_transport(transport or parts.scheme)
         except (KeyError, ImportError, AttributeError) as exc:

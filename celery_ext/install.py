@@ -11,21 +11,29 @@ from celery.app.amqp import AMQP as CeleryAMQP
 from kombu.connection import maybe_channel
 from kombu.utils.objects import cached_property
 
+from celery_ext.options.checks import refuse_bad_options
 from celery_ext.options.unique import patch_send_task
 from celery_ext.producer.publish import Producer, Producers
 from celery_ext.worker.bootsteps import JobQueues, add_worker_parts, declare_job_queues
 
 logger = logging.getLogger("celery_ext")
 
-#: Celery's own task strategy; install() replaces it (only it) with celery_ext.strategy.
+#: Celery's own task strategy; install() replaces it (only it) with celery_ext.worker.strategy.
 CELERY_DEFAULT_STRATEGY = "celery.worker.strategy:default"
 
 #: Celery settings install() changes unless the user set them: a job is acked when
-#: it *finishes* (so it stays in its pool's in-flight record while running), and a
-#: job whose prefork child died is returned to its queue instead of dropped.
+#: it *finishes* (so it stays in its pool's in-flight record while running), a job
+#: whose prefork child died is returned to its queue instead of dropped, and a result
+#: backend on a Redis out of reach retries its write until Redis is back: when it
+#: gives up, Celery's tracer raises out of the job, which a threads, gevent or solo
+#: pool never reports (the job is neither acked nor failed, its result PENDING). Its
+#: first wait is 0.5 s, not 10 ms: Celery logs each retry with its traceback, and an
+#: outage of a few seconds should cost a few of them, not ten.
 DEFAULTS: dict[str, Any] = {
     "task_acks_late": True,
     "task_reject_on_worker_lost": True,
+    "result_backend_always_retry": True,
+    "result_backend_base_sleep_between_retries_ms": 500,
 }
 
 
@@ -137,6 +145,7 @@ def install(app: Celery, *, route_by_name: bool = True) -> Celery:
         app.amqp_cls = f"{__name__}:AMQP"
     app.steps["worker"].add(JobQueues)
     patch_send_task(app)
+    refuse_bad_options(app)  # outside the unique wrapper: a bad task takes no lock
     # Every task of the app gets the counting Request class and a checkin() method
     # (as in drop-in mode), and the consumer steps of the sets and the dead set.
     app.Task.Request = "celery_ext.worker.request:Request"

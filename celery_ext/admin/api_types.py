@@ -43,6 +43,9 @@ class QueueInfo(TypedDict):
     failed: int
     #: A queue with keyed jobs waiting: its active fair keys (count, biggest); else None.
     fair: FairInfo | None
+    #: A live worker pool consumes it. False: its jobs wait for a pool that knows the
+    #: task (a typo in a task name, or a deploy not yet rolled out); they are kept.
+    consumed: bool
 
 
 class PoolInfo(TypedDict):

@@ -41,8 +41,8 @@ result_expires = 24 * 3600
 result_extended = True
 
 # Periodic jobs: the worker pools enqueue each due run themselves (one of them, the
-# requeuer's leader), exactly once; no `celery beat` to run (docs/periodic.md). Every
-# 10 s, so that the demo shows runs soon after it starts.
+# holder of the periodic lease), exactly once; no `celery beat` to run
+# (docs/periodic.md). Every 10 s, so that the demo shows runs soon after it starts.
 beat_schedule = {
     "purge-sessions": {"task": "celery_ext.demo.app.purge_sessions", "schedule": 10.0},
 }

@@ -10,6 +10,12 @@ Worker pools write the limits of the job queues they consume from their task
 options when they start; the most recently started pool wins. A queue whose tasks
 declare no limit has its limit removed, so the code stays the source of truth
 (``Client.set_max_concurrency`` changes it until the next pool starts).
+
+A limit is a job queue's, and a task's queue is the one Celery's router sends its jobs
+to (``options/routing.py``: its ``queue``, ``task_routes``, the default queue). Every job
+of the queue counts against it: a queue shared by tasks of different limits, or with
+tasks of none, takes the smallest, so the strictest task's limit holds and the others
+share it. The worker says so at start (:func:`shared_limits`), one line per queue.
 """
 
 from __future__ import annotations
@@ -19,26 +25,62 @@ from typing import Any
 
 from kombu.utils.encoding import bytes_to_str
 
+from celery_ext.options.routing import is_builtin, task_queues
 from celery_ext.store.copies import per_copy
 from celery_ext.store.keys import Keys
+
+#: Tasks a shared queue's start-up line names before "N more".
+SHARED_NAMED = 5
 
 
 def job_limits(app: Any, option: str = "max_concurrency") -> dict[str, int]:
     """Job queue -> max_concurrency (or another whole-number task ``option``, e.g.
-    ``fair_max_concurrency``) for every registered task that declares one (tasks
-    sharing a queue: the smallest limit)."""
-    app.finalize(auto=True)
+    ``fair_max_concurrency``) for every registered task that declares one, on the queue
+    Celery routes it to (tasks sharing a queue: the smallest limit)."""
+    queues = task_queues(app)
     limits: dict[str, int] = {}
     for name, task in sorted(app.tasks.items()):
-        limit = getattr(task, option, None)
-        if limit is None:
-            continue
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise ValueError(f"celery_ext: task {name!r} has {option}={limit!r}; "
-                             "it must be a whole number >= 1 (or None for no limit)")
-        queue = getattr(task, "queue", None) or name
-        limits[queue] = min(limit, limits.get(queue, limit))
+        limit = task_limit(task, option)
+        if limit is not None:
+            queue = queues[name]
+            limits[queue] = min(limit, limits.get(queue, limit))
     return limits
+
+
+def task_limit(task: Any, option: str = "max_concurrency") -> int | None:
+    """A task's whole-number limit ``option``, or None; ValueError naming the task for
+    anything but a whole number >= 1."""
+    limit = getattr(task, option, None)
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
+                              or limit < 1):
+        raise ValueError(f"celery_ext: task {task.name!r} has {option}={limit!r}; "
+                         "it must be a whole number >= 1 (or None for no limit)")
+    return limit
+
+
+def shared_limits(app: Any, option: str = "max_concurrency") -> list[str]:
+    """One line per limited job queue that tasks of another limit or none share (Celery's
+    built-in tasks not counted): the queue's limit is the smallest, and every job of
+    the queue counts against it."""
+    queues = task_queues(app)
+    by_queue: dict[str, dict[str, int | None]] = {}
+    for name, task in sorted(app.tasks.items()):
+        if not is_builtin(name):
+            by_queue.setdefault(queues[name], {})[name] = task_limit(task, option)
+    lines = []
+    for queue, tasks in sorted(by_queue.items()):
+        declared = [v for v in tasks.values() if v is not None]
+        if not declared or len(set(tasks.values())) == 1:
+            continue
+        limit = min(declared)
+        others = [f"{name} ({option}={value})" for name, value in tasks.items()
+                  if value != limit]
+        if len(others) > SHARED_NAMED:
+            others[SHARED_NAMED:] = [f"{len(others) - SHARED_NAMED} more"]
+        lines.append(f"celery_ext: job queue {queue!r} has {option}={limit} for all its jobs: "
+                     f"tasks of another limit or none share it ({', '.join(others)}); route "
+                     "a task to a queue of its own for a limit of its own")
+    return lines
 
 
 def write_limits(client: Any, keys: Keys, limits: Mapping[str, int],

@@ -26,22 +26,16 @@ logger = logging.getLogger("celery_ext.options.periodic_schedule")
 #: Most due times of one entry computed in one pass (a long outage of a frequent entry
 #: is jumped over, not walked).
 MAX_DUE_TIMES = 1000
-#: Entry options that would make a run a scheduled job (refused: the run is due now).
-DELAY_OPTIONS = ("countdown", "eta")
-
-
 def load_entries(app: Any) -> dict[str, ScheduleEntry]:
-    """``app.conf.beat_schedule`` as celery.beat's entries; an entry Celery cannot read,
-    or one with a countdown/eta, is left out with one log line."""
+    """``app.conf.beat_schedule`` as celery.beat's entries; an entry Celery cannot read
+    is left out with one log line. (A ``countdown`` or ``eta`` in an entry's options
+    makes each run wait in the scheduled set: ``producer/periodic_run.py``.)"""
     entries: dict[str, ScheduleEntry] = {}
     for name, spec in dict(app.conf.beat_schedule or {}).items():
         try:
             entry = ScheduleEntry(**dict(spec, name=name, app=app))
             if not entry.task or entry.schedule is None:
                 raise ValueError("needs 'task' and 'schedule'")
-            bad = [o for o in DELAY_OPTIONS if (entry.options or {}).get(o) is not None]
-            if bad:
-                raise ValueError(f"option {bad[0]!r} is not supported (a run is due now)")
         except Exception as exc:
             logger.error("celery_ext: periodic entry %s left out: %s", one_line(str(name)),
                          one_line(str(exc)))

@@ -16,7 +16,7 @@ The level is always worked out from the message itself, where the job is written
 by the producer (enqueue, schedule), from the in-flight record's payload when a job
 goes back to its queue (requeue, recover, reconcile, restore), from the dead record's
 payload (dead-set retry), and from the scheduled record's meta (``priority``, written
-by :func:`celery_ext.scheduled.schedule_meta`) when the requeuer promotes it.
+by :func:`celery_ext.producer.scheduled.schedule_meta`) when the requeuer promotes it.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from typing import Any
 from celery.utils.time import rate
 
 from celery_ext.options.limits import write_limits
+from celery_ext.options.routing import is_builtin, task_queues
 from celery_ext.store.keys import Keys
 
 logger = logging.getLogger("celery_ext.options.rate_limits")
@@ -91,32 +92,16 @@ class RateLimits:
     local: dict[str, str] = field(default_factory=dict)
 
 
-def task_queue(app: Any, task: Any) -> str:
-    """The queue a task's jobs go to when sent without options: its ``queue``, else
-    the app's routes (``install(app)`` routes by name), else the default queue.
-    A router that needs the call's arguments is asked with none."""
-    options = {"queue": task.queue} if getattr(task, "queue", None) else {}
-    try:
-        queue = app.amqp.router.route(options, task.name, (), {}, task).get("queue")
-    except Exception:  # a router that fails without arguments: the task's own setting
-        queue = getattr(task, "queue", None) or app.conf.task_default_queue
-    return str(getattr(queue, "name", queue))
-
-
 def job_rate_limits(app: Any) -> RateLimits:
     """The rate limits of every registered task, by queue (see the module docstring).
     A ``rate_limit`` that is not a rate raises ValueError naming the task."""
-    app.finalize(auto=True)
+    queues = task_queues(app)
     by_queue: dict[str, dict[str, int | None]] = {}
     for name, task in sorted(app.tasks.items()):
         value = getattr(task, "rate_limit", None)
-        if name.startswith("celery.") and not value:
+        if is_builtin(name) and not value:
             continue
-        try:
-            interval = interval_us(value)
-        except ValueError as exc:
-            raise ValueError(f"celery_ext: task {name!r} has rate_limit={value!r}: {exc}") from None
-        by_queue.setdefault(task_queue(app, task), {})[name] = interval
+        by_queue.setdefault(queues[name], {})[name] = task_interval(task)
     result = RateLimits()
     for queue, tasks in by_queue.items():
         intervals = set(tasks.values())
@@ -128,6 +113,17 @@ def job_rate_limits(app: Any) -> RateLimits:
         else:
             result.local.update((name, queue) for name, i in tasks.items() if i is not None)
     return result
+
+
+def task_interval(task: Any) -> int | None:
+    """A task's ``rate_limit`` as µs between two jobs (None: no limit); ValueError naming
+    the task and the value for one that is not a rate in range."""
+    value = getattr(task, "rate_limit", None)
+    try:
+        return interval_us(value)
+    except ValueError as exc:
+        raise ValueError(
+            f"celery_ext: task {task.name!r} has rate_limit={value!r}: {exc}") from None
 
 
 def write_rate_limits(client: Any, keys: Keys, limits: Mapping[str, int],

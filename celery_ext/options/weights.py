@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 _weights: dict[str, int] = {}
 
@@ -22,3 +23,14 @@ def weight_of(queue: str, default: int = 1) -> int:
 
 def all_weights() -> dict[str, int]:
     return dict(_weights)
+
+
+def task_weight(task: Any) -> int | None:
+    """A task's ``weight`` option, or None; ValueError naming the task for anything but a
+    whole number >= 1."""
+    weight = getattr(task, "weight", None)
+    if weight is not None and (not isinstance(weight, int) or isinstance(weight, bool)
+                               or weight < 1):
+        raise ValueError(f"celery_ext: task {task.name!r} has weight={weight!r}; "
+                         "weight must be a whole number >= 1")
+    return weight

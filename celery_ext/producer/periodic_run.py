@@ -5,8 +5,9 @@ The periodic leader (``worker/periodic_leader.py``) publishes each run through C
 a deterministic job id per (namespace, entry, due time) and a :class:`PeriodicRun` in a
 context variable; the producer (``producer.publish.Enqueuer``) sees it and writes the
 job with ``periodic_run.lua`` (one node: the entry's check and the push are one script)
-or :func:`write_run_on_cluster` (a cluster: the entry and the job queue are in
-different slots) instead of a plain enqueue.
+or :func:`write_run_apart` (a cluster, where the entry and the job queue are in
+different slots, and a run with a countdown or eta, which goes to the scheduled set)
+instead of a plain enqueue.
 
 A run carries the headers :data:`HEADER` (entry name) and :data:`DUE_HEADER`; the
 process that runs it records its outcome on the entry (:data:`OUTCOMES`).
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ from kombu.exceptions import OperationalError
 from kombu.utils.encoding import bytes_to_str
 
 from celery_ext.store.keys import Keys
-from celery_ext.store.scripts import Scripts
 
 #: Message header naming the entry a run belongs to.
 HEADER = "celery_ext_periodic"
@@ -122,22 +122,27 @@ def run_marker(run: PeriodicRun) -> str:
     return f"periodic:{run.job_id}"
 
 
-def write_run_on_cluster(client: Any, scripts: Scripts, keys: Keys, queue: str,
-                         queue_keys: list[str], queue_args: list[Any], index_ttl_ms: int,
-                         marker_ttl_ms: int, run: PeriodicRun) -> int:
-    """A run of a periodic job on a cluster, where the entry (home copy) and the job
-    queue (its own copy) are in different slots, so one script cannot check the entry
-    and push: first the run is enqueued in the queue's copy, where ``enqueue.lua``
-    pushes it only if the copy's run record of the entry (``periodic_pushed``, the
-    latest due time pushed) is older, and records it in the same call; then
-    ``periodic_run.lua`` on the home copy records the run and moves ``next_due`` on only
-    if it still holds the due time. A leader that dies in between leaves the due time to
-    the next leader, and a leader stalled between its check and its push finds the due
-    time taken: the record makes either push a no-op, whatever the publish marker's
-    life (``publish_idempotency_ttl``, 0 = off): still exactly once.
+def write_run_apart(call: Callable[[str, list[str], list[Any]], Any], client: Any,
+                    keys: Keys, queue: str, push: tuple[str, list[str], list[Any]],
+                    run: PeriodicRun) -> int:
+    """A run of a periodic job written in two steps, where one script cannot check the
+    entry and write the job: on a cluster, where the entry (home copy) and the job queue
+    (its own copy) are in different slots, and for a run with a countdown or eta on any
+    topology, which goes to the scheduled set of the queue's copy (``periodic_run.lua``
+    pushes to a job queue only). First the run is written in the queue's copy, where
+    ``enqueue.lua`` or ``schedule.lua`` writes it only if the copy's run record of the
+    entry (``periodic_pushed``, the latest due time written) is older, and records it in
+    the same call; then ``periodic_run.lua`` on the home copy records the run and moves
+    ``next_due`` on only if it still holds the due time. A leader that dies in between
+    leaves the due time to the next leader, and a leader stalled between its check and
+    its write finds the due time taken: the record makes either write a no-op, whatever
+    the publish marker's life (``publish_idempotency_ttl``, 0 = off): still exactly once.
 
-    ``queue_keys``/``queue_args``: KEYS[1..3] and ARGV[1..4] of ``enqueue.lua`` in the
-    queue's copy (the producer's). Returns the outcome as ``periodic_run.lua`` gives it.
+    ``push``: (script, KEYS, ARGV) of the write in the queue's copy, ``enqueue`` or
+    ``schedule``, whose last key is the run's publish marker (:func:`run_marker`) and
+    last value its TTL; the run record's key and values are added after them.
+    ``call(script, keys, args)`` runs one script (the producer's, which waits for
+    ``wait_replicas``). Returns the outcome as ``periodic_run.lua`` gives it.
     """
     copy, home = keys.of(queue), keys.home
     if run.expected_ms is not None:
@@ -145,18 +150,18 @@ def write_run_on_cluster(client: Any, scripts: Scripts, keys: Keys, queue: str,
         if bytes_to_str(state[0] or b"") != str(run.expected_ms):
             return 0  # another leader took this due time
         if state[1] == b"1":  # paused: the due time passes without a run
-            return int(scripts("periodic_run", [home.periodic_entry(run.entry)],
-                               [*run.script_args(), "", "", "", 0, ""]))
+            return int(call("periodic_run", [home.periodic_entry(run.entry)],
+                            [*run.script_args(), "", "", "", 0, ""]))
     record_keys, record_args = ([copy.periodic_pushed(run.entry)],
                                 [run.due_ms, RUN_RECORD_TTL_MS]) if run.expected_ms is not None \
         else ([], [])
-    pushed = int(scripts("enqueue", [*queue_keys, copy.job_index, copy.job_index_done,
-                                     copy.published(run_marker(run)), *record_keys],
-                         [*queue_args, index_ttl_ms, max(1, marker_ttl_ms), *record_args]))
-    if pushed > 0:  # the home hints beside the copy's (a marker or record hit pushed nothing)
+    script, push_keys, push_args = push
+    reply = call(script, [*push_keys, *record_keys], [*push_args, *record_args])
+    # enqueue: the list's length, or -1 when nothing was pushed; schedule: {1 or 0, ...}
+    pushed = int(reply[0] if isinstance(reply, list) else reply)
+    if pushed > 0 and keys.cluster:  # the home hints beside the copy's
         client.sadd(home.queues, queue)
-        if pushed == 1:
+        if script == "enqueue" and pushed == 1:
             client.sadd(home.ready, queue)
-    return int(scripts("periodic_run", [home.periodic_entry(run.entry)],
-                       [*run.script_args(), "", "", "", 0, "", 0, "1"]))
-
+    return int(call("periodic_run", [home.periodic_entry(run.entry)],
+                    [*run.script_args(), "", "", "", 0, "", 0, "1"]))

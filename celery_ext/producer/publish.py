@@ -103,7 +103,7 @@ from celery_ext.options.fair import message_fair_key, place_last
 from celery_ext.options.priority import level as priority_level
 from celery_ext.options.priority import message_priority
 from celery_ext.options.unique import UniqueRequest, take_pending
-from celery_ext.producer.periodic_run import PeriodicRun, current_run, write_run_on_cluster
+from celery_ext.producer.periodic_run import PeriodicRun, current_run, run_marker, write_run_apart
 from celery_ext.producer.scheduled import eta_delay_ms, retries_of, schedule, schedule_args
 from celery_ext.store import scripts as _scripts
 from celery_ext.store.job_index import index_keys, index_ttl_ms
@@ -238,7 +238,7 @@ class Enqueuer:
         publish_id = str(props.pop(PUBLISH_ID, None) or secrets.token_hex(16))
         try:
             if run is not None:  # a periodic job's run: exactly once per due time
-                self._write_run(queue, message, run, uniq)
+                self._write_run(queue, message, run, uniq, delay)
                 return
             marker = None
             # A job added to a batch's pipeline is never retried by Kombu (a failed
@@ -275,6 +275,7 @@ class Enqueuer:
                                        max_payload=max_payload, marker=marker,
                                        index_ttl_ms=self._index_ttl)
             self._run("schedule", keys, args, batch)
+            self._scheduled(queue, batch)
         elif delay is not None:
             assert uniq is not None
             with self._acquire() as client:
@@ -283,6 +284,7 @@ class Enqueuer:
                                           max_payload=max_payload, marker=marker,
                                           index_ttl_ms=self._index_ttl)
             self._count_unique_hit(uniq, message, copy)
+            self._scheduled(queue, None)
         elif uniq is not None:
             lock_key, task_id, ttl_ms, force = self._lock(uniq, message, copy)
             _, holder = self._run(
@@ -311,6 +313,19 @@ class Enqueuer:
             client.sadd(self.keys.queues, queue)
         self._registered[queue] = now
 
+    def _scheduled(self, queue: str, batch: Any) -> None:
+        """Cluster: a job was written to the scheduled or retry set of its queue's copy;
+        add the queue to the home registry after it, whatever the cache says: a reader
+        may have forgotten the queue since (``store/copies.forget_queues``), and the
+        requeuer finds due jobs only in the copies of known queues."""
+        if not self.keys.cluster:
+            return
+        if batch is not None:
+            batch.add("sadd", self.keys.queues, queue)
+            return
+        with self._acquire() as client:
+            client.sadd(self.keys.queues, queue)
+
     def _pushed(self, queue: str, n: Any, batch: Any) -> None:
         """Cluster: a push that found its list empty (``n`` == 1, or unknown) adds the
         queue to the home hint of ready queues, after the push (see docs/cluster.md)."""
@@ -330,26 +345,39 @@ class Enqueuer:
             with self._acquire() as client:
                 client.hincrby(copy.stats, STAT_UNIQUE_HITS, 1)
     def _write_run(self, queue: str, message: dict[str, Any], run: PeriodicRun,
-                   uniq: UniqueRequest | None) -> None:
+                   uniq: UniqueRequest | None, delay: int | None) -> None:
         """Push a periodic job's run with ``periodic_run``, which checks and moves its
-        entry's next due time in the same call (see ``periodic_run.py``); on a cluster, in
-        two steps made exactly once by a marker (``periodic_run.write_run_on_cluster``)."""
-        if self.keys.cluster:
+        entry's next due time in the same call (see ``periodic_run.py``); on a cluster,
+        and for a run with a countdown or eta (``delay`` ms: it waits in the scheduled
+        set, as any job due later), in two steps made exactly once by a run record
+        (``periodic_run.write_run_apart``). Each write waits for ``wait_replicas``."""
+        if self.keys.cluster or delay is not None:
+            copy = self.keys.of(queue)
+            marker = (copy.published(run_marker(run)), max(1, self._marker_ttl_ms))
+            push: tuple[str, list[str], list[Any]]
+            if delay is None:
+                push = ("enqueue", [*self._queue_keys(queue, message), *index_keys(copy),
+                                    marker[0]],
+                        [*self._queue_args(queue, message), self._index_ttl, marker[1]])
+            else:
+                if self.keys.cluster:
+                    self._register(queue)
+                push = ("schedule", *schedule_args(
+                    copy, queue, message, delay, max_payload=self.settings.max_payload_bytes,
+                    marker=marker, index_ttl_ms=self._index_ttl))
             with self._acquire() as client:
-                run.outcome = write_run_on_cluster(
-                    client, self._scripts, self.keys, queue, self._queue_keys(queue, message),
-                    self._queue_args(queue, message), self._index_ttl, self._marker_ttl_ms,
-                    run)
-            if uniq is not None:
-                uniq.holder = run.job_id
-            return
-        with self._acquire() as client:
-            run.outcome = int(self._scripts(
-                "periodic_run",
-                [self.keys.periodic_entry(run.entry), *self._queue_keys(queue, message),
-                 *self._index_keys],
-                [*run.script_args(), *self._queue_args(queue, message), "", self._index_ttl],
-                client=client))
+                run.outcome = write_run_apart(
+                    lambda script, keys, args: self._call(script, keys, args, client),
+                    client, self.keys, queue, push, run)
+        else:
+            with self._acquire() as client:
+                run.outcome = int(self._call(
+                    "periodic_run",
+                    [self.keys.periodic_entry(run.entry), *self._queue_keys(queue, message),
+                     *self._index_keys],
+                    [*run.script_args(), *self._queue_args(queue, message), "",
+                     self._index_ttl],
+                    client))
         if uniq is not None:
             uniq.holder = run.job_id  # the entry, not the unique lock, keeps it single
 

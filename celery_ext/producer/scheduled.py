@@ -5,7 +5,7 @@ an ``eta`` header. Stock Celery on Redis pushes such a job to its queue at once 
 the worker holds it in memory until then; here the producer
 (:class:`celery_ext.producer.Enqueuer`) sends it to Redis instead (``{ns}:scheduled``,
 or ``{ns}:retry`` for retries) and each pool's requeuer moves it to its job queue
-when due (see :mod:`celery_ext.requeuer`).
+when due (see :mod:`celery_ext.worker.requeuer`).
 
 Due times are on the Redis clock: the delay the producer asked for (``eta`` minus
 its own clock) is added to Redis ``TIME`` inside the script, so a producer whose

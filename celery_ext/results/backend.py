@@ -69,7 +69,7 @@ class ResultBackend(ChordCounting, BaseKeyValueStoreBackend, AsyncBackendMixin):
         self.options: dict[str, Any] = dict(conf.get("result_backend_transport_options") or {})
         self.settings = Settings.load(
             {k: v for k, v in self.options.items() if k in Settings.option_names()})
-        self.keys = ResultKeys(self.settings.namespace)
+        self.keys = ResultKeys(self.settings.namespace, self.settings.global_keyprefix)
         self.expires: int = int(self.expires or DEFAULT_RESULT_EXPIRES)
         failure = conf.get("result_failure_expires")
         self.failure_expires = (self.expires if failure is None

@@ -17,7 +17,7 @@ Fields of each hash:
 Who writes it: the executing process of every job (the observer, through
 :class:`HistoryWriter`) sums counts and runtimes in memory and adds them once a
 second with its job counters, one ``history`` script call; the leading requeuer of
-the worker pools (:mod:`celery_ext.requeuer`) samples queue sizes every
+the worker pools (:mod:`celery_ext.worker.requeuer`) samples queue sizes every
 ``history_sample_interval``. Every bucket is on the Redis clock (the script picks
 the minute from ``TIME``). Runtime histograms use ``BUCKETS`` fixed log-spaced
 buckets (bucket ``i >= 1`` holds runtimes in ``[2**(i-1), 2**i)`` ms); percentiles

@@ -4,6 +4,15 @@ All names start with ``{<tag>}:``; the braces make ``<tag>`` the Redis Cluster h
 tag, so the keys of one tag live in one hash slot and every script, which touches
 the keys of one tag only, runs on a cluster as on one node.
 
+*Kombu's ``global_keyprefix``* (setting ``global_keyprefix``, e.g. "app1:") goes before
+every name: ``app1:{ns}:queue:<name>``, Kombu's own binding tables
+(``app1:_kombu.binding.<exchange>``) and fanout channels (``app1:/0.<exchange>``)
+alike, as Kombu's prefixing client would write them, so two apps with different
+prefixes share a server without seeing each other's jobs. The prefix holds no brace,
+so the hash tag stays the one in the braces. Every name is built here, whole: the
+transport never uses Kombu's prefixing client, which prefixes only some commands'
+keys (an ``EVALSHA``'s first key alone).
+
 *One node* (the default): one tag, the namespace; the whole layout below is one copy.
 
 *A cluster* (setting ``cluster``): every job queue has its own copy of the layout
@@ -40,14 +49,18 @@ Layout (``ns`` = namespace)::
                                      key plus a suffix: the queue key's hash tag
     {ns}:ready               set     names of job queues that hold at least one job
     {ns}:queues              set     job queue names: added at enqueue (not Kombu's "*.pidbox"
-                                     reply queues), forgotten by readers (queue_info.lua)
-                                     once the list is gone, unless paused, limited,
-                                     weighted or in flight
+                                     reply queues) and by the stats flush, forgotten by
+                                     readers (queue_info.lua, with the queue's fields of
+                                     stats and runtime) once the list is gone, unless
+                                     paused, limited, weighted, in flight or consumed by a
+                                     live pool (on a cluster also: unless its copy holds
+                                     scheduled, retry, dead or index records, or joins)
     {ns}:weights             hash    queue name -> weight (written by worker pools)
     {ns}:wake                channel queue name, published when a queue becomes non-empty
     {ns}:pools               zset    pool id -> last heartbeat (Redis time, ms)
     {ns}:pool:<id>           hash    a pool's registration (host, pid, concurrency,
-                                     its dead_after_ms and heartbeat_interval_ms, ...)
+                                     its dead_after_ms and heartbeat_interval_ms, the job
+                                     queues it consumes ("consumes"; liveness.py), ...)
     {ns}:inflight:<id>       hash    delivery tag -> "<queue>\\n<payload>" jobs a pool owns
     {ns}:inflight_pools      set     pool ids that may own in-flight jobs (finds orphans)
     {ns}:redelivery          hash    delivery tag -> times recovered from a dead pool
@@ -101,7 +114,8 @@ Layout (``ns`` = namespace)::
     {ns}:_kombu.binding.<exchange>, {ns}:_kombu.binding_permanent.<exchange>,
     {ns}:_kombu.binding_deadlines
                              Kombu's binding tables, on a cluster only (Kombu's own
-                             names, without a tag, on one node)
+                             names, without a tag, on one node; both after the
+                             global_keyprefix)
     {ns}:periodic            set     names of the periodic job entries (the leader's beat_schedule;
                                      worker/periodic_leader.py)
     {ns}:periodic:<name>     hash    one entry's state: next_due, last_due, last_run_at (ms),
@@ -111,9 +125,10 @@ Layout (``ns`` = namespace)::
                                      living the holder's dead_after; periodic_leader.py)
     {ns}:periodic_handover   channel published when the periodic leader gives up its lease
     {ns}:periodic_pushed:<name>
-                             string  cluster, in a job queue's copy: the latest due time (ms)
-                                     of entry <name> pushed into that queue; enqueue.lua
-                                     pushes no run of that due time or an earlier one again
+                             string  cluster, or a run with a countdown/eta, in a job queue's
+                                     copy: the latest due time (ms) of entry <name> written
+                                     there; enqueue.lua and schedule.lua write no run of
+                                     that due time or an earlier one again
                                      (producer/periodic_run.py)
 
 Result backend (``celery_ext/results/``; ``ResultKeys``). Each result carries the tag of its
@@ -155,6 +170,17 @@ STAT_RECOVERED = "recovered"
 STAT_POOLS_REAPED = "pools_reaped"
 STAT_POISON_PILLS = "poison_pills"
 STAT_UNIQUE_HITS = "unique_hits"
+#: Upper bounds (seconds) of the job runtime histogram's buckets, +Inf implied. Fixed:
+#: the counts in ``{ns}:runtime`` are per bucket, so changing them splits history.
+RUNTIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                   60.0, 300.0, 1800.0)
+#: The ``{ns}:runtime`` field prefix of each bucket: its bound as written by repr().
+RUNTIME_BUCKET_NAMES = (*(repr(b) for b in RUNTIME_BUCKETS), "inf")
+#: Per-queue fields of ``{ns}:stats`` and ``{ns}:runtime``: ``"<prefix>:<queue>"``. They go
+#: with the queue's name when a reader forgets it (``queue_info.lua``), so names that
+#: come and go leave nothing behind.
+QUEUE_STAT_PREFIXES = ("processed", "failed", "retried", "rate_limited")
+QUEUE_RUNTIME_PREFIXES = (*RUNTIME_BUCKET_NAMES, "sum_us")
 #: Between a job queue's key and a priority level in the key of that level's list:
 #: Kombu's Redis separator (``redis.Channel.sep``). Lua scripts check level keys by it.
 LEVEL_SEP = "\x06\x16"
@@ -173,24 +199,32 @@ class Keys:
     cluster: bool = False
     #: The hash tag of this copy; "" = the namespace's home copy.
     tag: str = ""
+    #: Kombu's ``global_keyprefix``: before every key and channel name ("" = none).
+    keyprefix: str = ""
 
     @classmethod
     def for_settings(cls, settings: Any) -> Keys:
         """The home copy for a :class:`~celery_ext.config.Settings`."""
-        return cls(settings.namespace, cluster=settings.cluster)
+        return cls(settings.namespace, cluster=settings.cluster,
+                   keyprefix=settings.global_keyprefix)
 
     @property
     def prefix(self) -> str:
-        return "{" + (self.tag or self.namespace) + "}:"
+        return self.keyprefix + "{" + (self.tag or self.namespace) + "}:"
+
+    @property
+    def _home_prefix(self) -> str:
+        """The home copy's prefix: pub/sub channels and Kombu's tables on a cluster."""
+        return self.keyprefix + "{" + self.namespace + "}:"
 
     @property
     def home(self) -> Keys:
         """The namespace's own copy: registrations, heartbeats, leases, registry."""
-        return Keys(self.namespace, self.cluster) if self.tag else self
+        return Keys(self.namespace, self.cluster, keyprefix=self.keyprefix) if self.tag else self
 
     def of(self, queue: str) -> Keys:
         """The copy that holds ``queue`` and every per-queue record (itself on one node)."""
-        return _queue_copy(self.namespace, queue) if self.cluster else self
+        return _queue_copy(self.namespace, queue, self.keyprefix) if self.cluster else self
 
     def groups(self, queues: Iterable[str]) -> dict[Keys, list[str]]:
         """``queues`` by the copy holding them, in first-seen order (one group on one
@@ -200,20 +234,33 @@ class Keys:
             out.setdefault(self.of(q), []).append(q)
         return out
 
-    # Kombu's binding keys, on a cluster only (on one node Kombu's own names are kept):
-    # under the home tag, so Kombu's binding scripts (an expiring binding and its
-    # deadline in one call) touch one slot. Format strings as Kombu's channel has them.
+    # Kombu's binding keys. On a cluster under the home tag, so Kombu's binding scripts
+    # (an expiring binding and its deadline in one call) touch one slot; on one node
+    # Kombu's own names. Both after the global_keyprefix. Format strings as Kombu's
+    # channel has them.
+    @property
+    def _kombu_prefix(self) -> str:
+        return self._home_prefix if self.cluster else self.keyprefix
+
     @property
     def kombu_binding(self) -> str:
-        return "{" + self.namespace + "}:_kombu.binding.%s"
+        return self._kombu_prefix + "_kombu.binding.%s"
 
     @property
     def kombu_binding_permanent(self) -> str:
-        return "{" + self.namespace + "}:_kombu.binding_permanent.%s"
+        return self._kombu_prefix + "_kombu.binding_permanent.%s"
 
     @property
     def kombu_binding_deadlines(self) -> str:
-        return "{" + self.namespace + "}:_kombu.binding_deadlines"
+        return self._kombu_prefix + "_kombu.binding_deadlines"
+
+    def kombu_channel(self, topic: str) -> str:
+        """Kombu's fanout pub/sub channel for ``topic`` (events, remote control)."""
+        return self.keyprefix + topic
+
+    def kombu_topic(self, channel: str) -> str:
+        """Inverse of :meth:`kombu_channel` (a channel name as a message names it)."""
+        return channel[len(self.keyprefix):] if channel.startswith(self.keyprefix) else channel
 
     @property
     def is_home(self) -> bool:
@@ -252,6 +299,12 @@ class Keys:
         """The sub-queue of one fair key of a job queue (:mod:`.fair`)."""
         return f"{self.queue(name)}{FAIR_SEP}{key}"
 
+    @staticmethod
+    def queue_fields(queue: str) -> tuple[list[str], list[str]]:
+        """The fields of ``queue`` in the ``stats`` and in the ``runtime`` hash."""
+        return ([f"{p}:{queue}" for p in QUEUE_STAT_PREFIXES],
+                [f"{p}:{queue}" for p in QUEUE_RUNTIME_PREFIXES])
+
     def queue_name(self, key: str) -> str:
         """Inverse of :meth:`queue`."""
         return key[len(self.prefix) + len("queue:"):]
@@ -270,7 +323,7 @@ class Keys:
 
     @property
     def wake_channel(self) -> str:
-        return "{" + self.namespace + "}:wake"  # a channel, not a key: always the home's
+        return self._home_prefix + "wake"  # a channel, not a key: always the home's
 
     @property
     def pools(self) -> str:
@@ -339,7 +392,7 @@ class Keys:
 
     @property
     def schedule_channel(self) -> str:
-        return "{" + self.namespace + "}:schedule"  # a channel: always the home's
+        return self._home_prefix + "schedule"  # a channel: always the home's
 
     @property
     def requeuer_lease(self) -> str:
@@ -394,7 +447,7 @@ class Keys:
 
     @property
     def periodic_handover(self) -> str:
-        return "{" + self.namespace + "}:periodic_handover"  # a channel: always the home's
+        return self._home_prefix + "periodic_handover"  # a channel: always the home's
 
     def periodic_pushed(self, name: str) -> str:
         """A job queue's copy's record of the entry's latest due time pushed (cluster)."""
@@ -402,10 +455,10 @@ class Keys:
 
 
 @lru_cache(maxsize=4096)
-def _queue_copy(namespace: str, queue: str) -> Keys:
+def _queue_copy(namespace: str, queue: str, keyprefix: str = "") -> Keys:
     """A job queue's copy of the layout on a cluster: tag ``<namespace>:<queue>``. A
     ``}`` in the name ends the tag early, the same way for every key of the copy."""
-    return Keys(namespace, cluster=True, tag=f"{namespace}:{queue}")
+    return Keys(namespace, cluster=True, tag=f"{namespace}:{queue}", keyprefix=keyprefix)
 
 
 @dataclass(frozen=True)
@@ -417,9 +470,12 @@ class ResultKeys:
     cluster keeps its layout and each chord step touches the one slot of its group."""
 
     namespace: str
+    #: Kombu's ``global_keyprefix`` of ``result_backend_transport_options``, before every
+    #: key and channel name ("" = none), as the broker's ``Keys`` put it.
+    keyprefix: str = ""
 
     def _of(self, ident: str) -> str:
-        return "{" + self.namespace + ":" + ident + "}:"
+        return self.keyprefix + "{" + self.namespace + ":" + ident + "}:"
 
     def result(self, task_id: str) -> str:
         return self._of(task_id) + "result"
@@ -442,13 +498,13 @@ class ResultKeys:
 
     @property
     def pending_chords(self) -> str:
-        return "{" + self.namespace + "}:pending_chords"
+        return self.keyprefix + "{" + self.namespace + "}:pending_chords"
 
     def wake_channel(self, oid: str) -> str:
         """The wake-up channel of a waiting client (its Celery ``reply_to``)."""
-        return "{" + self.namespace + ":client:" + oid + "}:results"
+        return self.keyprefix + "{" + self.namespace + ":client:" + oid + "}:results"
 
     @property
     def pattern(self) -> str:
         """SCAN pattern matching every key of this namespace's results (tests, admin)."""
-        return "{" + self.namespace + ":*}:*"
+        return self.keyprefix + "{" + self.namespace + ":*}:*"

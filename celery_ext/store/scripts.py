@@ -41,7 +41,7 @@ SCRIPT_NAMES = (
 
 
 #: A line ``-- @include <name>`` in a script is replaced by ``lua/include/<name>.lua``:
-#: the helpers several scripts share (``job_index``, ``fair``, ``priority``)
+#: the helpers several scripts share (``clock``, ``job_index``, ``fair``, ``priority``)
 #: have one text.
 INCLUDE = "-- @include "
 

@@ -94,8 +94,8 @@ def celery_ext_namespace(celery_ext_server: TestServer) -> Iterator[str]:
     client = celery_ext_server.client()
     try:
         # Test teardown, not a hot path: every copy's keys ({ns}:... and, on a cluster
-        # layout, {ns:<queue>}:...) by pattern.
-        for pattern in (f"{{{namespace}}}*", f"{{{namespace}:*}}*"):
+        # layout, {ns:<queue>}:...), after any global_keyprefix, by pattern.
+        for pattern in (f"*{{{namespace}}}*", f"*{{{namespace}:*}}*"):
             batch = list(client.scan_iter(match=pattern, count=1000))
             for start in range(0, len(batch), 1000):
                 client.delete(*batch[start:start + 1000])
@@ -112,9 +112,11 @@ def celery_ext_broker_url(celery_ext_server: TestServer) -> str:
 def _app_from_ini(config: pytest.Config) -> Any:
     path = str(config.getini("celery_ext_app") or "").strip()
     if not path:
-        raise pytest.UsageError(
-            "celery_ext: name the Celery app under test: `celery_ext_app = proj.celery:app` "
-            "in your pytest ini, or override the celery_ext_app fixture")
+        # A short first line: pytest's summary shows only that, cut to the terminal width.
+        pytest.fail("set celery_ext_app (ini or fixture)\n"
+                    "  in pytest.ini: celery_ext_app = proj.celery:app\n"
+                    "  or in conftest.py: a fixture named celery_ext_app returning the app",
+                    pytrace=False)
     return symbol_by_name(path)
 
 

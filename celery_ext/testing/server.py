@@ -3,7 +3,7 @@
 The one import path for all of them: one node (:mod:`celery_ext.testing.node`), a
 Sentinel group (:mod:`celery_ext.testing.sentinel`) and a cluster
 (:mod:`celery_ext.testing.cluster`). ``python -m celery_ext.testing.server`` runs one
-node in the foreground and prints its URL.
+node in the foreground and prints its ``celery-ext://`` URL.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="data dir (default: a temp dir, removed)")
     parser.add_argument("--password", default=None)
     parser.add_argument("--appendfsync", default="always", choices=["always", "everysec", "no"])
-    parser.add_argument("--scheme", default="redis", help="URL scheme to print (e.g. celery-ext)")
+    # Our scheme by default: a redis:// URL pasted as a broker URL silently gives stock Kombu.
+    parser.add_argument("--scheme", default="celery-ext",
+                        help="URL scheme to print (default celery-ext; redis for a plain client)")
     args = parser.parse_args(argv)
 
     server = RedisServer(

@@ -21,6 +21,9 @@ over PUB/SUB included, is inherited unchanged, and ``driver_type`` stays ``redis
   the pool reconciles its in-flight record with what the process still holds before
   the next fetch.
 * One node, Sentinel or a cluster: chosen once per channel (``topology/``).
+* Kombu's ``global_keyprefix`` is a setting of ours (``store/keys.py``): every key and
+  channel name, the plugin's and Kombu's, is built whole with it, and Kombu's prefixing
+  client, which prefixes only some commands' keys, is never used.
 
 :class:`Channel` holds Kombu's overrides and what the worker side asks of a channel;
 each hands its work to one unit: ``topology``, ``fetcher``, ``wakeups``, ``job_queues``
@@ -38,6 +41,7 @@ from typing import Any
 
 import redis
 from kombu.transport import redis as kredis
+from kombu.utils.encoding import bytes_to_str
 
 from celery_ext.config import TLS_SCHEME, TLS_SENTINEL_SCHEME, Settings
 from celery_ext.errors import CLUSTER_ERRORS, BrokerOutOfMemory, job_name
@@ -64,8 +68,14 @@ class Channel(kredis.Channel):
 
     QoS = _qos.QoS
     qos: _qos.QoS
-    from_transport_options = (kredis.Channel.from_transport_options + Settings.option_names()
-                              + connections.SENTINEL_OPTIONS)
+    #: Without ``global_keyprefix``: Kombu would then make its prefixing client, which
+    #: prefixes some commands' keys and not others (an EVALSHA's first key alone). The
+    #: prefix is our setting instead, in every name ``Keys`` builds.
+    from_transport_options = tuple(
+        name for name in (kredis.Channel.from_transport_options + Settings.option_names()
+                          + connections.SENTINEL_OPTIONS)
+        if name != "global_keyprefix")
+    global_keyprefix = ""
 
     keyprefix_fanout: str
 
@@ -73,6 +83,10 @@ class Channel(kredis.Channel):
         conn = args[0] if args else kwargs["connection"]
         self.settings = Settings.load(conn.client.transport_options)
         self.keys = Keys.for_settings(self.settings)
+        # Kombu's binding tables, under the prefix (and the home tag, on a cluster).
+        self.keyprefix_queue = self.keys.kombu_binding
+        self.keyprefix_binding_permanent = self.keys.kombu_binding_permanent
+        self.keyprefix_binding_deadlines = self.keys.kombu_binding_deadlines
         #: Which consumed queues are worth fetching from, and the round-robin over them.
         self._ready = ReadyQueues(default_weight=self.settings.default_weight)
         self._no_ack_queues: set[str] = set()
@@ -167,6 +181,17 @@ class Channel(kredis.Channel):
         self.enqueuer.load_batch_scripts()
         return batch
 
+    # -- fanout (events, remote control): Kombu's channels, under the prefix ---------------
+    def _get_publish_topic(self, exchange: str, routing_key: str) -> str:
+        return self.keys.kombu_channel(super()._get_publish_topic(exchange, routing_key))
+
+    def _handle_message(self, client: Any, r: Any) -> dict[str, Any]:
+        payload: dict[str, Any] = super()._handle_message(client, r)
+        if self.keys.keyprefix and payload["channel"] is not None:
+            # Kombu reads the exchange from the channel's name: without the prefix.
+            payload["channel"] = self.keys.kombu_topic(bytes_to_str(payload["channel"]))
+        return payload
+
     # -- queue management --------------------------------------------------------------
     def _size(self, queue: str) -> int:
         return self.job_queues.size(queue)
@@ -208,6 +233,7 @@ class Channel(kredis.Channel):
         ret = super().basic_consume(queue, no_ack, *args, **kwargs)
         if queue not in self.active_fanout_queues:
             self._ready.add(queue, weight_of(queue, self.settings.default_weight))
+        self._consumers_changed()
         return ret
 
     def _basic_cancel(self, consumer_tag: str) -> Any:
@@ -215,7 +241,19 @@ class Channel(kredis.Channel):
         ret = super()._basic_cancel(consumer_tag)
         if queue is not None and queue not in self._active_queues:  # (may be consumed twice)
             self._ready.remove(queue)
+        self._consumers_changed()
         return ret
+
+    def consumed_job_queues(self) -> frozenset[str]:
+        """The job queues this channel fetches for its pool (not fanout, not no-ack)."""
+        return frozenset(q for q in self._active_queues
+                         if q not in self.active_fanout_queues and q not in self._no_ack_queues)
+
+    def _consumers_changed(self) -> None:
+        """Tell the pool (the next fetch writes it to its registration: readers mark a
+        job queue no live pool consumes); nothing is computed per consumer here."""
+        if self._worker_pool is not None:
+            self._worker_pool.consumes(self)
 
     def _update_queue_cycle(self) -> None:
         """Unused: Kombu calls this after every basic_consume and basic_cancel to
@@ -250,6 +288,8 @@ class Channel(kredis.Channel):
         pool = self._worker_pool
         if pool is None:
             pool = self._worker_pool = pool_for(self.new_client, self.settings, self.server_id)
+            pool.consumes(self)
+            pool.describe_consumed()
         return pool
 
     @property
@@ -279,6 +319,7 @@ class Channel(kredis.Channel):
             super().close()  # reads a fetch still on the wire, then restore_unacked
         finally:
             self.fetcher.finished(lost=True)
+            self.fetcher.drop_kept()
 
 
 class Transport(kredis.Transport):

@@ -13,12 +13,19 @@ otherwise (``wakeup.py``).
 
 A fetched job that cannot be delivered is dead-lettered, not dropped: one too large,
 one whose JSON, envelope or body does not decode, one the consumer's handler fails on.
+
+One event per ``drain_events`` call, as Kombu documents: a reply read inside
+``Connection.drain_events`` (a plain Kombu consumer, Celery's loop without an event loop)
+delivers its first job and keeps the rest in the channel (:class:`Kept`), and the next
+calls hand them out one each without a round trip. An event loop (Celery's hub) gets
+every job of a reply at once. Either way a fetch still takes up to ``fetch_batch``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import deque
 from contextlib import suppress
 from queue import Empty
 from time import monotonic
@@ -78,6 +85,19 @@ def body_problem(channel: Any, raw: dict[str, Any]) -> str | None:
     return None
 
 
+class Kept:
+    """A fetched job that a ``drain_events`` call did not deliver: kept by the channel
+    for the next call. While it lives the worker pool counts its job as held (the pool
+    keeps weak references), so a reconcile never returns a job the channel is about to
+    deliver; dropped with a closing channel, the job goes back with the next reconcile."""
+
+    __slots__ = ("__weakref__", "queue", "raw")
+
+    def __init__(self, raw: dict[str, Any], queue: str) -> None:
+        self.raw = raw
+        self.queue = queue
+
+
 class Fetcher:
     """The fetches of one channel: sent, read, decoded and delivered (or dead-lettered)."""
 
@@ -85,11 +105,17 @@ class Fetcher:
         self.channel = channel
         #: A tracked fetch was sent and its reply not read yet.
         self.pending = False
+        #: Fetched jobs that ``drain_events`` calls deliver, one per call, before fetching.
+        self.kept: deque[Kept] = deque()
 
     # -- the worker pool's count of fetches on the wire -----------------------------------
     def _sent(self) -> None:
         self.pending = True
         self.channel.worker_pool.fetch_sent()
+
+    def drop_kept(self) -> None:
+        """The channel closes: its kept jobs are no longer held (the pool reconciles)."""
+        self.kept.clear()
 
     def finished(self, lost: bool) -> None:
         """A tracked fetch's reply was read, or the connection it was on failed (the
@@ -153,10 +179,13 @@ class Fetcher:
         """Send one fetch (instead of BRPOP) for up to the free prefetch slots; first
         make the pool's in-flight record match what the process holds, if needed."""
         channel = self.channel
+        while self.kept:  # (an event loop after drain_events calls: all of them now)
+            self.deliver_kept()
         pool = channel._worker_pool
         if pool is not None:
             # Acks this turn made are written before the fetch they make room for.
             pool.flush_acks()
+            pool.describe_consumed()  # only when the consumers changed
             try:
                 pool.maybe_reconcile()
             except CONNECTION_ERRORS as exc:
@@ -260,29 +289,55 @@ class Fetcher:
                 ready.activate_all()
 
     def _deliver(self, jobs: list[Any]) -> bool:
-        """Hand the reply's jobs to Kombu; whether any was delivered."""
+        """Hand the reply's jobs to Kombu (inside ``drain_events``, the first one and
+        keep the rest); whether any was delivered."""
         channel = self.channel
-        delivered = False
         no_ack = channel._no_ack_queues
+        decoded: list[Kept] = []
         for qname, tag, payload, rec in jobs:
-            raw = self.decode(qname, tag, payload, rec,
-                              tracked=bytes_to_str(qname) not in no_ack)
+            queue = bytes_to_str(qname)
+            raw = self.decode(qname, tag, payload, rec, tracked=queue not in no_ack)
             if raw is not None:
-                try:
-                    channel.connection._deliver(raw, bytes_to_str(qname))
-                except CONNECTION_ERRORS:
-                    # The rest of this fetch is in the record, never delivered.
-                    channel.worker_pool.needs_reconcile()
-                    raise
-                except Exception as exc:
-                    # The consumer failed on this job (a message Celery does not catch as
-                    # invalid, e.g. without an id header): as a KeyError it would restart
-                    # the consumer and refetch the job forever, as anything else stop the
-                    # worker, and the rest of this fetch would stay undelivered.
-                    self._dead_letter_broken(raw, bytes_to_str(qname), exc)
-                    continue
-                delivered = True
+                decoded.append(Kept(raw, queue))
+        one_event = getattr(channel.connection.cycle, "draining", False)
+        delivered = False
+        for i, job in enumerate(decoded):
+            if delivered and one_event:
+                self._keep(decoded[i:])
+                break
+            delivered = self._deliver_one(job) or delivered
         return delivered
+
+    def _keep(self, jobs: list[Kept]) -> None:
+        no_ack = self.channel._no_ack_queues
+        for job in jobs:
+            if job.queue not in no_ack:
+                self.channel.worker_pool.delivered(job.raw["properties"]["delivery_tag"], job)
+        self.kept.extend(jobs)
+
+    def deliver_kept(self) -> bool:
+        """Deliver the next kept job (one the dead set took is skipped); whether one was."""
+        while self.kept:
+            if self._deliver_one(self.kept.popleft()):
+                return True
+        return False
+
+    def _deliver_one(self, job: Kept) -> bool:
+        channel = self.channel
+        try:
+            channel.connection._deliver(job.raw, job.queue)
+        except CONNECTION_ERRORS:
+            # The rest of this fetch is in the record, never delivered.
+            channel.worker_pool.needs_reconcile()
+            raise
+        except Exception as exc:
+            # The consumer failed on this job (a message Celery does not catch as
+            # invalid, e.g. without an id header): as a KeyError it would restart
+            # the consumer and refetch the job forever, as anything else stop the
+            # worker, and the rest of this fetch would stay undelivered.
+            self._dead_letter_broken(job.raw, job.queue, exc)
+            return False
+        return True
 
     def check_reply(self) -> None:
         """Raise a connection error when a fetch's connection has gone silent: its reply

@@ -139,16 +139,21 @@ class Wakeups:
         self._arm_timer()
 
     def close(self) -> None:
-        """Cancel the timer and drop the wake-up connection (the channel closes)."""
+        """Cancel the timer and drop the wake-up connection (the channel closes).
+
+        The connection is disconnected while the subscription still names it: Kombu's
+        disconnect hook finds a registered socket by its client's connection, and only
+        then takes its reader off the event loop (else the closed channel's reader
+        stays on the hub)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = self._timer_at = None
         wake = self._client
         if wake is not None:
             with suppress(Exception):
-                conn, wake.connection = wake.connection, None
-                if conn is not None:
-                    conn.disconnect()
+                if wake.connection is not None:
+                    wake.connection.disconnect()
+            wake.connection = None
 
 
 #: Longest a poll waits once the worker is stopping (seconds). It does wait, and yields: a
@@ -223,6 +228,11 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
         #: The worker is stopping: ``get`` returns at once (``stop_soon``).
         self.stopping = False
         register_poll(self)
+
+    @property
+    def draining(self) -> bool:
+        """A ``drain_events`` call is polling (no event loop): one event per call."""
+        return self._in_get
 
     def stop_soon(self) -> None:
         """The worker is stopping: end the current wait and return from every later
@@ -309,6 +319,12 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
                 logger.debug("celery_ext: ready refresh failed, will retry", exc_info=True)
 
     def get(self, callback: Any, timeout: float | None = None) -> Any:
+        # One event per drain_events call: a job a former call's fetch brought comes
+        # first, without a round trip.
+        for channel in self._channels:
+            if channel.fetcher.kept and channel.qos.can_consume() \
+                    and channel.fetcher.deliver_kept():
+                return None
         self.maybe_refresh_ready()
         # Without an event loop (a plain Kombu consumer) no timer wakes a rate-limited
         # queue: wait no longer than until it is due.

@@ -1,16 +1,19 @@
 """Celery worker integration: bootsteps and the worker signals the plugin listens to.
 
 The worker pool itself (heartbeat, reaper, requeuer, what the process holds of its
-in-flight record) is owned by :class:`celery_ext.pool.WorkerPool`, which the
+in-flight record) is owned by :class:`celery_ext.worker.worker_pool.WorkerPool`, which the
 transport makes for any worker consuming through our scheme. This module adds what
 needs Celery's worker objects, in every mode unless said otherwise:
 
 - ``JobQueues`` (``install(app)`` only: it is routing): consume every task's queue;
-- ``Sets``: task options checked at start (backoff, unique, max_concurrency,
-  stall_after, rate_limit) and the concurrency and rate limits written (Celery's
-  per-process rate limit is off for the tasks whose limit holds in all pools);
+- ``worker_init``: every task option checked (``options/checks.py``: weight, limits,
+  rate_limit, unique, stall_after, backoff) before Celery builds its consumer, which
+  parses each ``rate_limit`` itself; a bad one stops the worker with one line;
+- ``Sets``: the same check for a task bound since, and the concurrency and rate limits
+  written (Celery's per-process rate limit is off for the tasks whose limit holds in
+  all pools), with one line per queue shared by tasks of different limits;
 - ``DeadLetters``: unknown and invalid messages go to the dead set;
-- ``PeriodicJobs``: the app's ``beat_schedule`` handed to the worker pool's requeuer;
+- ``PeriodicJobs``: the app's ``beat_schedule`` handed to the worker pool's periodic leader;
 - ``worker_ready``: the pool's registration details (node, concurrency, pool type,
   queues) and the job queues' weights;
 - ``worker_shutting_down`` / ``worker_shutdown``: the pool says "stopping", then stops.
@@ -52,11 +55,12 @@ from kombu.asynchronous import get_event_loop
 
 from celery_ext.config import ConfigError, Settings, check_broker_url, uses_our_transport
 from celery_ext.options.backoff import apply_backoffs
+from celery_ext.options.checks import check_tasks
 from celery_ext.options.fair import job_fair_limits, write_fair_limits
-from celery_ext.options.limits import job_limits, write_limits
+from celery_ext.options.limits import job_limits, shared_limits, write_limits
 from celery_ext.options.rate_limits import ClusterBuckets, job_rate_limits, write_rate_limits
-from celery_ext.options.unique import validate_unique_options
-from celery_ext.options.weights import all_weights, set_weights
+from celery_ext.options.routing import task_queue, task_queues
+from celery_ext.options.weights import all_weights, set_weights, task_weight
 from celery_ext.store.connections import (
     CLUSTER_NO_WAIT,
     cluster_config,
@@ -78,26 +82,23 @@ UNSUPPORTED_EXECUTORS = ("eventlet",)
 
 
 def job_queues(app: Any, finalize: bool = True, strict: bool = True) -> dict[str, int]:
-    """Job queue name -> weight for every registered task (explicit ``queue=`` kept).
+    """Job queue name -> weight for every registered task, on the queue Celery's router
+    sends its jobs to (``options/routing.py``; tasks sharing a queue: the largest weight).
 
     A weight that is not a whole number >= 1 raises ValueError naming the task, or
     counts as 1 with ``strict=False`` (producers: only workers use weights, and a
     worker refuses to start with one)."""
-    if finalize:
-        app.finalize(auto=True)
+    queues = task_queues(app, finalize=finalize)
     result: dict[str, int] = {}
     for name, task in sorted(app.tasks.items()):
-        queue = getattr(task, "queue", None) or name
-        weight = getattr(task, "weight", None)
-        if weight is not None:
-            if not isinstance(weight, int) or isinstance(weight, bool) or weight < 1:
-                if not strict:
-                    weight = 1
-                else:
-                    raise ValueError(
-                        f"celery_ext: task {name!r} has weight={weight!r}; "
-                        "weight must be a whole number >= 1")
-        result[queue] = max(result.get(queue, 1), weight or 1)
+        try:
+            weight = task_weight(task) or 1
+        except ValueError:
+            if strict:
+                raise
+            weight = 1
+        queue = queues[name]
+        result[queue] = max(result.get(queue, 1), weight)
     return result
 
 
@@ -170,7 +171,7 @@ def task_bound(task: Any, app: Any) -> None:
     for consumer in list(_running_consumers):
         if consumer.app is not app:
             continue
-        queue = getattr(task, "queue", None) or task.name
+        queue = task_queue(app, task)
         every = getattr(consumer.controller, "_celery_ext_every_job_queue", False)
         if every:
             try:
@@ -194,7 +195,8 @@ def _learn(consumer: Any, queue: str | None) -> None:
 @worker_ready.connect(weak=False)
 def describe_pool(sender: Any = None, **kwargs: Any) -> None:
     """The worker consumes: add what only Celery knows to its pool's registration
-    (node name, concurrency, pool type, job queues) and publish the queues' weights."""
+    (node name, concurrency, pool type; its channel records the job queues it consumes)
+    and publish the queues' weights."""
     c = sender
     channel = getattr(getattr(c, "connection", None), "default_channel", None)
     if channel is None or not hasattr(channel, "worker_pool"):
@@ -203,11 +205,11 @@ def describe_pool(sender: Any = None, **kwargs: Any) -> None:
     controller = getattr(c, "controller", None)
     executor_cls = getattr(controller, "pool_cls", None)
     consumed = c.app.amqp.queues.consume_from
+    pool.describe_consumed()  # the consumers are up: the registration below carries them
     pool.describe(
         node=c.hostname,
         concurrency=getattr(controller, "concurrency", "") or "",
         pool_type=getattr(executor_cls, "__module__", str(executor_cls)).rsplit(".", 1)[-1],
-        queues=",".join(sorted(consumed)),
         started_at=int(time.time() * 1000),
         state="running",
     )
@@ -306,10 +308,26 @@ celeryd_init.connect(validate_settings, weak=False)
 def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
     """Every ``WorkController``, the embedded test worker's included: the worker parts
     of drop-in mode (``celeryd_init`` added them already in a ``celery worker`` process;
-    adding them is idempotent)."""
+    adding them is idempotent), after every task option is checked: Celery sends it after
+    importing the task modules and before building the consumer."""
     app = getattr(sender, "app", None)
-    if app is not None and uses_our_transport(app.conf):
+    if app is None:
+        return
+    if uses_our_transport(app.conf) or getattr(app, "_celery_ext_installed", False):
+        check_worker_tasks(app)
+    if uses_our_transport(app.conf):
         add_worker_parts(app)
+
+
+def check_worker_tasks(app: Any) -> None:
+    """Exit with one line for the first registered task with a bad option, before Celery
+    builds the consumer (which parses every ``rate_limit`` and would end in a long
+    traceback at an unparseable one; see ``options/checks.py``)."""
+    try:
+        app.finalize(auto=True)
+        check_tasks(app.tasks, Settings.load(app.conf.broker_transport_options))
+    except (ConfigError, ValueError) as exc:
+        raise SystemExit(str(exc)) from None
 
 
 @test_worker_started.connect(weak=False)
@@ -394,15 +412,6 @@ def _on_shutdown(**kwargs: Any) -> None:
     _pool.stop_all()
 
 
-def validate_stall_after(task: Any) -> None:
-    """Raise ValueError for a ``stall_after`` option that is not a number of seconds > 0."""
-    value = getattr(task, "stall_after", None)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                              or value <= 0):
-        raise ValueError(f"celery_ext: task {task.name!r} has stall_after={value!r}; "
-                         "it must be a number of seconds > 0 (or None)")
-
-
 class Sets(bootsteps.StartStopStep):
     """Consumer step: the job options of the scheduled, retry and dead sets (backoff,
     unique, max_concurrency, stall_after), checked when the worker is built so a bad
@@ -417,15 +426,15 @@ class Sets(bootsteps.StartStopStep):
         app = c.app
         try:
             settings = Settings.load(app.conf.broker_transport_options)
+            check_tasks(app.tasks, settings)  # a task bound since worker_init
             self.limits = job_limits(app)
             self.fair_limits = job_fair_limits(app)
             rate_limits = job_rate_limits(app)
-            for task in app.tasks.values():
-                validate_unique_options(task)
-                validate_stall_after(task)
             apply_backoffs(app.tasks, settings)
         except (ConfigError, ValueError) as exc:
             raise SystemExit(str(exc)) from None
+        for line in [*shared_limits(app), *shared_limits(app, "fair_max_concurrency")]:
+            logger.warning("%s", line)
         #: None: this pool leaves rate limits to Celery (not our transport) or has them
         #: off (``worker_disable_rate_limits``), and writes none.
         self.buckets: ClusterBuckets | None = None
@@ -462,8 +471,8 @@ class DeadLetters(bootsteps.Step):
 
 
 class PeriodicJobs(bootsteps.StartStopStep):
-    """Consumer step: the worker pool runs the app's ``beat_schedule`` (its requeuer's
-    leader enqueues each due run; see ``periodic_leader.py``)."""
+    """Consumer step: the worker pool runs the app's ``beat_schedule`` (the pool holding
+    the periodic lease enqueues each due run; see ``periodic_leader.py``)."""
 
     name = "celery_ext.PeriodicJobs"
     requires = ("celery.worker.consumer.tasks:Tasks",)  # after the connection step

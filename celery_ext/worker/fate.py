@@ -1,20 +1,22 @@
 """Job fate: what happens to a job that fails, expires or is started.
 
 * :class:`JobFateRequest` is the base of the Request class ``install(app)`` sets
-  (see :mod:`celery_ext.request`). It runs in the worker's main process, where
+  (see :mod:`celery_ext.worker.request`). It runs in the worker's main process, where
   Celery acks and rejects even when the job ran in a prefork child:
 
   - a job that raised and will not be retried (no retries left, or an exception it
     does not retry) goes to the dead set with its name, args, kwargs, exception
     type and message, traceback, attempts, pool and node, instead of being acked
-    away; ``self.retry()`` / ``autoretry_for`` republish into the retry set
-    (:mod:`celery_ext.scheduled`) and Celery acks the old message as usual;
+    away (during a cold shutdown, one acked late goes back to its queue instead:
+    the shutdown may be why it failed); ``self.retry()`` / ``autoretry_for``
+    republish into the retry set (:mod:`celery_ext.producer.scheduled`) and Celery
+    acks the old message as usual;
   - a job whose ``expires`` passed before it started goes to the dead set with
     reason "expired" (Celery would only mark it revoked);
   - the ``eta`` header is ignored: a job reaches a job queue only when it is due
     (the requeuer promotes it on the Redis clock), so a worker whose clock runs
     behind must not hold it back in memory;
-  - a unique job's lock is released when the job starts (:mod:`celery_ext.unique`).
+  - a unique job's lock is released when the job starts (:mod:`celery_ext.options.unique`).
 
 Retry delays (the task option ``backoff``) are :mod:`celery_ext.options.backoff`.
 """
@@ -93,7 +95,14 @@ class JobFateRequest(CeleryRequest):
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
         if self._ext_is_final(exc):
-            self._ext_dead("failed", **_exception_fields(exc, exc_info.traceback))
+            if worker_state.should_terminate and not self.acknowledged:
+                # A cold shutdown: the failure may be the shutdown's doing, and Celery
+                # would ack the job without a failure recorded. Acked late, it goes back
+                # to the front of its queue and runs again (at least once); a failure of
+                # its own recurs there and reaches the dead set then.
+                self.reject(requeue=True)
+            else:
+                self._ext_dead("failed", **_exception_fields(exc, exc_info.traceback))
         elif isinstance(exc, Reject) and not exc.requeue:
             # The transport would dead-letter the reject too, without the why.
             self._ext_dead("rejected", **_exception_fields(exc, exc_info.traceback))
@@ -101,8 +110,9 @@ class JobFateRequest(CeleryRequest):
                                   return_ok=return_ok)
 
     def _ext_is_final(self, exc: Any) -> bool:
-        """Will Celery drop this failed job for good (ack, or reject without requeue)?"""
-        if isinstance(exc, _NOT_FINAL) or worker_state.should_terminate:
+        """Will Celery drop this failed job for good (ack, or reject without requeue)?
+        Also during a cold shutdown, where Celery acks a failed job and stores nothing."""
+        if isinstance(exc, _NOT_FINAL):
             return False
         task = self.task
         if task.acks_late and isinstance(exc, TimeLimitExceeded):

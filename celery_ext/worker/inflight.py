@@ -94,6 +94,11 @@ class InflightRecord:
             for k in new:
                 pipe.zadd(k.pools, {self.pool_id: 0})
             pipe.execute()
+        # Then the home registry, after the copies: a reader that forgot a queue while
+        # this pool joined it sees the join or this (store/copies.forget_queues).
+        queues = [k.copy_queue for k in new if k.copy_queue is not None]
+        if queues:
+            self.client.sadd(self.keys.home.queues, *queues)
         self._joined.update(new)
 
     def forget_joins(self) -> None:

@@ -6,7 +6,13 @@ records progress at most once per ``CHECKIN_MIN_INTERVAL`` per job and tells the
 whether to stop: its pool is shutting down, or someone asked through the client API.
 
 A process killed mid-job (a prefork child's SIGKILL, OOM) cannot clear its records:
-the pool's main process does it when Celery reports the loss (:func:`job_lost`).
+the pool's main process does it when Celery reports the loss (:func:`job_lost`). A
+pool killed whole leaves them to the reaper, which drops the checkins of the jobs in
+the pool's busy hash: so a job's first checkin writes its busy record with it.
+
+Redis out of reach never ends a job here (stock Celery has no checkin): a checkin
+answers from what it last heard and writes later, a busy record's clearing waits in
+memory for the background thread, and the outage is logged once, and its end once.
 """
 
 from __future__ import annotations
@@ -24,13 +30,15 @@ from celery import current_task
 from celery.signals import task_failure, task_postrun, task_prerun, worker_process_shutdown
 from redis.cluster import RedisCluster
 
-from celery_ext.config import Settings, uses_our_transport
+from celery_ext.config import OBSERVER_RETRY_INTERVAL, Settings, uses_our_transport
+from celery_ext.errors import CONNECTION_ERRORS
 from celery_ext.store.connections import green_sockets
 from celery_ext.store.history import HistoryWriter
-from celery_ext.store.keys import Keys
+from celery_ext.store.keys import RUNTIME_BUCKET_NAMES, RUNTIME_BUCKETS, Keys
 from celery_ext.store.scripts import Scripts
 from celery_ext.text import one_line
 from celery_ext.worker.heartbeater import owning_pool_id
+from celery_ext.worker.outage import Outage
 
 logger = logging.getLogger("celery_ext.worker.observer")
 
@@ -47,14 +55,6 @@ STATS_FLUSH_INTERVAL = 1.0
 #: Under gevent, a finished job's busy record is cleared by the background greenlet
 #: within this many seconds, with the others due, in one round trip (not one per job).
 GREEN_END_DELAY = 0.05
-#: Upper bounds (seconds) of the job runtime histogram's buckets, +Inf implied. Fixed:
-#: the counts in ``{ns}:runtime`` are per bucket, so changing them splits history.
-RUNTIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                   60.0, 300.0, 1800.0)
-
-
-#: The ``{ns}:runtime`` field prefix of each bucket: its bound as written by repr().
-RUNTIME_BUCKET_NAMES = (*(repr(b) for b in RUNTIME_BUCKETS), "inf")
 
 
 def runtime_bucket(seconds: float) -> str:
@@ -165,6 +165,9 @@ class Observer:
         #: Finished jobs whose records ``flush`` clears: (job id, slot, when it finished),
         #: in finish order.
         self._ends: list[tuple[str, str, float]] = []
+        self._outage = Outage(
+            logger, "busy records, checkins and counters wait in memory until it is back",
+            "busy records and checkins written again")
 
     @classmethod
     def for_app(cls, app: Any) -> Observer | None:
@@ -234,9 +237,16 @@ class Observer:
             if (running is not None and running.written) or checked_in:
                 # The record (or a checkin) is in Redis: clear it with the job.
                 slot = running.slot if running else slot_id()
-                if not self._green:
-                    self._busy("end", job_id, slot)
-                    return
+                if not self._green and not self._outage.waiting():
+                    try:
+                        self._busy("end", job_id, slot)
+                    except CONNECTION_ERRORS as exc:
+                        self._outage.failed(exc)
+                    else:
+                        self._outage.ok()
+                        return
+                # Under gevent, or Redis out of reach: the background thread clears it
+                # (before it writes the record of the slot's next job).
                 now = time.monotonic()
                 self._ends.append((job_id, slot, now))
                 sleeping = self._sleep_until
@@ -281,15 +291,28 @@ class Observer:
                 for running, _ in starts:
                     running.written = True
                     del self._unwritten[running.job_id]
+                self._outage.ok()
             if self._stats and (force_stats or now - self._last_stats >= STATS_FLUSH_INTERVAL):
                 stats, self._stats = self._stats, {}
                 runtime, self._runtime = self._runtime, {}
                 self._last_stats = now
-                self.scripts("stats", [self.keys.stats],
-                             [x for item in stats.items() for x in item])
+                # With the known queues: a queue forgotten since its jobs ran is added
+                # back, so its fields are forgotten again (queue_info.lua). The runtime
+                # fields are of the same queues.
+                try:
+                    self.scripts("stats", [self.keys.stats, self.keys.queues],
+                                 [x for item in stats.items() for x in item])
+                except BaseException:  # not written: counted again with the next flush
+                    self._merge(stats, runtime)
+                    raise
                 if runtime:  # the same script: one HINCRBY per field, summed per flush
-                    self.scripts("stats", [self.keys.runtime],
-                                 [x for item in runtime.items() for x in item])
+                    try:
+                        self.scripts("stats", [self.keys.runtime],
+                                     [x for item in runtime.items() for x in item])
+                    except BaseException:
+                        self._merge({}, runtime)
+                        raise
+                self._outage.ok()
                 self.history.flush()
             if self._stats:
                 wait = min(wait, STATS_FLUSH_INTERVAL - (now - self._last_stats))
@@ -297,6 +320,13 @@ class Observer:
             if _plan:  # the thread sleeps this long; decided under the lock job_started takes
                 self._sleep_until = None if wait >= 1e9 else now + wait
         return wait
+
+    def _merge(self, stats: dict[str, int], runtime: dict[str, int]) -> None:
+        """Counts a flush could not write go back to be written by the next (the
+        caller holds the lock)."""
+        for into, counts in ((self._stats, stats), (self._runtime, runtime)):
+            for field, amount in counts.items():
+                into[field] = into.get(field, 0) + amount
 
     def _ensure_thread(self) -> None:
         """Start the background thread unless it runs (a flag, not ``is_alive()``: each
@@ -327,13 +357,23 @@ class Observer:
     def _run(self) -> None:
         try:
             while not self._stopped:
+                if self._outage.waiting():  # Redis was out of reach a moment ago
+                    self._wake.wait(max(self._outage.next_try - time.monotonic(), 0.005))
+                    self._wake.clear()
+                    continue
                 try:
                     wait = self.flush(_plan=True)
-                except Exception as exc:
-                    logger.warning("celery_ext: could not write busy records: %s", exc)
-                    wait = 1.0
+                except CONNECTION_ERRORS as exc:
+                    self._outage.failed(exc)  # said once per outage, tried again later
+                    wait = OBSERVER_RETRY_INTERVAL
                     with self._lock:
                         self._sleep_until = time.monotonic() + wait
+                except Exception as exc:
+                    logger.warning("celery_ext: could not write busy records: %s", exc)
+                    wait = OBSERVER_RETRY_INTERVAL
+                    with self._lock:
+                        self._sleep_until = time.monotonic() + wait
+
                 self._wake.wait(None if wait >= 1e9 else wait)
                 self._wake.clear()
         finally:
@@ -341,7 +381,10 @@ class Observer:
 
     def checkin(self, job_id: str, message: str | None = None,
                 progress: float | None = None) -> tuple[bool, bool]:
-        """Record progress (throttled). Returns (should stop, written now)."""
+        """Record progress (throttled). Returns (should stop, written now).
+
+        Redis out of reach does not raise: the answer is the last one heard, and the
+        latest progress is written by a later call (or dropped if the job ends first)."""
         state = self._checkins.get(job_id)
         if state is None:
             state = self._checkins[job_id] = _CheckinState()
@@ -349,14 +392,58 @@ class Observer:
         now = time.monotonic()
         if state.last_write and now - state.last_write < CHECKIN_MIN_INTERVAL:
             return state.answer, False
-        stop, pool_state, _ = self.scripts(
-            "checkin",
-            [self.keys.checkins, self.keys.stop_requests, self.keys.pool(self.pool_id)],
-            [job_id, json.dumps(state.pending, default=repr, separators=(",", ":"))])
+        if self._outage.waiting():
+            return state.answer, False
+        call = ("checkin",
+                [self.keys.checkins, self.keys.stop_requests, self.keys.pool(self.pool_id)],
+                [job_id, json.dumps(state.pending, default=repr, separators=(",", ":"))])
+        try:
+            stop, pool_state, _ = self._write_checkin(job_id, call)
+        except CONNECTION_ERRORS as exc:
+            self._outage.failed(exc)
+            state.last_write = now  # tried: the next call an interval later tries again
+            return state.answer, False
+        self._outage.ok()
         state.last_write = now
         state.pending = None
         state.answer = bool(stop) or (pool_state or b"") in (b"stopping", "stopping")
         return state.answer, True
+
+
+    def _write_checkin(self, job_id: str, call: tuple[str, list[str], list[Any]]) -> Any:
+        """Run the checkin script; the job's busy record goes with it if it is not
+        written yet (the job checks in before ``BUSY_RECORD_DELAY``). A checkin is then
+        never in Redis without the busy record through which the reaper drops it when
+        the whole pool dies. The ends still to clear go first, as in ``flush``: one may
+        be the previous job of this slot. Returns the checkin script's reply."""
+        with self._lock:
+            running = self._unwritten.pop(job_id, None)
+            if running is None:
+                return self.scripts(*call)
+            ends, self._ends = self._ends, []
+            busy: list[tuple[str, str, str, str, int]] = [
+                ("end", job, slot, "", 0) for job, slot, _ in ends]
+            busy.append(("start", job_id, running.slot, running.record,
+                         int((time.monotonic() - running.started) * 1000)))
+            try:
+                if isinstance(self.client, RedisCluster):  # no scripts in its pipelines
+                    for one in busy:
+                        self._busy(*one)
+                    reply = self.scripts(*call)
+                else:
+                    with self.client.pipeline(transaction=False) as pipe:
+                        for one in busy:
+                            self._busy(*one, client=pipe)
+                        self.scripts(*call, client=pipe)
+                        reply = pipe.execute()[-1]
+            except BaseException:
+                self._ends[:0] = ends
+                self._unwritten[job_id] = running
+                self._unwritten = dict(sorted(self._unwritten.items(),
+                                              key=lambda item: item[1].started))
+                raise
+            running.written = True
+            return reply
 
 
 def checkin(message: str | None = None, progress: float | None = None,
@@ -453,7 +540,7 @@ def _on_failure(sender: Any = None, task_id: str | None = None, exception: Any =
                 **kw: Any) -> None:
     """Celery reports a lost worker in the main process with this signal when it does
     not requeue the job (``acks_late`` off, the default without ``install(app)``); the
-    requeue case goes through ``celery_ext.request.Request`` (``install(app)``)."""
+    requeue case goes through ``celery_ext.worker.request.Request`` (``install(app)``)."""
     if isinstance(exception, WorkerLostError) and task_id and sender is not None:
         job_lost(sender.app, task_id)
 

@@ -196,7 +196,8 @@ class Periodic:
         """Make the calls of a plan; stops at the first that finds the entry moved on
         (another leader) or paused. Returns how many steps ran as planned."""
         for i, step in enumerate(steps):
-            run = PeriodicRun(name, run_id(self.settings.namespace, name, step.due_ms),
+            scope = self.settings.global_keyprefix + self.settings.namespace
+            run = PeriodicRun(name, run_id(scope, name, step.due_ms),
                               step.expected_ms, step.due_ms, step.next_ms, step.passed)
             if step.enqueue:
                 try:

@@ -5,10 +5,10 @@ time across the cluster. ``reap()`` is the one-shot pass that tests call, and
 ``reap_now()`` the one ``celery ext reap`` and ``Client.reap()`` run.
 
 Staleness is judged by Redis time only, and by each pool's own ``dead_after`` (the
-rule is :mod:`celery_ext.liveness`). A Redis outage or stall makes every heartbeat
+rule is :mod:`celery_ext.store.liveness`). A Redis outage or stall makes every heartbeat
 look old at once, so a pool is only judged by a reaper that has seen Redis answer
 steadily for long enough: in a worker, ``dead_after`` of its own contact and the
-pool's :attr:`~celery_ext.liveness.Liveness.confirm_ms`; in a one-shot process,
+pool's :attr:`~celery_ext.store.liveness.Liveness.confirm_ms`; in a one-shot process,
 ``reap_now()`` first watches Redis for the confirm time of the pools that look dead
 (``force=True`` skips the watch).
 
@@ -316,12 +316,18 @@ class Reaper(BackgroundLoop):
         interval = self.settings.reap_interval
         # Short first wait so a fresh pool checks soon; jitter spreads pools apart.
         wait = min(interval, self.settings.heartbeat_interval) * random.uniform(0.5, 1.0)
+        failing = False  # an outage is logged when it starts and when it ends, once
         while not self._stop.wait(wait):
             try:
                 self.tick()
+                if failing:
+                    logger.info("celery_ext: reaper reached Redis again")
+                    failing = False
             except redis.RedisError as exc:
-                logger.warning("celery_ext: reaper pass skipped (Redis unreachable or "
-                               "refusing writes): %s", exc)
+                if not failing:
+                    logger.warning("celery_ext: reaper passes skipped until Redis answers "
+                                   "(unreachable or refusing writes): %s", exc)
+                    failing = True
             except Exception:
                 logger.exception("celery_ext: reaper pass failed")
             wait = interval * random.uniform(0.8, 1.2)

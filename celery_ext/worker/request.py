@@ -7,7 +7,7 @@ with its recovery count incremented, or, past ``max_recoveries``, into the dead
 set as a poison pill, so one job that kills its worker cannot take the fleet down.
 The dead process's busy record and checkin are dropped first (they would otherwise
 stay for the pool's lifetime).
-Its base, :class:`celery_ext.retry.JobFateRequest`, sends failed and expired jobs to
+Its base, :class:`celery_ext.worker.fate.JobFateRequest`, sends failed and expired jobs to
 the dead set, ignores the ``eta`` of promoted jobs and releases unique-job locks.
 """
 

@@ -74,6 +74,16 @@ def limited(key: str, seconds: float) -> None:
     r.rpush(f"runs:{key}", str(os.getpid()))
 
 
+
+@app.task(ignore_result=True)
+def fails_late(key: str, seconds: float) -> None:
+    """Records its start, then fails after ``seconds`` (a test shuts its worker down in
+    between, so that the failure comes during the shutdown)."""
+    recorder().rpush(f"start:{key}", f"{os.getpid()}:{time.time()}")
+    time.sleep(seconds)
+    recorder().rpush(f"runs:{key}", f"{os.getpid()}:{time.time()}")
+    raise ValueError(f"{key} fails")
+
 if os.environ.get("TEST_VISIBILITY_TIMEOUT"):
     # Stock Celery would redeliver a countdown job longer than this; celery_ext ignores it.
     app.conf.broker_transport_options = {

@@ -469,6 +469,8 @@ def run_worker_once(app: str, env: dict[str, str], timeout: float = 60) -> tuple
     ({"unique": True, "unique_ttl": -5}, "has unique_ttl=-5; it must be a number of seconds"),
     ({"stall_after": "soon"}, "has stall_after='soon'; it must be a number of seconds > 0"),
     ({"backoff": "fast"}, "has backoff='fast'"),
+    ({"rate_limit": "abc"}, "has rate_limit='abc': 'abc' is not a rate limit like '20/s'"),
+    ({"rate_limit": "10/d"}, "has rate_limit='10/d': '10/d' is not a rate limit like '20/s'"),
 ], ids=lambda v: json.dumps(v) if isinstance(v, dict) else "")
 def test_bad_task_option_stops_the_worker_with_one_line(
         broker_url: str, options: dict[str, Any], needle: str) -> None:
@@ -479,22 +481,53 @@ def test_bad_task_option_stops_the_worker_with_one_line(
         (len(lines) == 1 and needle in lines[0]), lines
 
 
-def test_bad_weight_does_not_stop_a_producer_and_its_jobs_wait(
-        broker_url: str, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
-    """Weights matter only to workers (which refuse to start, above); a producer with
-    the same code publishes, quietly, and the job waits in its queue."""
-    producer = Celery("bad_weight", broker=broker_url, set_as_current=False)
+@pytest.mark.parametrize("rate_limit", ["abc", "10/d"])
+def test_unparseable_rate_limit_stops_a_dropin_worker_with_one_line(
+        broker_url: str, rate_limit: str) -> None:
+    """Drop-in too: Celery's consumer parses every ``rate_limit`` as it is built, before any
+    consumer step of ours; the check runs earlier, at ``worker_init``."""
+    code, lines = run_worker_once("tests.apps.proj_bad", {
+        "CELERY_EXT_BROKER_URL": broker_url, "CELERY_EXT_NO_INSTALL": "1",
+        "PROJ_BAD_OPTIONS": json.dumps({"rate_limit": rate_limit})})
+    assert code == 1, lines
+    assert lines == [f"celery_ext: task 'tests.apps.proj_bad.configured' has rate_limit="
+                     f"{rate_limit!r}: {rate_limit!r} is not a rate limit like '20/s', '10/m' "
+                     "or '5/h'"], lines
+
+
+@pytest.mark.parametrize(("options", "needle"), [
+    ({"weight": 0}, "has weight=0; weight must be a whole number >= 1"),
+    ({"rate_limit": "abc"}, "has rate_limit='abc': 'abc' is not a rate limit"),
+    ({"rate_limit": "10/d"}, "has rate_limit='10/d'"),
+    ({"max_concurrency": 0}, "has max_concurrency=0"),
+], ids=lambda v: json.dumps(v) if isinstance(v, dict) else "")
+def test_bad_task_option_is_refused_at_apply_async_and_nothing_is_written(
+        broker_url: str, redis_client: redis.Redis, options: dict[str, Any],
+        needle: str) -> None:
+    """A task no worker with the same code would start for: ``apply_async`` of an
+    ``install(app)`` producer raises the worker's one line, and writes nothing; the app's
+    other tasks publish as before."""
+    producer = Celery("bad_option", broker=broker_url, set_as_current=False)
     celery_ext.install(producer)
 
-    @producer.task(name="bad.weight", weight=0, shared=False)  # not given to later apps
+    @producer.task(name="bad.option", shared=False, **options)  # not given to later apps
     def job() -> None: ...
 
+    @producer.task(name="good.option", shared=False)
+    def fine() -> None: ...
+
     try:
-        assert job.delay().id
+        with pytest.raises(ValueError) as raised:
+            job.delay()
+        assert str(raised.value) == f"celery_ext: task 'bad.option' {needle}" or \
+            str(raised.value).startswith(f"celery_ext: task 'bad.option' {needle}")
+        with pytest.raises(ValueError):  # every time, not only the first
+            job.apply_async(countdown=5)
+        assert fine.delay().id
     finally:
         producer.close()
-    assert redis_client.llen(K.queue("bad.weight")) == 1
-    assert not [r for r in caplog.records if r.levelno >= 30], caplog.text
+    assert not redis_client.exists(K.queue("bad.option"), K.scheduled)
+    assert redis_client.llen(K.queue("good.option")) == 1
 
 
 # -- broker URL, password, Redis down at start -------------------------------------------------
@@ -505,16 +538,31 @@ def test_bad_weight_does_not_stop_a_producer_and_its_jobs_wait(
     (f"celery-ext://:{PASSWORD}@127.0.0.1:99999/0", "cannot read host:port"),
     (f"celery-xt://:{PASSWORD}@127.0.0.1:6379/0",
      "No such transport: celery-xt.  Did you mean celery-ext?"),
+    (f"celery_ext://:{PASSWORD}@127.0.0.1:6379/0",  # urlparse reads no scheme in it
+     "scheme 'celery_ext' cannot be read (letters, digits, + - . only): ours is celery-ext://"),
     (f"celery-ext://:{PASSWORD}@127.0.0.1:6379/zero", "the db (path) must be a number"),
     ("celery-ext://:p/w@127.0.0.1:6379/0", "cannot read host:port"),  # unescaped "/"
-], ids=["port-not-a-number", "port-out-of-range", "scheme-typo", "db-not-a-number",
-        "password-with-slash"])
+], ids=["port-not-a-number", "port-out-of-range", "scheme-typo", "scheme-underscore",
+        "db-not-a-number", "password-with-slash"])
 def test_invalid_broker_url_is_one_line_without_the_password(url: str, needle: str) -> None:
     code, lines = run_worker_once("tests.apps.proj", {"CELERY_EXT_BROKER_URL": url}, timeout=30)
     assert code == 1, lines
     assert len(lines) == 1 and lines[0].startswith("celery_ext: broker URL "), lines
     assert needle in lines[0] and ":**@127.0.0.1" in lines[0], lines
     assert PASSWORD not in lines[0] and "p/w" not in lines[0]
+
+
+def test_an_underscore_scheme_in_a_producer_says_what_to_write() -> None:
+    """Kombu reads no scheme in "celery_ext://" and said "No such transport: " (empty)."""
+    producer = Celery("underscore", broker=f"celery_ext://:{PASSWORD}@127.0.0.1:1/0",
+                      set_as_current=False)
+    try:
+        with pytest.raises(KeyError) as err:
+            producer.send_task("any.task", ())
+    finally:
+        producer.close()
+    assert "cannot be read" in str(err.value) and "celery-ext://" in str(err.value), err.value
+    assert PASSWORD not in str(err.value)
 
 
 def test_redis_down_at_start_retries_one_line_each_then_consumes_when_it_comes_up(

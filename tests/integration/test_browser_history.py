@@ -59,6 +59,11 @@ def test_plots_survive_a_dashboard_restart(browser: Any, broker_url: str,
         page = ui.open("/", "overview-after-restart")
         assert _chart_max(page, "Throughput") > 0
         assert _chart_max(page, "Runtime") > 0
+        # Jobs of a few milliseconds: the runtime axis is in ms, each tick its own label
+        # (every tick read "0.00" when they were written in seconds).
+        ticks = page.locator('[data-chart="Runtime"] text.y-tick').all_text_contents()
+        assert len(ticks) == 5 and len(set(ticks)) == 5, ticks
+        assert ticks[-1].endswith(" ms"), ticks
         assert _chart_max(page, "Queue sizes") >= 1  # the scheduled job
         page.locator('[data-window="24h"]').click()
         page.locator('[data-window="24h"].active').wait_for()

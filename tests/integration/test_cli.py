@@ -4,6 +4,8 @@ Redis and a real worker."""
 from __future__ import annotations
 
 import json
+import re
+import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -137,3 +139,26 @@ def test_cli_errors_are_one_line(redis_server: Any) -> None:
     plain = redis_server.url(scheme="redis")
     result = run_cli(plain, "queues")
     assert result.returncode == 1 and "celery-ext://" in result.stderr
+
+
+def test_job_command_refuses_an_unknown_id_and_shows_local_times(
+        broker_url: str, redis_client: redis.Redis) -> None:
+    proj_web.configure(broker_url)
+    later = proj_web.echo.apply_async((2,), countdown=300)
+    queued = proj_web.echo.delay(3)  # no worker: it stays queued
+    err = fails(broker_url, "job", "no-such-job-id")
+    assert "unknown job id no-such-job-id" in err, err
+    assert as_json(broker_url, "job", queued.id)["state"] == "queued"
+    text = ok(broker_url, "job", later.id)
+    due = next(line for line in text.splitlines() if line.startswith("due_at"))
+    assert re.fullmatch(r"due_at +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", due), text
+
+
+def test_web_on_a_busy_port_is_one_line_and_no_url(broker_url: str,
+                                                  redis_client: redis.Redis) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = fails(broker_url, "web", "--port", str(port))
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "dashboard on" not in err, err

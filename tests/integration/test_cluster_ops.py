@@ -23,7 +23,7 @@ from celery_ext.admin.search import Filters
 from celery_ext.admin.web import create_app
 from celery_ext.client import Client
 from celery_ext.options.limits import write_limits
-from celery_ext.producer.periodic_run import PeriodicRun, run_id, write_run_on_cluster
+from celery_ext.producer.periodic_run import PeriodicRun, run_id, run_marker, write_run_apart
 from celery_ext.producer.scheduled import schedule_args
 from celery_ext.store.copies import copies, known_queues
 from celery_ext.store.dead_set import dead_letter
@@ -328,10 +328,11 @@ def test_periodic_run_on_a_cluster_is_enqueued_once_per_due_time(cc: Client) -> 
         return PeriodicRun(name, run_id(home.namespace, name, due), due, due, due + 1000)
 
     def write(one: PeriodicRun, tag: str, client: Any = None, scripts: Any = None) -> int:
-        return write_run_on_cluster(
-            client or cc.client, scripts or cc.scripts, home, queue,
-            [copy.queue(queue), copy.ready, copy.queues],
-            [json.dumps(message(tag, queue)), queue, home.wake_channel, 0], 0, 0, one)
+        push = ("enqueue", [copy.queue(queue), copy.ready, copy.queues, copy.job_index,
+                            copy.job_index_done, copy.published(run_marker(one))],
+                [json.dumps(message(tag, queue)), queue, home.wake_channel, 0, 0, 1])
+        return write_run_apart(scripts or cc.scripts, client or cc.client, home, queue, push,
+                               one)
 
     def queued() -> list[str]:
         return [json.loads(raw)["properties"]["delivery_tag"]

@@ -173,6 +173,38 @@ def test_racing_leaders_enqueue_each_due_time_once_and_missed_runs_once(
         assert every["runs"] == before["runs"] + 1 and every["last_due"] == due / 1000
 
 
+
+@pytest.mark.parametrize("option", ["countdown", "eta"])
+def test_a_run_with_a_countdown_or_eta_waits_in_the_scheduled_set_once_per_due_time(
+        app: Any, redis_server: Any, redis_client: redis.Redis, option: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry whose options set a countdown (or an eta) has its run written to the
+    scheduled set at its due time, due that much later, and not pushed to its job queue
+    at once; two leaders passing over the same due time write it once, and the entry
+    records the run."""
+    delay = {"countdown": 30.0} if option == "countdown" else \
+        {"eta": datetime.now(UTC) + timedelta(seconds=30)}
+    monkeypatch.setitem(app.conf, "beat_schedule", {"later": {
+        "task": "tests.apps.proj_periodic.beat_tick", "schedule": 60.0, "args": ("later",),
+        "options": delay}})
+    leaders = [Periodic(app, redis_server.client(), Settings(periodic_grace=10.0))
+               for _ in range(2)]
+    assert list(leaders[0].entries) == ["later"]  # not left out
+    leaders[0].run_due()  # records the entry and its first due time, a minute away
+    now = now_ms(redis_client)
+    redis_client.hset(K.periodic_entry("later"), "next_due", now)
+    for leader in leaders:
+        leader.run_due()
+    assert redis_client.llen(K.queue("tests.apps.proj_periodic.beat_tick")) == 0
+    ((tag, due),) = redis_client.zrange(K.scheduled, 0, -1, withscores=True)
+    assert now + 25_000 < due < now + 35_000
+    record = redis_client.hget(K.scheduled_jobs, tag)
+    assert record is not None
+    headers = json.loads(record.split(b"\n", 2)[2])["headers"]
+    assert headers["id"] == run_id("celery_ext", "later", now)
+    (later,) = Client(redis_client).periodic()
+    assert later["runs"] == 1 and later["last_due"] == now / 1000
+
 def test_the_periodic_lease_lives_dead_after_and_is_handed_over(
         app: Any, redis_server: Any, redis_client: redis.Redis) -> None:
     """One pool leads; another waits until the lease may run out (the leader's

@@ -24,6 +24,7 @@ from kombu import Connection, Exchange, Queue
 import celery_ext
 from celery_ext.config import DEFAULT_PUBLISH_IDEMPOTENCY_TTL
 from celery_ext.errors import NotReplicated
+from celery_ext.producer.periodic_run import PeriodicRun, publishing, run_id
 from celery_ext.producer.publish import PUBLISH_ID
 from celery_ext.store import scripts
 from celery_ext.store.keys import Keys
@@ -239,6 +240,44 @@ def test_a_retried_publish_waits_for_the_replication_of_the_write_it_found(
         with replica.client() as r:
             assert len(stored_jobs(r, name)) == 2
 
+
+
+@pytest.mark.parametrize("options", [{}, {"countdown": 60.0}], ids=["queued", "scheduled"])
+def test_a_periodic_run_waits_for_its_replica(
+        replicated: tuple[RedisServer, RedisServer], options: dict[str, Any]) -> None:
+    """wait_replicas holds for a periodic job's run as for any publish (one script, or the
+    two steps of a run with a countdown): with the replica up the publish returns once it
+    has the run; with the replica paused it raises NotReplicated (the run is on the
+    primary) instead of returning as if a replica had it."""
+    primary, replica = replicated
+    with primary.client() as c, replica.client() as r:
+        c.flushall()
+        wait_for(lambda: r.dbsize() == 0, 10, "the flush to replicate")
+    app = replicated_app(f"celery-ext://127.0.0.1:{primary.port}/0")
+    task = app.tasks["replicated.plain"]
+    try:
+        for n, replica_state in enumerate(("up", "paused")):
+            due = 1000 * (n + 1)
+            run = PeriodicRun("tick", run_id("celery_ext", "tick", due), None, due, None)
+            if replica_state == "paused":
+                os.kill(replica.pid or 0, signal.SIGSTOP)
+            try:
+                with publishing(run):
+                    if replica_state == "paused":
+                        with pytest.raises(NotReplicated, match="0 of 1 replica"):
+                            task.apply_async((n,), **options)
+                    else:
+                        task.apply_async((n,), **options)
+                        assert run.outcome == 1
+                        with replica.client() as r:
+                            assert len(stored_jobs(r, task.name)) == 1
+            finally:
+                if replica_state == "paused":
+                    os.kill(replica.pid or 0, signal.SIGCONT)
+    finally:
+        app.close()
+    with primary.client() as c:
+        assert len(stored_jobs(c, task.name)) == 2
 
 def stored_jobs(client: redis.Redis, queue: str) -> list[bytes]:
     """Jobs of ``queue`` in its job queue and in the scheduled set."""

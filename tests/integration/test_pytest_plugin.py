@@ -274,3 +274,15 @@ def test_pytest_celery_without_docker(pytester: pytest.Pytester, monkeypatch: py
                      "celery_ext_concurrency = 2",
                  conftest=LEFTOVERS + "\nfrom celery_ext.testing.pytest_celery import *  # noqa\n")
     assert found == {"threads": [], "pools": []}
+
+
+def test_a_missing_app_is_one_short_line_per_test(pytester: pytest.Pytester) -> None:
+    """Without ``celery_ext_app`` each test errors with a line that says what to set,
+    whole in the summary (it was cut there: "pytest.UsageError: celery_ext: name the C...")."""
+    pytester.makepyfile(test_user="def test_add(celery_ext_worker):\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "celery_ext.pytest", "-p", "no:cacheprovider",
+                                           "-p", "no:celery", timeout=120)
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(
+        ["ERROR test_user.py::test_add - Failed: set celery_ext_app (ini or fixture)"])
+    assert "Traceback" not in result.stdout.str()

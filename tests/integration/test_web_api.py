@@ -282,6 +282,10 @@ def test_non_ascii_credentials_are_refused_like_any_wrong_one(ext_client: Client
             assert r.status_code == 401, (user, password, r.text)
         r = tc.get("/queues?token=%C3%A9", follow_redirects=False)
         assert r.status_code == 401, r.text
+        # Raw UTF-8 bytes where the base64 belongs: a wrong credential, not a 500.
+        for raw in ("admin:p\u00e9".encode(), "\u00e9".encode(), b"\xff\xfe=="):
+            r = tc.get("/api/queues", headers={"Authorization": b"Basic " + raw})
+            assert r.status_code == 401, (raw, r.text)
         r = tc.get("/api/queues", headers={"Authorization": "Bearer s3cr\u00e9t".encode(
             "latin-1")})
         assert r.status_code == 401, r.text
@@ -306,6 +310,24 @@ def test_redis_down_is_a_503(tmp_path: Path) -> None:
         r = tc.get("/api/queues")
         assert r.status_code == 503 and "Redis unavailable" in r.json()["error"]
         assert tc.get("/").status_code == 200  # the page shell loads and shows the error
+
+
+def test_paging_parameters_are_bounded_and_only_outages_are_503(
+        api: TestClient, ext_client: Client) -> None:
+    for query, name in (("offset=99999999999999999999", "offset"), ("offset=-1", "offset"),
+                        ("offset=1.5", "offset"), ("limit=0", "limit"),
+                        ("limit=1001", "limit"), ("limit=ten", "limit")):
+        for path in ("/api/dead", "/api/queues", "/api/scheduled", "/api/retry"):
+            r = api.get(f"{path}?{query}")
+            assert r.status_code == 400 and repr(name) in r.json()["error"], (path, query, r.text)
+    r = api.get("/api/dead/search?name=x&limit=99999999999999999999")
+    assert r.status_code == 400 and "'limit'" in r.json()["error"], r.text
+    page = api.get(f"/api/dead?offset={2**53 - 1}&limit=1000").json()
+    assert page["items"] == [] and page["offset"] == 2**53 - 1
+    # Redis answering with an error is not an outage: a 500 that says what Redis said.
+    ext_client.client.set(ext_client.keys.dead, "not a sorted set")
+    r = api.get("/api/dead")
+    assert r.status_code == 500 and "WRONGTYPE" in r.json()["error"], r.text
 
 
 def test_no_html_injection_sinks_in_scripts() -> None:

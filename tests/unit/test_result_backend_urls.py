@@ -50,3 +50,11 @@ def test_bad_urls_say_what_to_change(url: str, options: dict[str, object], says:
     message = str(err.value)
     assert says in message and "s3cret" not in message and "\n" not in message
     assert "broker" not in message
+
+
+def test_global_keyprefix_goes_before_every_key_and_channel() -> None:
+    backend = backend_of("celery-ext://localhost:6379/1", global_keyprefix="app1:")
+    assert backend.get_key_for_task("t1") == "app1:{celery_ext:t1}:result"
+    assert backend.keys.chord_keys("g")[0] == "app1:{celery_ext:g}:chord"
+    assert backend.keys.pending_chords == "app1:{celery_ext}:pending_chords"
+    assert backend.keys.wake_channel("oid").startswith("app1:{celery_ext:client:oid}")

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from celery_ext.admin.cli.command import ClientGetter, Output, Table, command
-from celery_ext.admin.cli.render import age, cell
+from celery_ext.admin.cli.render import age, cell, when
 
 
 def pool_table(items: list[Any]) -> Table:
@@ -72,9 +72,22 @@ def stop(client: ClientGetter, job_id: str) -> Output:
 @click.argument("job_id")
 def job(client: ClientGetter, job_id: str) -> Output:
     """One job's status by id (queued, scheduled, running, succeeded, failed, dead...)."""
-    st = client().job(job_id)
-    return Output(st, [f"{key:15} {cell(value, 200)}" for key, value in st.items()
+    c = client()
+    st = c.job(job_id)
+    if st["state"] == "queued" and not st["indexed"] and c.settings.job_index:
+        # Every queued job has an index entry, written by the script that queued it;
+        # "queued" without one is the lookup's last guess: nobody holds this id.
+        return Output(None, error=f"unknown job id {job_id}: no queue, set, pool or "
+                                  "result backend knows it")
+    return Output(st, [f"{key:15} {_value(key, value)}" for key, value in st.items()
                        if value not in (None, False, "")])
+
+
+def _value(key: str, value: object) -> str:
+    """A status field as the other commands show it: times (``*_at``) in local time."""
+    if key.endswith("_at") and isinstance(value, int | float):
+        return when(value)
+    return cell(value, 200)
 
 
 @command("reap")

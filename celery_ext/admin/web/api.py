@@ -9,6 +9,7 @@ Every handler talks to Redis only through the :class:`celery_ext.client.Client` 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -27,6 +28,9 @@ from celery_ext.admin.client import Client
 from celery_ext.admin.job_status import FINAL_STATES
 from celery_ext.admin.search import Filters
 from celery_ext.admin.web.series import Sampler
+from celery_ext.errors import CONNECTION_ERRORS
+
+logger = logging.getLogger("celery_ext.admin.web")
 
 #: Seconds between two status reads of one job in its event stream.
 JOB_POLL_INTERVAL = 0.5
@@ -37,6 +41,9 @@ JOB_DEEP_EVERY = 6
 #: Default and largest page size of list endpoints.
 PAGE_DEFAULT = 100
 PAGE_MAX = 1000
+#: Largest ``offset`` of list endpoints: the largest integer a browser's JSON keeps exact,
+#: far past any set's size and well inside the 64-bit range Redis takes for an index.
+OFFSET_MAX = 2**53 - 1
 
 
 def _client(request: Request) -> Client:
@@ -45,13 +52,24 @@ def _client(request: Request) -> Client:
 
 
 # -- request parsing ------------------------------------------------------------------------
-def _page_args(request: Request) -> tuple[int, int]:
+def _int_param(request: Request, name: str, default: int, low: int, high: int) -> int:
+    """An integer query parameter between ``low`` and ``high``; anything else is a 400
+    naming it (passed on, a huge number would be refused by Redis, not by us)."""
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
     try:
-        offset = max(0, int(request.query_params.get("offset", 0)))
-        limit = int(request.query_params.get("limit", PAGE_DEFAULT))
+        value = int(raw)
     except ValueError:
-        raise HTTPException(400, "offset and limit must be integers") from None
-    return offset, min(max(1, limit), PAGE_MAX)
+        value = None
+    if value is None or not low <= value <= high:
+        raise HTTPException(400, f"{name!r} must be an integer from {low} to {high}")
+    return value
+
+
+def _page_args(request: Request) -> tuple[int, int]:
+    return (_int_param(request, "offset", 0, 0, OFFSET_MAX),
+            _int_param(request, "limit", PAGE_DEFAULT, 1, PAGE_MAX))
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
@@ -366,4 +384,9 @@ async def periodic_action(request: Request, *, kind: str) -> JSONResponse:
 
 
 async def redis_error(request: Request, exc: Exception) -> Response:
-    return JSONResponse({"error": f"Redis unavailable: {exc}"}, 503)
+    """A 503 when no server answers (the page retries), a logged 500 for anything else
+    (a refused command, a key of the wrong type: a fault of ours or of the data)."""
+    if isinstance(exc, CONNECTION_ERRORS):
+        return JSONResponse({"error": f"Redis unavailable: {exc}"}, 503)
+    logger.error("celery_ext web: %s %s failed: %r", request.method, request.url.path, exc)
+    return JSONResponse({"error": f"Redis error: {exc}"}, 500)

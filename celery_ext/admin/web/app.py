@@ -27,6 +27,7 @@ from celery_ext.admin.metrics import registry_for
 from celery_ext.admin.search import KINDS
 from celery_ext.admin.web import api, pages
 from celery_ext.admin.web.api import PAGE_MAX
+from celery_ext.admin.web.forwarded import ForwardedHeaders, parse_trusted
 from celery_ext.admin.web.security import Guard
 from celery_ext.admin.web.series import DEFAULT_HISTORY, DEFAULT_INTERVAL, Sampler
 
@@ -118,18 +119,26 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
 def create_app(client: Client, *, token: str | None = None, basic_auth: str | None = None,
                allowed_hosts: Iterable[str] | None = None, allow_origins: Iterable[str] = (),
                sample_interval: float = DEFAULT_INTERVAL, history: float = DEFAULT_HISTORY,
-               refresh: float = REFRESH_SECONDS) -> Starlette:
+               refresh: float = REFRESH_SECONDS, forwarded_allow_ips: str | None = None
+               ) -> Starlette:
     """Build the dashboard ASGI app around ``client``.
 
     ``token``/``basic_auth`` ("user:password") turn authentication on;
     ``allowed_hosts`` restricts the Host header (DNS rebinding); ``allow_origins``
-    lets other sites read ``/api/jobs/...`` (the embeddable widget).
+    lets other sites read ``/api/jobs/...`` (the embeddable widget);
+    ``forwarded_allow_ips`` names the proxies whose ``X-Forwarded-*`` headers are
+    believed (``forwarded.ForwardedHeaders``), before the guard checks anything.
     """
     if basic_auth and ":" not in basic_auth:
         raise ValueError("basic auth must be given as USER:PASSWORD")
+    proxies = []
+    if forwarded_allow_ips:
+        parse_trusted(forwarded_allow_ips)  # a bad entry fails here, not at the first request
+        proxies.append(Middleware(ForwardedHeaders, trusted=forwarded_allow_ips))
     app = Starlette(
         routes=routes(), lifespan=_lifespan,
-        middleware=[Middleware(Guard, token=token, basic_auth=basic_auth,
+        middleware=[*proxies,
+                    Middleware(Guard, token=token, basic_auth=basic_auth,
                                allowed_hosts=allowed_hosts, allow_origins=allow_origins)],
         exception_handlers={HTTPException: pages.http_error, redis.RedisError: api.redis_error})
     app.state.client = client

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import hmac
 import secrets
@@ -112,8 +111,10 @@ class Guard:
         if scheme.lower() != "basic":
             return False
         try:
+            # ``value`` is the header decoded as Latin-1: raw UTF-8 bytes after "Basic"
+            # arrive as non-ASCII characters, which b64decode refuses with a ValueError.
             user, _, password = base64.b64decode(value.strip()).decode().partition(":")
-        except (binascii.Error, UnicodeDecodeError):
+        except ValueError:  # binascii.Error and UnicodeDecodeError included
             return False
         return _same_secret(user, self.basic[0]) & _same_secret(password, self.basic[1])
 

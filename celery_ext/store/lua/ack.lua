@@ -18,6 +18,7 @@
 -- set); when an ack brings it (or one of its fair keys, include/fair.lua) just below its
 -- limit, idle pools are woken.
 -- Returns how many tags were removed.
+-- @include clock
 -- @include fair
 local removed = 0
 local limited = redis.call('HLEN', KEYS[4]) > 0

@@ -9,11 +9,11 @@
 -- ARGV[2]  exchange name
 -- ARGV[3]  binding TTL in ms, 0 for a queue without x-expires
 -- Same writes as Kombu's own (pipeline SADD x2, or its refresh-binding script).
+-- @include clock
 redis.call('SADD', KEYS[1], ARGV[1])
 local ttl = tonumber(ARGV[3])
 if ttl > 0 then
-  local now = redis.call('TIME')
-  local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+  local ms = clock_ms()
   redis.call('ZADD', KEYS[2], 'GT', ms + ttl, ARGV[2])
 else
   redis.call('SADD', KEYS[2], ARGV[1])

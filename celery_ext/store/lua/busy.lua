@@ -14,8 +14,8 @@
 --          empty when the caller counts in memory and writes the stats hash itself
 -- ARGV[7]  (start only) ms the job has already been running: started_at = now - this
 -- Returns the Redis time in ms.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- @include clock
+local now = clock_ms()
 local busyKey, jobId = KEYS[1], ARGV[3]
 if ARGV[2] == 'start' then
   redis.call('HSET', busyKey, ARGV[1], (now - tonumber(ARGV[7] or 0)) .. '\n' .. ARGV[4])

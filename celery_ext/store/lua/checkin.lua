@@ -5,10 +5,10 @@
 -- ARGV[1]  job id
 -- ARGV[2]  checkin JSON (message, progress), one line
 -- Returns {stop requested and not lapsed (0/1), pool state or false, now ms}.
+-- @include clock
 local checkins, stopRequests, poolKey = KEYS[1], KEYS[2], KEYS[3]
 local jobId, checkin = ARGV[1], ARGV[2]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = clock_ms()
 redis.call('HSET', checkins, jobId, now .. '\n' .. checkin)
 local lapsesAt = redis.call('ZSCORE', stopRequests, jobId)
 local stop = 0

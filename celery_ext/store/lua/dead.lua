@@ -22,10 +22,13 @@
 --          from the dead set lose theirs
 -- Returns 1 if moved, 0 if the tag was not in flight and no record was given
 -- (already moved: idempotent). The dead job's id is the tag, with "~<n>" added
--- if that id is already dead.
+-- if that id is already dead (include/dead_set.lua, which also orders jobs that die in
+-- the same millisecond and trims the oldest first).
 local indexTtl = tonumber(ARGV[7] or 0) or 0
+-- @include clock
 -- @include job_index
 -- @include fair
+-- @include dead_set
 local rec = redis.call('HGET', KEYS[1], ARGV[1])
 local inflight = rec ~= false
 if rec then
@@ -43,16 +46,7 @@ elseif ARGV[5] and ARGV[5] ~= '' then
 else
   return 0
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
--- An id already dead (a duplicated message) gets a suffix: both stay listed.
-local id, n = ARGV[1], 0
-while redis.call('HEXISTS', KEYS[3], id) == 1 do
-  n = n + 1
-  id = ARGV[1] .. '~' .. n
-end
-redis.call('HSET', KEYS[3], id, ARGV[2] .. '\n' .. rec)
-redis.call('ZADD', KEYS[2], now, id)
+local id = dead_add(KEYS[2], KEYS[3], ARGV[1], ARGV[2] .. '\n' .. rec)
 if indexTtl > 0 then
   local nl = string.find(rec, '\n', 1, true)
   local tid = jix_task_id(string.sub(rec, nl + 1))
@@ -62,23 +56,5 @@ if indexTtl > 0 then
     jix_set(KEYS[8], tid, 'dead', string.sub(rec, 1, nl - 1), id, reason)
   end
 end
--- The index entry of a job trimmed below goes with it.
-local function forget(did)
-  if indexTtl > 0 then
-    local drec = redis.call('HGET', KEYS[3], did)
-    if drec then
-      jix_drop(KEYS[8], jix_task_id(jix_payload_after(drec, string.find(drec, '\n', 1, true) + 1)), 'dead', did)
-    end
-  end
-  redis.call('HDEL', KEYS[3], did)
-  redis.call('ZREM', KEYS[2], did)
-end
--- Trim: too old first, then too many; bounded work per call.
-local old = redis.call('ZRANGE', KEYS[2], '-inf', now - tonumber(ARGV[4]), 'BYSCORE', 'LIMIT', 0, 100)
-for _, did in ipairs(old) do forget(did) end
-local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[3])
-if over > 0 then
-  local ids = redis.call('ZRANGE', KEYS[2], 0, math.min(over, 100) - 1)
-  for _, did in ipairs(ids) do forget(did) end
-end
+dead_trim(KEYS[2], KEYS[3], KEYS[8], indexTtl, tonumber(ARGV[3]), tonumber(ARGV[4]))
 return 1

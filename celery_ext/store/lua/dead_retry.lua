@@ -17,6 +17,7 @@
 -- A job whose record is gone (retried or deleted by someone else) or changed
 -- since the caller read it is skipped, so pressing "retry" twice requeues once.
 -- Returns the ids requeued.
+-- @include clock
 -- @include priority
 local indexTtl = tonumber(ARGV[3])
 -- @include job_index

@@ -23,6 +23,7 @@
 -- TTL is renewed, a write that replicates after the first attempt's, so the WAIT that
 -- follows on this connection covers that write: see publish.py) or the run record holds
 -- the run's due time or a later one (another leader pushed it).
+-- @include clock
 -- @include fair
 local queueKey, readyKey, queuesKey, markerKey = KEYS[1], KEYS[2], KEYS[3], KEYS[6]
 local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]

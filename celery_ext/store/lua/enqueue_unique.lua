@@ -22,6 +22,7 @@
 -- {0, task id} when the publish marker was there already: a retry of a publish
 -- that pushed its job (nothing pushed again; the marker's TTL is renewed, so the WAIT
 -- that follows covers the first attempt's write, as in enqueue.lua).
+-- @include clock
 -- @include fair
 local lockKey, queueKey, readyKey, queuesKey, markerKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[7]
 local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]

@@ -64,6 +64,7 @@ local ncand = #flags
 local nlev = ncand > 0 and (#KEYS - NFIXED) / ncand or 1
 local max_payload = tonumber(ARGV[3 + ncand] or 0) or 0
 local indexed = ARGV[4 + ncand] == '1'
+-- @include clock
 -- @include job_index
 
 -- @include delivery_tag
@@ -130,8 +131,7 @@ local any_paused = redis.call('SCARD', KEYS[8]) > 0
 local jobs, empties, blocked, skip, checked, room = {}, {}, {}, {}, {}, {}
 local rated, interval, tat, waits, now_us = redis.call('HLEN', KEYS[9]) > 0, {}, {}, {}, 0
 if rated then
-  local t = redis.call('TIME')
-  now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  now_us = clock_us()
 end
 local tracked = false
 for i = 1, ncand do

@@ -17,6 +17,7 @@
 -- Returns {deleted ids, changed ids} (the caller reads the changed ones again).
 local recordsKey, firstSet, secondSet = KEYS[1], KEYS[2], KEYS[3]
 local indexTtl = tonumber(ARGV[1])
+-- @include clock
 -- @include job_index
 local deleted, changed = {}, {}
 for j = 2, #ARGV, 4 do

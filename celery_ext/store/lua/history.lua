@@ -14,10 +14,10 @@
 -- the script writes to the one that is now. Returns {1, now ms} when written,
 -- {0, now ms} when none of the three is now (the caller's clock is off: it corrects
 -- its guess with the returned time and calls again).
+-- @include clock
 local guess, mode = tonumber(ARGV[1]), ARGV[2]
 local minuteTtlMs, hourTtlMs = tonumber(ARGV[3]), tonumber(ARGV[4])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = clock_ms()
 local minute = math.floor(now / 60000)
 local slot = minute - guess + 2
 if slot < 1 or slot > 3 then

@@ -9,6 +9,7 @@
 -- ARGV[1]  job index TTL of finished entries in ms (> 0)
 -- ARGV[2]  most finished entries handled by this call
 -- Returns how many finished entries were handled (deleted, or kept under a later time).
+-- @include clock
 -- @include job_index
 local indexKey, doneKey = KEYS[1], KEYS[2]
 local ttl, limit = tonumber(ARGV[1]), tonumber(ARGV[2])

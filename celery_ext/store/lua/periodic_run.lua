@@ -1,6 +1,7 @@
 -- periodic_run: enqueue one run of a periodic job entry and record it on the entry, or
 -- only move the entry's next due time on (a paused, skipped or unpublishable due time).
--- Called by whichever requeuer leads; a due time is enqueued once however many call.
+-- Called by the periodic leader's producer (worker/periodic_leader.py); a due time is
+-- enqueued once however many leaders call.
 -- KEYS[1]  entry state hash          {ns}:periodic:<name>
 -- KEYS[2]  (with a payload) job queue list   {ns}:queue:<queue>
 -- KEYS[3]  (with a payload) ready set        {ns}:ready
@@ -26,6 +27,7 @@
 -- (Kombu retried a publish whose write landed: nothing pushed again); 0 when the entry
 -- moved on meanwhile (another leader took this due time); -1 when the entry is paused
 -- (next_due moved on, nothing pushed); -2 when next_due moved on without a run as asked.
+-- @include clock
 -- @include fair
 local stateKey, queueKey, readyKey, queuesKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local expected, dueMs, nextMs, passed, jobId = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
@@ -56,8 +58,7 @@ if not pushedByCaller then
   push_new(queueKey, payload, readyKey, queuesKey, wakeChannel, queueName, KEYS[5], jobId,
            indexTtl, expiresMs)
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = clock_ms()
 if scheduled then
   redis.call('HSET', stateKey, 'next_due', nextMs, 'last_due', dueMs)
 else

@@ -35,8 +35,8 @@
 -- meta, written by the producer when not 0, see scheduled.py; else 0); next due in
 -- ms = time until the earliest job not yet due, or -1 when both sets are empty;
 -- leader = 1 if the caller holds the lease.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- @include clock
+local now = clock_ms()
 local sets = {s = KEYS[1], r = KEYS[2]}
 local leader = 0
 local holder = redis.call('GET', KEYS[6])

@@ -14,6 +14,7 @@
 -- chunks; a queue without index entries and without recovery counts (the index off)
 -- costs one LLEN per list.
 -- Returns how many jobs were removed.
+-- @include clock
 -- @include job_index
 -- @include fair
 -- @include delivery_tag

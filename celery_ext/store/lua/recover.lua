@@ -33,8 +33,8 @@
 -- ARGV[10..] delivery tags, one per KEYS[12..], in the order to push them
 -- Returns {status, requeued tags, dead tags}; status 0 = the pool heartbeated
 -- meanwhile (alive: nothing done), 1 = done.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- @include clock
+local now = clock_ms()
 if ARGV[2] == 'pool' then
   local beat = redis.call('ZSCORE', KEYS[2], ARGV[1])
   local ownDeadAfter = tonumber(redis.call('HGET', KEYS[3], 'dead_after_ms'))
@@ -51,6 +51,7 @@ end
 local indexTtl = tonumber(ARGV[9])
 -- @include job_index
 -- @include fair
+-- @include dead_set
 local requeued, dead = {}, {}
 for i = 12, #KEYS do
   local tag = ARGV[i - 2]
@@ -73,21 +74,9 @@ for i = 12, #KEYS do
           pool = ARGV[1],
           recoveries = n,
         })
-        redis.call('HSET', KEYS[9], tag, meta .. '\n' .. rec)
-        redis.call('ZADD', KEYS[8], now, tag)
-        local over = redis.call('ZCARD', KEYS[8]) - tonumber(ARGV[7])
-        if over > 0 then
-          local ids = redis.call('ZRANGE', KEYS[8], 0, math.min(over, 100) - 1)
-          for _, did in ipairs(ids) do
-            if indexTtl > 0 then
-              local drec = redis.call('HGET', KEYS[9], did)
-              if drec then jix_drop(KEYS[10], jix_task_id(jix_payload_after(drec, string.find(drec, '\n', 1, true) + 1)), 'dead', did) end
-            end
-            redis.call('HDEL', KEYS[9], did)
-            redis.call('ZREM', KEYS[8], did)
-          end
-        end
-        if same then jix_set(KEYS[10], id, 'dead', qname, tag, 'worker_lost') end
+        local did = dead_add(KEYS[8], KEYS[9], tag, meta .. '\n' .. rec)
+        dead_trim(KEYS[8], KEYS[9], KEYS[10], indexTtl, tonumber(ARGV[7]), nil)
+        if same then jix_set(KEYS[10], id, 'dead', qname, did, 'worker_lost') end
         dead[#dead + 1] = tag
       else
         push_front(ARGV[5] .. qname, KEYS[i], string.sub(rec, nl + 1))

@@ -21,6 +21,7 @@
 -- skipped: the caller passes the queue it read, and this script re-checks it.
 -- Returns the tags requeued.
 
+-- @include clock
 -- @include priority
 local indexTtl = tonumber(ARGV[3])
 -- @include job_index

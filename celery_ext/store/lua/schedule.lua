@@ -20,24 +20,35 @@
 -- ARGV[10] (unique) lock TTL in ms, counted from the due time
 -- ARGV[11] (unique) "1" = schedule even if the lock is held (a retry), else "0"
 -- ARGV[12] (with the marker) marker TTL in ms
+-- KEYS[last, after the marker] (with ARGV[13]) a periodic entry's run record in this copy
+--          {ns}:periodic_pushed:<entry> (the latest due time of the entry written)
+-- ARGV[13] (optional, with the marker) the periodic run's due time (ms)
+-- ARGV[14] (with ARGV[13]) the run record's TTL in ms
 -- Returns {1, due ms, task id} when scheduled, {0, 0, holder} when a unique job
 -- with the same key is already pending (nothing stored; the same task id
 -- published twice counts as pending), {0, 0, marker value} when the publish marker
 -- was there already: a retry of a publish that stored its job (nothing stored again;
 -- the marker's TTL is renewed, so the WAIT that follows covers the first attempt's
--- write, as in enqueue.lua).
+-- write, as in enqueue.lua), {0, 0, ""} when the run record holds the run's due time or
+-- a later one (another leader stored it).
 local targetKey, jobsKey, otherKey, queuesKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local jobId, delayMs, metaJson, queueName = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local payload, scheduleChannel = ARGV[5], ARGV[6]
 local indexTtl, indexId = tonumber(ARGV[7]), ARGV[8]
 local taskId, lockTtlMs, force, markerTtlMs = ARGV[9] or '', ARGV[10], ARGV[11], ARGV[12]
+local runDueMs, runRecordTtlMs = ARGV[13], ARGV[14]
+local runRecordKey = runDueMs and KEYS[#KEYS] or nil
 local lockKey, markerKey = nil, nil
 if taskId ~= '' then
   lockKey, markerKey = KEYS[7], KEYS[8]
 else
   markerKey = KEYS[7]
 end
+-- @include clock
 -- @include job_index
+if runRecordKey and tonumber(redis.call('GET', runRecordKey) or '-1') >= tonumber(runDueMs) then
+  return {0, 0, ''}
+end
 if markerKey then
   local stored = redis.call('GET', markerKey)
   if stored then
@@ -45,8 +56,7 @@ if markerKey then
     return {0, 0, stored}
   end
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = clock_ms()
 local due = now + delayMs
 if lockKey then
   local holder = redis.call('GET', lockKey)
@@ -77,6 +87,7 @@ end
 if markerKey then
   redis.call('SET', markerKey, taskId ~= '' and taskId or '1', 'PX', markerTtlMs)
 end
+if runRecordKey then redis.call('SET', runRecordKey, runDueMs, 'PX', runRecordTtlMs) end
 if not earliest or due < earliest then
   redis.call('PUBLISH', scheduleChannel, due)
 end

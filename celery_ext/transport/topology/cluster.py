@@ -40,12 +40,8 @@ class Cluster(Topology):
         self._recheck_at = 0.0
 
     def prepare(self) -> None:
-        """Kombu's bindings live in the home copy (its scripts touch one slot)."""
-        channel = self.channel
-        home = channel.keys.home
-        channel.keyprefix_queue = home.kombu_binding
-        channel.keyprefix_binding_permanent = home.kombu_binding_permanent
-        channel.keyprefix_binding_deadlines = home.kombu_binding_deadlines
+        """Nothing: Kombu's bindings live in the home copy (its scripts touch one slot),
+        which the channel's ``Keys`` name (``Channel.__init__``)."""
 
     @property
     def server_id(self) -> str:

@@ -80,6 +80,19 @@
     var step = v / 4, p = Math.pow(10, Math.floor(Math.log10(step))), m = step / p;
     return 4 * (m <= 1 ? 1 : m <= 2 ? 2 : m <= 2.5 ? 2.5 : m <= 5 ? 5 : 10) * p;
   }
+  // Tick labels in the unit the axis's top calls for: runtimes of a few milliseconds read
+  // "0.5 ms", not "0.00"; as many decimals as the step between ticks needs.
+  function tickScale(top, unit) {
+    if (unit !== "s" || top <= 0) return { factor: 1, suffix: "" };
+    if (top < 0.001) return { factor: 1e6, suffix: " µs" };
+    if (top < 1) return { factor: 1000, suffix: " ms" };
+    return { factor: 1, suffix: " s" };
+  }
+  function fmtTick(val, step, scale) {
+    var v = val * scale.factor, st = step * scale.factor, digits = 0;
+    while (digits < 6 && Math.abs(st * Math.pow(10, digits) - Math.round(st * Math.pow(10, digits))) > 1e-6) digits++;
+    return v.toFixed(digits) + (val === 0 ? "" : scale.suffix);
+  }
   function preview(v, max) {
     if (v === null || v === undefined) return "";
     var s = typeof v === "string" ? v : JSON.stringify(v);
@@ -166,11 +179,12 @@
     if (t1 - t0 < 60) t0 = t1 - 60;
     function x(v) { return L + (W - L - R) * (v - t0) / (t1 - t0 || 1); }
     function y(v) { return T + (H - T - B) * (1 - v / max); }
+    var scale = tickScale(max, unit);
     for (var i = 0; i <= 4; i++) {
       var val = max * i / 4, yy = y(val);
       svg.appendChild(s("line", { x1: L, x2: W - R, y1: yy, y2: yy, "class": "axis" }));
-      var lab = s("text", { x: L - 4, y: yy + 3, "text-anchor": "end", "class": "axis-label" });
-      lab.textContent = val === Math.round(val) ? String(val) : val.toFixed(val < 1 ? 2 : 1);
+      var lab = s("text", { x: L - 4, y: yy + 3, "text-anchor": "end", "class": "axis-label y-tick" });
+      lab.textContent = fmtTick(val, max / 4, scale);
       svg.appendChild(lab);
     }
     [t0, (t0 + t1) / 2, t1].forEach(function (tv, j) {
@@ -376,7 +390,12 @@
       { label: "Rate limit", render: function (q) { return q.rate_limit || "—"; }, num: true },
       { label: "Processed", render: function (q) { return fmtNum(q.processed); }, num: true },
       { label: "Failed", render: function (q) { return fmtNum(q.failed); }, num: true },
-      { label: "State", render: function (q) { return q.paused ? badge("paused", "warn") : badge("active", "good"); } },
+      { label: "State", render: function (q) {
+        var state = q.paused ? badge("paused", "warn") : badge("active", "good");
+        // No live worker pool consumes it: its jobs wait for one that knows the task.
+        if (q.consumed === false) return h("span", {}, state, " ", badge("no consumer", q.size ? "bad" : "warn"));
+        return state;
+      } },
       // A fair queue (docs/fair.md): its keys with jobs waiting, and the biggest ones.
       { label: "Fair keys", cls: "mono", render: function (q) {
         if (!q.fair) return "—";

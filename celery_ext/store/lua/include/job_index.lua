@@ -28,14 +28,6 @@ local function jix_payload_after(rec, from)
   local nl = string.find(rec, '\n', from, true)
   return nl and string.sub(rec, nl + 1) or rec
 end
-local jix_clock = nil
-local function jix_now()
-  if not jix_clock then
-    local t = redis.call('TIME')
-    jix_clock = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  end
-  return jix_clock
-end
 -- The priority level of a job queue level list key ("\6\22<level>" suffix, keys.py).
 local function jix_level(key)
   return string.match(key, '\6\22(%d+)$') or '0'
@@ -58,7 +50,7 @@ local function jix_is(idx, id, state, ref)
 end
 local function jix_set(idx, id, state, queue, ref, detail)
   if not id then return end
-  redis.call('HSET', idx, id, state .. '\n' .. jix_now() .. '\n' .. queue .. '\n'
+  redis.call('HSET', idx, id, state .. '\n' .. clock_ms() .. '\n' .. queue .. '\n'
              .. (ref or '') .. '\n' .. (detail or ''))
 end
 -- Trim up to `limit` finished entries whose time in `done` is up: an entry that still
@@ -67,7 +59,7 @@ end
 -- entry that became live again (a task id reused) or is gone only leaves `done`.
 -- Returns how many members of `done` were handled.
 local function jix_trim(idx, done, ttl, limit)
-  local now = jix_now()
+  local now = clock_ms()
   local old = redis.call('ZRANGE', done, '-inf', now, 'BYSCORE', 'LIMIT', 0, limit)
   for _, oid in ipairs(old) do
     local f = jix_get(idx, oid)
@@ -86,7 +78,7 @@ end
 local function jix_finish(idx, done, ttl, id, queue, ref, detail)
   if not id then return end
   jix_set(idx, id, 'done', queue, ref, detail)
-  redis.call('ZADD', done, jix_now() + ttl, id)
+  redis.call('ZADD', done, clock_ms() + ttl, id)
   jix_trim(idx, done, ttl, 20)
 end
 -- A job deleted from a set: its entry goes if it still points at that record.
