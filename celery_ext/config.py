@@ -155,6 +155,21 @@ DEFAULT_JOB_INDEX_TTL = 3600.0
 #: job ends or this passes): the bound on entries whose job's end nobody reports.
 DEFAULT_STOP_REQUEST_TTL = 24 * 3600.0
 
+#: Seconds a stored result (and a saved group) lives when ``result_expires`` is unset or 0:
+#: Celery's own default, since the result backend stores nothing without a TTL.
+DEFAULT_RESULT_EXPIRES = 24 * 3600
+#: A client waiting for results re-reads the pending ones (one MGET) this often when no
+#: wake-up arrived: pub/sub is at-most-once, and a result sent by another process (or
+#: stored before this thread subscribed) publishes nowhere this client listens.
+RESULT_POLL_INTERVAL = 0.5
+#: A waiting client whose wake-up subscription broke (a failover, a restart) waits this
+#: many seconds before it subscribes again, re-reading its pending results meanwhile: an
+#: attempt on a node that just died can block for seconds in redis-py's retries.
+RESULT_RESUBSCRIBE_AFTER = 2.0
+#: Longest a chord's counting keys live past their last header result (seconds), when
+#: neither ``result_chord_expires`` nor ``result_expires`` says otherwise.
+DEFAULT_CHORD_EXPIRES = 24 * 3600
+
 _ENV_PREFIX = "CELERY_EXT_"
 _NAMESPACE_RE = re.compile(r"\A[A-Za-z0-9_.:-]{1,64}\Z")  # not "$": it accepts a trailing newline
 _KEYPREFIX_RE = re.compile(r"\A[A-Za-z0-9_.:/-]{0,64}\Z")

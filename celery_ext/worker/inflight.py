@@ -21,6 +21,7 @@ from celery_ext.config import DEFAULT_PRIORITY_STEPS, Settings
 from celery_ext.options.priority import level, payload_priority
 from celery_ext.options.unique import MODE_HEADER, finished_lock
 from celery_ext.store.copies import run_scripts
+from celery_ext.store.dead_set import notify_dead
 from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import STAT_POISON_PILLS, STAT_RECOVERED, Keys
 from celery_ext.store.scripts import Scripts
@@ -286,7 +287,9 @@ def recover_reply(client: Any, keys: Keys, mode: str, reply: Any
     stats."""
     status, requeued, dead = reply
     _count_recoveries(client, keys, len(requeued) if mode == "pool" else 0, len(dead))
-    return bool(status), [bytes_to_str(t) for t in requeued], [bytes_to_str(t) for t in dead]
+    dead_tags = [bytes_to_str(t) for t in dead]
+    notify_dead(client, keys, dead_tags)  # poison pills: their chords fail (results/)
+    return bool(status), [bytes_to_str(t) for t in requeued], dead_tags
 
 
 def recover_tags(client: Any, settings: Settings, pool_id: str, tags: list[str], *,
