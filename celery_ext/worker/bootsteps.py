@@ -14,6 +14,8 @@ needs Celery's worker objects, in every mode unless said otherwise:
   all pools), with one line per queue shared by tasks of different limits;
 - ``DeadLetters``: unknown and invalid messages go to the dead set;
 - ``PeriodicJobs``: the app's ``beat_schedule`` handed to the worker pool's periodic leader;
+- ``celery inspect scheduled`` answered from the scheduled and retry sets in Redis
+  (``inspect_scheduled.py``);
 - ``worker_ready``: the pool's registration details (node, concurrency, pool type,
   queues) and the job queues' weights;
 - ``worker_shutting_down`` / ``worker_shutdown``: the pool says "stopping", then stops.
@@ -278,9 +280,11 @@ def add_worker_parts(app: Any) -> None:
     the dead set, promoted jobs' eta ignored), ``task.checkin()`` and the hook that
     makes a running worker learn a task bound after it started. Idempotent."""
     from celery_ext.worker import control
+    from celery_ext.worker.inspect_scheduled import register as register_inspect_scheduled
     from celery_ext.worker.observer import _task_checkin
 
     control.register()
+    register_inspect_scheduled()
     app.steps["consumer"].add(Sets)
     app.steps["consumer"].add(DeadLetters)
     app.steps["consumer"].add(RevokedEvents)

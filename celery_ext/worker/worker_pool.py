@@ -49,6 +49,7 @@ import redis
 
 from celery_ext.config import Settings
 from celery_ext.errors import CONNECTION_ERRORS
+from celery_ext.options.unique import finished_lock
 from celery_ext.store.connections import green_sockets
 from celery_ext.store.job_index import index_ttl_ms
 from celery_ext.store.keys import Keys
@@ -99,7 +100,7 @@ class WorkerPool:
         self.acks: AckSender | SyncAcks = (
             SyncAcks(self._ack_now) if self.keys.cluster else
             AckSender(self.client.connection_pool, self._ack_now,
-                      on_confirmed=self.holdings.confirmed))
+                      on_confirmed=self._confirmed))
         self._next_cluster_reconcile = 0.0
         self._needs_reconcile = False
         self._reconcile_failed_at = 0.0
@@ -237,6 +238,9 @@ class WorkerPool:
     # -- what the process holds ------------------------------------------------------------
     def delivered(self, tag: str, message: Any) -> None:
         self.holdings.delivered(tag, message)
+        digest = finished_lock(getattr(message, "headers", None))
+        if digest is not None:
+            self.record.locked(tag, digest)
 
     def fetched(self, tag: str, queue: str) -> None:
         """A tracked job of ``queue`` came in a fetch reply (its record's copy)."""
@@ -342,6 +346,11 @@ class WorkerPool:
         """One ``ack`` call for ``tags``, sent without waiting for its reply."""
         keys, args = self.record.ack_call(tags)
         self.acks.ack(keys, args, tags)
+
+    def _confirmed(self, tags: list[str]) -> None:
+        """Redis applied these acks (the AckSender read their reply)."""
+        self.holdings.confirmed(tags)
+        self.record.finished(tags)
 
     def _ack_now(self, tags: list[str]) -> None:
         """The AckSender's fallback: apply acks synchronously, or keep them for replay."""

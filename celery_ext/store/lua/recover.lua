@@ -18,6 +18,9 @@
 -- KEYS[12..] job queue lists, one per tag: the list of the job's priority level,
 --          read by the caller from its payload (priority.py)
 --          (a job with a fair key goes to its key's sub-queue of that queue instead, include/fair.lua)
+-- KEYS[after the lists] unique locks of jobs locked until finished {ns}:unique:<digest>:
+--          each is deleted if a job of this call that holds it goes to the dead set (a
+--          job requeued keeps its lock: it runs again; include/unique.lua)
 -- ARGV[1]  pool id
 -- ARGV[2]  "pool": only if the pool's heartbeat is older than its own dead_after
 --          (field dead_after_ms of its hash, see liveness.py) or, for a pool
@@ -52,8 +55,10 @@ local indexTtl = tonumber(ARGV[9])
 -- @include job_index
 -- @include fair
 -- @include dead_set
-local requeued, dead = {}, {}
-for i = 12, #KEYS do
+-- @include unique
+local requeued, dead, deadTags = {}, {}, {}
+local nTags = #ARGV - 9
+for i = 12, 11 + nTags do
   local tag = ARGV[i - 2]
   local rec = redis.call('HGET', KEYS[1], tag)
   if rec then
@@ -78,6 +83,7 @@ for i = 12, #KEYS do
         dead_trim(KEYS[8], KEYS[9], KEYS[10], indexTtl, tonumber(ARGV[7]), nil)
         if same then jix_set(KEYS[10], id, 'dead', qname, did, 'worker_lost') end
         dead[#dead + 1] = tag
+        deadTags[tag] = true
       else
         push_front(ARGV[5] .. qname, KEYS[i], string.sub(rec, nl + 1))
         if redis.call('SADD', KEYS[5], qname) == 1 then
@@ -88,6 +94,9 @@ for i = 12, #KEYS do
       end
     end
   end
+end
+if #dead > 0 and #KEYS > 11 + nTags then
+  unique_release_tags({unpack(KEYS, 12 + nTags)}, deadTags)
 end
 if ARGV[2] == 'pool' and redis.call('HLEN', KEYS[1]) == 0 then
   redis.call('SREM', KEYS[4], ARGV[1])

@@ -314,6 +314,17 @@
       });
     },
 
+    chords: function () {
+      return api("/api/chords").then(function (d) {
+        return table([
+          { label: "Chord (group id)", key: "group_id", cls: "mono" },
+          { label: "Header results", render: function (c) { return c.counted + " of " + (c.size === null ? "?" : c.size); } },
+          { label: "Applied", render: function (c) { return fmtDur(d.server_time - c.applied_at) + " ago"; } }
+        ], d.items.map(function (c) { c.__key = c.group_id; return c; }),
+        "No chord is waiting for its header (or the app's result backend is not celery-ext's).");
+      });
+    },
+
     scheduled: function () { return setPage("scheduled"); },
     retry: function () { return setPage("retry"); },
 
