@@ -154,6 +154,11 @@ DEFAULT_JOB_INDEX_TTL = 3600.0
 #: Seconds a request to stop a running job holds (its checkins answer "stop" until the
 #: job ends or this passes): the bound on entries whose job's end nobody reports.
 DEFAULT_STOP_REQUEST_TTL = 24 * 3600.0
+#: Seconds a revoked task id is kept in Redis (every fetch drops a job with that id, so a
+#: job enqueued, promoted or retried later does not run): Celery's ``REVOKE_EXPIRES``.
+DEFAULT_REVOKED_TTL = 10800.0
+#: Most revoked ids kept per copy (the oldest go first): Celery's ``REVOKES_MAX``.
+DEFAULT_REVOKED_MAX = 50_000
 
 #: Seconds a stored result (and a saved group) lives when ``result_expires`` is unset or 0:
 #: Celery's own default, since the result backend stores nothing without a TTL.
@@ -217,6 +222,8 @@ class Settings:
     job_index: bool = DEFAULT_JOB_INDEX
     job_index_ttl: float = DEFAULT_JOB_INDEX_TTL
     stop_request_ttl: float = DEFAULT_STOP_REQUEST_TTL
+    revoked_ttl: float = DEFAULT_REVOKED_TTL
+    revoked_max: int = DEFAULT_REVOKED_MAX
     #: The broker is a Redis/Valkey Cluster (``broker_transport_options={"cluster":
     #: True}``): job queues spread over its shards (keys.py, docs/cluster.md).
     cluster: bool = False
@@ -243,7 +250,7 @@ class Settings:
                      "promote_interval", "unique_ttl", "retry_backoff_base",
                      "retry_backoff_max", "reply_timeout", "reply_probe_after",
                      "probe_timeout", "history_sample_interval", "job_index_ttl",
-                     "stop_request_ttl"):
+                     "stop_request_ttl", "revoked_ttl"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"celery_ext: {name} must be > 0, got {getattr(self, name)!r}")
         if self.dead_after < 2 * self.heartbeat_interval:
@@ -253,6 +260,8 @@ class Settings:
             )
         if self.dead_max_size < 1 or self.dead_max_age <= 0:
             raise ConfigError("celery_ext: dead_max_size must be >= 1 and dead_max_age > 0")
+        if self.revoked_max < 1:
+            raise ConfigError(f"celery_ext: revoked_max must be >= 1, got {self.revoked_max!r}")
         if self.max_recoveries < 0 or self.default_weight < 1 or self.fetch_batch < 1:
             raise ConfigError(
                 "celery_ext: max_recoveries must be >= 0, default_weight >= 1 and fetch_batch >= 1"

@@ -40,6 +40,7 @@ REASONS = {
     "unknown_message": "its message is not a task message",
     "rejected": "rejected by the consumer without requeue",
     "worker_lost": "its worker died under it too often (a poison pill)",
+    "revoked": "revoked or cancelled (Celery's revoke, Client.cancel): see store/revoked.py",
 }
 
 

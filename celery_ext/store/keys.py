@@ -72,6 +72,11 @@ Layout (``ns`` = namespace)::
     {ns}:stop_requests       zset    job id -> ms when the request lapses: running jobs
                                      someone asked to stop (checkin returns True;
                                      stop_requests.py)
+    {ns}:revoked             zset    task id -> ms when its revoke lapses (revoked_ttl): the
+                                     ids a fetch drops instead of delivering (revoked.py;
+                                     on a cluster written to every copy)
+    {ns}:revoked_by          hash    task id -> "<meta json>" of its revoke (by, at,
+                                     terminate), trimmed with {ns}:revoked
     {ns}:stats               hash    "processed"/"failed"/"retried"[":<queue>"] -> count; and
                                      "recovered" (jobs the reaper requeued), "pools_reaped",
                                      "poison_pills" (dead-lettered after max_recoveries),
@@ -289,7 +294,8 @@ class Keys:
         (candidates, repeats allowed): the fixed keys, then each candidate's level lists."""
         return [self.inflight(pool_id), self.pools, self.ready, self.redelivery,
                 self.inflight_pools, self.running, self.limits, self.paused, self.rate_limits,
-                self.rate_tat, self.stats, self.job_index,
+                self.rate_tat, self.stats, self.job_index, self.revoked, self.revoked_by,
+                self.dead, self.dead_jobs, self.job_index_done,
                 *(key for q in queues for key in self.queue_levels(q, steps))]
     def fair_ring(self, name: str) -> str:
         """The ring of a job queue's active fair keys (:mod:`.fair`)."""
@@ -357,6 +363,14 @@ class Keys:
     @property
     def stop_requests(self) -> str:
         return self.prefix + "stop_requests"
+
+    @property
+    def revoked(self) -> str:
+        return self.prefix + "revoked"
+
+    @property
+    def revoked_by(self) -> str:
+        return self.prefix + "revoked_by"
 
     @property
     def stats(self) -> str:

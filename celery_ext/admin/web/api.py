@@ -324,6 +324,17 @@ async def stop(request: Request) -> JSONResponse:
     return JSONResponse({"job_id": job_id, "stop_requested": True})
 
 
+async def cancel(request: Request) -> JSONResponse:
+    """Cancel a job by id wherever it is (``Client.cancel``): the outcome says where."""
+    job_id = _str_field(await _json_body(request), "job_id")
+    outcome = await run_in_threadpool(_client(request).cancel, job_id)
+    return JSONResponse({"job_id": job_id, **outcome})
+
+
+async def revoked(request: Request) -> JSONResponse:
+    return JSONResponse({"items": await run_in_threadpool(_client(request).revoked)})
+
+
 async def scheduled_delete(request: Request) -> JSONResponse:
     job_id = _str_field(await _json_body(request), "id")
     deleted = await run_in_threadpool(_client(request).delete_scheduled, job_id)

@@ -59,6 +59,8 @@ def routes() -> list[BaseRoute]:
         Route("/api/busy", api.busy),
         Route("/api/chords", api.chords),
         Route("/api/busy/stop", api.stop, methods=POST),
+        Route("/api/jobs/cancel", api.cancel, methods=POST),
+        Route("/api/revoked", api.revoked),
         Route("/api/scheduled", partial(api.set_listing, kind="scheduled")),
         Route("/api/scheduled/delete", api.scheduled_delete, methods=POST),
         Route("/api/retry", partial(api.set_listing, kind="retry")),
