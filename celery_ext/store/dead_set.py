@@ -66,7 +66,7 @@ def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,
         [keys.inflight(pool_id), keys.dead, keys.dead_jobs, keys.redelivery, keys.running,
          keys.limits, keys.ready, *index_keys(keys)],
         [tag, record, settings.dead_max_size, int(settings.dead_max_age * 1000), fallback,
-         keys.wake_channel, index_ttl_ms(settings)],
+         keys.wake_channel, index_ttl_ms(settings), keys.cursor_prefix],
     )
     return bool(moved)
 

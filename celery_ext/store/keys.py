@@ -68,6 +68,10 @@ Layout (``ns`` = namespace)::
     {ns}:stop_requests       zset    job id -> ms when the request lapses: running jobs
                                      someone asked to stop (checkin returns True;
                                      stop_requests.py)
+    {ns}:cursor:<task id>    string  "<owner delivery tag>\n<cursor json>": a resumable job's
+                                     cursor (worker/cursor.py), in its job queue's copy,
+                                     TTL cursor_ttl; removed by the ack of the run that
+                                     owns it, by dead-lettering and by a poison pill
     {ns}:stats               hash    "processed"/"failed"/"retried"[":<queue>"] -> count; and
                                      "recovered" (jobs the reaper requeued), "pools_reaped",
                                      "poison_pills" (dead-lettered after max_recoveries),
@@ -310,6 +314,16 @@ class Keys:
     @property
     def stop_requests(self) -> str:
         return self.prefix + "stop_requests"
+
+    def cursor(self, job_id: str) -> str:
+        """A resumable job's cursor, by task id, in its job queue's copy (``of``)."""
+        return f"{self.cursor_prefix}{job_id}"
+
+    @property
+    def cursor_prefix(self) -> str:
+        """:meth:`cursor` without the task id: the scripts that end a job (ack, dead,
+        recover) find its id in its payload and drop its cursor by this prefix."""
+        return self.prefix + "cursor:"
 
     @property
     def stats(self) -> str:
