@@ -30,6 +30,7 @@ from celery_ext.testing.server import ClusterGroup, RedisServer
 from tests.apps import proj_resume
 from tests.apps.resumable import read_steps
 from tests.helpers import Factory, K, Mode, wait_for
+from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 from tests.workers import WorkerProcess
 
 APP = "tests.apps.proj_resume"
