@@ -175,10 +175,15 @@ def _write(run: _Run, owner: str) -> None:
 
 @task_postrun.connect(weak=False)
 def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None,
-                state: str | None = None, **kw: Any) -> None:
+                state: str | None = None, retval: Any = None, **kw: Any) -> None:
     """A run ends: a finished job's cursor goes (with its ack, or here if it was acked
     when it started); a run that did not finish writes its latest cursor, given up to
     the retry if it retried."""
+    if isinstance(retval, Interrupted) and task is not None and not task.acks_late:
+        logger.error("celery_ext: job %s[%s] raised Interrupted, but it was acked when it "
+                     "started (acks_late off): it does not go back to its queue. Set "
+                     "task_acks_late (or acks_late=True on the task) for resumable jobs",
+                     one_line(task.name), one_line(task_id or ""))
     run = _runs.pop(task_id or "", None)
     if run is None or task is None:
         return

@@ -19,7 +19,7 @@ import celery_ext
 INTERRUPTED: Any = getattr(celery_ext, "Interrupted", None)
 
 
-def _checkin(task: Any, step: int, steps: int) -> bool:
+def checkin_step(task: Any, step: int, steps: int) -> bool:
     try:
         return bool(task.checkin(message=f"step {step}", progress=step / steps, cursor=step))
     except TypeError:  # no cursor= (the plugin before resumable jobs)
@@ -34,7 +34,7 @@ def run_steps(task: Any, path: str, steps: int, pause: float) -> int:
         time.sleep(pause)
         with open(path, "a") as out:
             out.write(f"{step}\n")
-        if _checkin(task, step, steps) and step < steps:
+        if checkin_step(task, step, steps) and step < steps:
             if INTERRUPTED is None:
                 return step  # stopped early: before resumable jobs, nothing brings it back
             raise INTERRUPTED()

@@ -12,6 +12,7 @@ and the finished job left no cursor. Before resumable jobs every run started at 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import uuid
@@ -24,12 +25,16 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_ext.config import Settings
 from celery_ext.store.connections import cluster_client, cluster_config
+from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
 from celery_ext.testing.server import ClusterGroup, RedisServer
+from celery_ext.worker.inflight import InflightRecord, recover_tags
 from tests.apps import proj_resume
 from tests.apps.resumable import read_steps
-from tests.helpers import Factory, K, Mode, wait_for
+from tests.helpers import Factory, K, Mode, message, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 from tests.workers import WorkerProcess
 
@@ -124,6 +129,110 @@ def test_a_resumable_job_returned_at_a_warm_shutdown_resumes_elsewhere(
     assert read_steps(path)[1][1] == len(steps)  # resumed where it stopped
     cursor = K.of(mode.queue(proj_resume.resumable)).cursor(job.id)
     wait_for(lambda: not redis_client.exists(cursor), 10, "the finished job's cursor to go")
+
+
+def test_a_retried_job_resumes_from_its_cursor_and_leaves_none(
+        tmp_path: Path, worker_factory: Factory, mode: Mode, redis_client: redis.Redis) -> None:
+    """A retry is the same job not finished: its run reads the cursor the retrying run
+    kept (written at the run's end, within the cursor interval), then finishes and
+    leaves no cursor: through the ack (install: acked when it ends), or at its end in
+    drop-in mode with Celery's default (acked when it starts: no ack comes later)."""
+    path = tmp_path / "steps.txt"
+    worker_factory(APP, pool="prefork", env=mode.env(acks_late=not mode.dropin)).start(
+        timeout=60)
+    job = mode.send(proj_resume.retried, str(path), 10, 6)
+    assert job.get(timeout=60) == 10
+    steps, starts, done = read_steps(path)
+    assert done and starts == [0, 6] and steps == list(range(1, 11))
+    cursor = K.of(mode.queue(proj_resume.retried)).cursor(job.id)
+    wait_for(lambda: not redis_client.exists(cursor), 10, "the finished job's cursor to go")
+
+
+def test_a_cursor_over_the_limit_is_refused_with_one_line_and_the_job_runs_on(
+        worker_factory: Factory, mode: Mode, redis_client: redis.Redis) -> None:
+    worker = worker_factory(APP, pool="threads", env=mode.env(
+        acks_late=True, CELERY_EXT_CURSOR_MAX_BYTES="100")).start(timeout=60)
+    job = mode.send(proj_resume.big_cursor, 200)
+    assert job.get(timeout=30) is None  # never kept
+    refused = [line for line in worker.log_text().splitlines() if "cursor_max_bytes" in line]
+    assert len(refused) == 1, refused
+    assert "is 202 bytes as JSON, over cursor_max_bytes (100)" in refused[0]
+    assert not redis_client.keys(K.cursor("*"))
+
+
+def test_a_dead_job_keeps_no_cursor(
+        worker_factory: Factory, mode: Mode, redis_client: redis.Redis) -> None:
+    worker_factory(APP, pool="threads", env=mode.env(acks_late=True)).start(timeout=60)
+    job = mode.send(proj_resume.fails_with_cursor)
+    wait_for(lambda: redis_client.zcard(K.dead) == 1, 30, "the job in the dead set")
+    assert job.state == "FAILURE"
+    (record,) = redis_client.hvals(K.dead_jobs)
+    assert b"ValueError: this job fails" in record  # (its checkin with a cursor worked)
+    assert not redis_client.exists(K.of(mode.queue(proj_resume.fails_with_cursor))
+                                   .cursor(job.id))
+
+
+def test_interrupted_in_a_job_acked_when_it_started_says_it_in_one_line(
+        worker_factory: Factory, broker_url: str, redis_client: redis.Redis) -> None:
+    """Drop-in with Celery's default ack (at the start): the job cannot go back to its
+    queue, and the worker's log says so and what to set, once."""
+    mode = Mode("dropin", broker_url)
+    try:
+        worker = worker_factory(APP, pool="threads", env=mode.env()).start(timeout=60)
+        mode.send(proj_resume.interrupts)
+        line = worker.wait_for_log(r"raised Interrupted, but it was acked when it started.*",
+                                   timeout=30).group(0)
+        assert "Set task_acks_late (or acks_late=True on the task)" in line
+    finally:
+        mode.close()
+
+
+# -- the scripts that move a job, on a real server ---------------------------------------------
+def test_only_the_moves_that_end_a_job_drop_its_cursor(redis_client: redis.Redis) -> None:
+    """The ack of the run owning the cursor, dead-lettering and a poison pill drop it;
+    an ack of another run (the one that retried), a requeue and a recovery keep it."""
+    settings = Settings(max_recoveries=0)
+    scripts = Scripts(redis_client)
+    record = InflightRecord(redis_client, K, "p1")
+
+    def in_flight(tag: str) -> str:
+        """Put job ``id-<tag>`` in pool p1's record, its cursor owned by run ``tag``."""
+        redis_client.hset(K.inflight("p1"), tag, "q\n" + json.dumps(message(tag, "q")))
+        scripts("cursor", [K.cursor(f"id-{tag}")], ["save", tag, '{"at":3}', 60_000])
+        return K.cursor(f"id-{tag}")
+
+    def read(key: str, tag: str) -> Any:
+        return scripts("cursor", [key], ["read", tag, "", 60_000])
+
+    cursor = in_flight("t1")
+    assert 0 < redis_client.pttl(cursor) <= 60_000
+    scripts("cursor", [cursor], ["save", "", '{"at":4}', 60_000])  # given up to a retry
+    assert record.ack(["t1"]) == 1
+    assert read(cursor, "t2") == b'{"at":4}'  # kept: the retry's run t2 owns it now
+    redis_client.hset(K.inflight("p1"), "t2", "q\n" + json.dumps(message("t2", "q")) \
+        .replace("id-t2", "id-t1"))
+    assert record.ack(["t2"]) == 1
+    assert not redis_client.exists(cursor)  # the owner's ack
+
+    cursor = in_flight("t3")
+    assert record.requeue(["t3"]) == ["t3"]
+    assert redis_client.exists(cursor)  # returned (a warm shutdown): kept
+    redis_client.delete(K.queue("q"))
+
+    cursor = in_flight("t4")
+    assert dead_letter(redis_client, settings, "p1", "t4", reason="failed")
+    assert not redis_client.exists(cursor)
+
+    cursor = in_flight("t5")
+    redis_client.hset(K.redelivery, "t5", 0)
+    _, requeued, dead = recover_tags(redis_client, settings, "p1", ["t5"], mode="job")
+    assert dead == ["t5"] and not redis_client.exists(cursor)  # a poison pill
+
+    cursor = in_flight("t6")
+    _, requeued, dead = recover_tags(redis_client, Settings(), "p1", ["t6"], mode="job")
+    assert requeued == ["t6"] and redis_client.exists(cursor)  # recovered: kept
+    assert scripts("cursor", [cursor], ["drop", "t0", "", 0]) == 0  # not its owner
+    assert scripts("cursor", [cursor], ["drop", "t6", "", 0]) == 1
 
 
 # -- a cluster ------------------------------------------------------------------------------
