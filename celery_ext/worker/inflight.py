@@ -242,7 +242,7 @@ def recover_call(keys: Keys, settings: Settings, pool_id: str, pairs: list[tuple
              *index_keys(keys), *(q for _, q in pairs)],
             [pool_id, mode, deadline_ms, keys.wake_channel, keys.queue(""),
              settings.max_recoveries, settings.dead_max_size, reason, index_ttl_ms(settings),
-             keys.cursor_prefix, *(t for t, _ in pairs)])
+             *(t for t, _ in pairs), keys.cursor_prefix])
 
 
 def recover_reply(client: Any, keys: Keys, mode: str, reply: Any
