@@ -84,8 +84,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bench.floor's strategy (--floor 1 or 2)", ("strategy.<locals>.", "kept_strategy.",
                                                  "_acker", "_Running.")),
     ("acks", ("Request.acknowledge", "Consumer.call_soon_ack", "WorkerPool.flush_acks",
-              "WorkerPool._write_acks", "WorkerPool.ack", "AckSender.", "Message.ack",
-              "Channel.basic_ack", "QoS.ack", "on_loop_tick")),
+              "AckBatcher.", "WorkerPool._write_ack_batch", "WorkerPool.ack", "AckSender.",
+              "Message.ack", "Channel.basic_ack", "QoS.ack", "on_loop_tick")),
     ("task signals and their receivers (task_prerun, task_postrun: ours)", (
         "Signal.send",)),
     ("Celery tracer (request stack, state)", ("build_tracer.<locals>.trace_task",

@@ -1,14 +1,16 @@
 """celery_ext: Celery on Redis/Valkey as a real job system.
 
 Importing this package registers the ``celery-ext://`` (and ``celery-exts://``,
-TLS, and their ``+sentinel`` forms) broker URL schemes with Kombu, and does nothing
-else. ``install(app)`` adds the job-system defaults: one job queue per task name,
-weighted round-robin, jobs owned until finished. Flower support is asked for where
-Flower runs (:func:`celery_ext.admin.flower.enable`, one line in Flower's config).
+TLS, and their ``+sentinel`` forms) URL schemes with Kombu (the broker) and Celery (the
+result backend, ``celery_ext.results``), and does nothing else. ``install(app)`` adds
+the job-system defaults: one job queue per task name, weighted round-robin, jobs owned
+until finished. Flower support is asked for where Flower runs
+(:func:`celery_ext.admin.flower.enable`, one line in Flower's config).
 """
 
 from __future__ import annotations
 
+from celery.app.backends import BACKEND_ALIASES
 from kombu.transport import TRANSPORT_ALIASES
 
 from celery_ext.config import OUR_SCHEMES, SCHEME, TLS_SCHEME, unreadable_scheme
@@ -25,6 +27,13 @@ for _scheme in OUR_SCHEMES:
     # (Kombu itself reads "celery-ext+sentinel://h" as transport "celery-ext"; the
     # full scheme is looked up when it fails over to another sentinel URL.)
     TRANSPORT_ALIASES.setdefault(_scheme, TRANSPORT)
+
+#: Result backend class per scheme: Celery reads "celery-ext+sentinel://h" as backend
+#: "celery-ext" with URL "sentinel://h", which the backend puts back together.
+_BACKENDS = {SCHEME: "celery_ext.results:ResultBackend",
+             TLS_SCHEME: "celery_ext.results:TLSResultBackend"}
+for _scheme, _backend in _BACKENDS.items():
+    BACKEND_ALIASES.setdefault(_scheme, _backend)
 
 
 def _unreadable_scheme() -> str:

@@ -64,6 +64,12 @@ DEFAULT_PROMOTE_MIN_INTERVAL = 0.02
 DEFAULT_PROMOTE_BATCH = 100
 #: Seconds a unique job's lock lives past its due time if nobody releases it.
 DEFAULT_UNIQUE_TTL = 3600.0
+#: Most jobs a worker lists in its reply to ``celery inspect scheduled`` (the first by
+#: due time of the scheduled and retry sets: the reply is one message on the bus).
+INSPECT_SCHEDULED_MAX = 1000
+#: Most pages of ``INSPECT_SCHEDULED_MAX`` jobs that reply reads from each set, looking for
+#: jobs of the worker's queues among the other queues' (bounded work per reply).
+INSPECT_SCHEDULED_PAGES = 10
 #: Opt-in retry backoff (task option ``backoff=True``): first delay in seconds...
 DEFAULT_RETRY_BACKOFF_BASE = 2.0
 #: ...doubled per attempt up to this many seconds...
@@ -161,6 +167,20 @@ DEFAULT_CURSOR_TTL = 30 * 24 * 3600.0
 #: one is always written when the job is asked to stop or ends without finishing. A crash
 #: redoes at most the steps of this interval.
 DEFAULT_CURSOR_INTERVAL = 1.0
+#: Seconds a stored result (and a saved group) lives when ``result_expires`` is unset or 0:
+#: Celery's own default, since the result backend stores nothing without a TTL.
+DEFAULT_RESULT_EXPIRES = 24 * 3600
+#: A client waiting for results re-reads the pending ones (one MGET) this often when no
+#: wake-up arrived: pub/sub is at-most-once, and a result sent by another process (or
+#: stored before this thread subscribed) publishes nowhere this client listens.
+RESULT_POLL_INTERVAL = 0.5
+#: A waiting client whose wake-up subscription broke (a failover, a restart) waits this
+#: many seconds before it subscribes again, re-reading its pending results meanwhile: an
+#: attempt on a node that just died can block for seconds in redis-py's retries.
+RESULT_RESUBSCRIBE_AFTER = 2.0
+#: Longest a chord's counting keys live past their last header result (seconds), when
+#: neither ``result_chord_expires`` nor ``result_expires`` says otherwise.
+DEFAULT_CHORD_EXPIRES = 24 * 3600
 
 _ENV_PREFIX = "CELERY_EXT_"
 _NAMESPACE_RE = re.compile(r"\A[A-Za-z0-9_.:-]{1,64}\Z")  # not "$": it accepts a trailing newline

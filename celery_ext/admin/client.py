@@ -32,6 +32,7 @@ from celery_ext.admin.api_types import (
     DeadJob,
     JobStatus,
     Page,
+    PendingChord,
     PoolInfo,
     QueueInfo,
     Runtime,
@@ -295,6 +296,16 @@ class Client:
     def job(self, job_id: str, deep: bool = True) -> JobStatus:
         """One job's status by its id (see :mod:`celery_ext.admin.job_status`)."""
         return JobLookup(self.client, self.settings, self.app).status(job_id, deep)
+
+    def pending_chords(self, limit: int = 100) -> list[PendingChord]:
+        """Chords whose body was not sent yet, oldest first, with their progress (n of m
+        header results): read from the app's result backend when it is celery-ext's
+        (:meth:`from_app`); empty otherwise."""
+        read = getattr(getattr(self.app, "backend", None), "pending_chords", None)
+        if read is None:
+            return []
+        return [PendingChord(group_id=r["group_id"], counted=r["counted"], size=r["size"],
+                             applied_at=r["applied_at"]) for r in read(limit)]
 
     def reap(self, force: bool = False) -> ReapResult:
         """One reaper pass now: requeue the jobs of dead worker pools, each judged by

@@ -35,6 +35,7 @@ from urllib.parse import unquote, urlparse
 from celery_ext.config import OUR_SCHEMES, TLS_SCHEME, TLS_SENTINEL_SCHEME, Settings
 from celery_ext.store.connections import aclose_async_client, async_client_from_url
 from celery_ext.store.keys import Keys
+from celery_ext.store.liveness import QUEUES_FIELDS, queues_of
 
 logger = logging.getLogger("celery_ext.admin.flower")
 
@@ -98,9 +99,9 @@ def _broker_class(base: type) -> type:
                 if pool_ids:
                     async with self.redis.pipeline(transaction=False) as pipe:
                         for pool_id in pool_ids:
-                            pipe.hget(k.pool(pool_id.decode()), "queues")
+                            pipe.hmget(k.pool(pool_id.decode()), QUEUES_FIELDS)
                         for raw in await pipe.execute():
-                            for q in (raw or b"").decode().split(","):
+                            for q in queues_of(dict(zip(QUEUES_FIELDS, raw, strict=True))) or []:
                                 consumers[q] = consumers.get(q, 0) + 1
                 result = []
                 for name, ready, in_flight in zip(names, lengths, running, strict=False):

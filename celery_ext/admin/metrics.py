@@ -35,14 +35,15 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from celery_ext.admin.overview import QUEUE_INFO_CHUNK, State, queue_info_rows
 from celery_ext.store.copies import copies, per_copy, set_counts
 from celery_ext.store.keys import (
+    RUNTIME_BUCKET_NAMES,
+    RUNTIME_BUCKETS,
     STAT_POISON_PILLS,
     STAT_POOLS_REAPED,
     STAT_RECOVERED,
     STAT_UNIQUE_HITS,
 )
-from celery_ext.store.liveness import Liveness
+from celery_ext.store.liveness import Liveness, consumed_by
 from celery_ext.store.scripts import sha
-from celery_ext.worker.observer import RUNTIME_BUCKET_NAMES, RUNTIME_BUCKETS
 
 logger = logging.getLogger("celery_ext.admin.metrics")
 
@@ -75,6 +76,13 @@ class QueueSample:
     latency: float = 0.0  # seconds since the oldest queued job was enqueued
     in_flight: int = 0
     paused: bool = False
+    consumed: bool = True  # a live worker pool consumes it
+
+    @property
+    def unconsumed(self) -> bool:
+        """Jobs wait and no live pool consumes the queue (a typo in a task name, or a
+        deploy not yet rolled out): they wait until a pool that knows the task starts."""
+        return self.depth > 0 and not self.consumed
 
 
 @dataclass
@@ -158,6 +166,10 @@ def read_snapshot(state: State) -> Snapshot:
                     retry=int(retry), dead=int(dead))
     paused_names = {bytes_to_str(p) for p in paused}
     in_flight = _ints(running)
+    pool_infos = [{bytes_to_str(a): bytes_to_str(b) for a, b in raw.items()}
+                  for raw in pool_replies[0::3]]
+    consumed = consumed_by(zip(pool_infos, (beat for _, beat in beats), strict=True), now_ms,
+                           state.settings)
     for chunk, reply in zip(chunks, infos, strict=True):
         for name, (size, stamp) in zip(chunk, queue_info_rows(reply), strict=True):
             if size < 0:  # forgotten just now: gone and unused
@@ -166,11 +178,12 @@ def read_snapshot(state: State) -> Snapshot:
                 depth=size,
                 latency=max(0.0, now_ms / 1000 - stamp) if stamp is not None else 0.0,
                 in_flight=max(0, in_flight.get(name, 0)),
-                paused=name in paused_names)
+                paused=name in paused_names,
+                consumed=name in consumed)
     beat_of = {bytes_to_str(p): s for p, s in beats}
     for i, pool_id in enumerate(pool_ids):
-        raw, busy, held = pool_replies[3 * i:3 * i + 3]
-        info = {bytes_to_str(a): bytes_to_str(b) for a, b in raw.items()}
+        _, busy, held = pool_replies[3 * i:3 * i + 3]
+        info = pool_infos[i]
         beat = beat_of[pool_id]
         snap.pools[pool_id] = PoolSample(
             alive=bool(info) and not Liveness.of(info, state.settings).stale(beat, now_ms),
@@ -196,7 +209,7 @@ def _read_snapshot_copies(state: State) -> Snapshot:
     for q in state.job_queues():
         snap.queues[q["name"]] = QueueSample(
             depth=q["size"], latency=q["latency"] or 0.0, in_flight=q["in_flight"],
-            paused=q["paused"])
+            paused=q["paused"], consumed=q["consumed"])
     for pool in state.worker_pools():
         if pool["heartbeat_age"] is None:
             continue  # an orphan: not registered (the one-node scrape reads registered pools)
@@ -232,12 +245,16 @@ def families(snap: Snapshot) -> Iterator[Metric]:
     in_flight = gauge("queue_in_flight_jobs", "Jobs of the queue fetched by worker pools "
                       "and not finished.", ["queue"])
     paused = gauge("queue_paused", "1 if the job queue is paused.", ["queue"])
+    unconsumed = gauge("queue_unconsumed", "1 if jobs wait in the job queue and no live "
+                       "worker pool consumes it (they wait for a pool that knows the task).",
+                       ["queue"])
     for name, q in snap.queues.items():
         depth.add_metric([name], q.depth)
         latency.add_metric([name], q.latency)
         in_flight.add_metric([name], q.in_flight)
         paused.add_metric([name], 1 if q.paused else 0)
-    yield from (depth, latency, in_flight, paused)
+        unconsumed.add_metric([name], 1 if q.unconsumed else 0)
+    yield from (depth, latency, in_flight, paused, unconsumed)
 
     per_queue = _split(snap.stats)
     for outcome, doc in QUEUE_COUNTERS.items():

@@ -23,7 +23,7 @@ from celery_ext.options.rate_limits import format_rate
 from celery_ext.store.clock import now_ms
 from celery_ext.store.copies import copies, per_copy
 from celery_ext.store.keys import Keys
-from celery_ext.store.liveness import Liveness
+from celery_ext.store.liveness import Consumed, Liveness, queues_of
 from celery_ext.store.queue_sizes import (
     QUEUE_INFO_CHUNK,
     QueueSizes,
@@ -66,7 +66,8 @@ class State:
     def job_queues(self, offset: int = 0, limit: int | None = None,
                    prefix: str | None = None) -> list[QueueInfo]:
         """One page of job queues with size, latency, weight and counters."""
-        now, rows = self.sizes.sizes(offset, limit, prefix)
+        consumed = self.consumed_queues()
+        now, rows = self.sizes.sizes(offset, limit, prefix, consumed)
         if not rows:
             return []
         names = [name for name, _, _ in rows]
@@ -87,8 +88,13 @@ class State:
                 processed=_int(processed),
                 failed=_int(failed),
                 fair=fair.get(name),
+                consumed=name in consumed,
             ))
         return result
+
+    def consumed_queues(self) -> Consumed:
+        """The job queues some live worker pool consumes (see :func:`consumed_by`)."""
+        return self.sizes.consumers()
 
     def _reads(self, names: list[str]) -> list[tuple[Any, bool, Any, Any, Any, Any, Any]]:
         """Per queue (one node, one pipeline): weight, paused, concurrency limit, jobs
@@ -171,7 +177,7 @@ class State:
                 pid=_int(info.get("pid"), 0) or None,
                 concurrency=info.get("concurrency", ""),
                 pool_type=info.get("pool_type", ""),
-                queues=[q for q in info.get("queues", "").split(",") if q],
+                queues=queues_of(info) or [],
                 started_at=_int(started) / 1000 if started else None,
                 heartbeat_age=age,
                 state=state,

@@ -28,7 +28,7 @@ from celery_ext.options.weights import task_weight
 
 #: The task options :func:`check_task` reads; a change of any of them checks it again.
 OPTIONS = ("weight", "max_concurrency", "fair_max_concurrency", "rate_limit", "unique_ttl",
-           "unique_key", "stall_after", "backoff")
+           "unique_key", "stall_after", "backoff", "unique", "debounce", "acks_late")
 
 
 def validate_stall_after(task: Any) -> None:

@@ -5,6 +5,8 @@ Task options::
     @app.task(unique=True)                          # same name + same args = identical
     @app.task(unique=True, unique_key=lambda user_id, **kw: str(user_id))
     @app.task(unique=True, unique_ttl=600)          # lock safety net, seconds
+    @app.task(unique="until_finished")              # locked through retries and the run
+    @app.task(unique=True, unique_key=..., debounce=1.0)  # latest arguments, 1 s after the last
 
 ``install(app)`` wraps ``app.send_task`` (which ``apply_async`` and ``delay`` call):
 for a unique task it computes the key, and the producer (``producer.Enqueuer``)
@@ -12,15 +14,36 @@ enqueues (or schedules) the job with one script that checks and takes the lock
 ``{ns}:unique:<name>:<sha1>`` atomically. If the lock is held, nothing is pushed
 and the caller's ``AsyncResult`` carries the id of the job already pending.
 
-The lock is released when a worker *starts* the job (the Request's
-``on_accepted``): from then on an identical job may be enqueued again, because the
-running one may already have read the state it would act on. It is also released
-when the job expires. Retries are always published (they are the same job) and
-take the lock again if it is free. The TTL (``unique_ttl`` option, default
-``Settings.unique_ttl``, counted from the job's due time) is the safety net for a
-lock whose job never starts (purged queue, dead-lettered message). Deleting a
-scheduled, retry or dead job through ``celery_ext.client`` releases its lock in the
-same script (:func:`lock_of` reads it from the stored message).
+Two modes say how long the lock lives (see docs/sets.md, "Unique jobs"):
+
+* ``until_started`` (``unique=True``): the lock is released when a worker *starts*
+  the job (the Request's ``on_accepted``): from then on an identical job may be
+  enqueued again, because the running one may already have read the state it would
+  act on. It is also released when the job expires. Retries are always published
+  (they are the same job) and take the lock again if it is free.
+* ``until_finished``: the lock is held from the enqueue through the run and every
+  retry, and released by the script of the job's final move: the ``ack`` of its last
+  run, its move to the dead set (a poison pill's too, in ``recover``), or its deletion
+  from a set. Its value is the task id
+  and the delivery tag of the message holding it (:func:`lock_value`): a retry is a
+  new message under the same task id, which takes the lock over when it is published
+  (before the old message is acked), so the old message's ack leaves it alone. A job
+  returned to its queue (the reaper's recovery of a dead pool, a requeue) keeps its
+  tag and so its lock: it runs again. The mode needs ``acks_late`` (the default under
+  ``install(app)``): acked at start, the ack would be the final move.
+
+The TTL (``unique_ttl`` option, default ``Settings.unique_ttl``, counted from the
+job's due time, and for ``until_finished`` renewed when the job starts) is the safety
+net for a lock whose job never reaches its release (a purged queue, a crash between
+two scripts). Deleting a scheduled, retry or
+dead job through ``celery_ext.client`` releases its lock in the same script
+(:func:`lock_of` reads it from the stored message).
+
+``debounce`` (seconds, with either mode): the job waits in the scheduled set until
+``debounce`` seconds after the latest enqueue with its key. An enqueue that finds the
+holder still there replaces it, in one script, by the new job (its arguments, its
+task id) due ``debounce`` seconds from now: one job runs, with the latest arguments.
+Once the holder left the scheduled set, the mode decides as for any unique job.
 """
 
 from __future__ import annotations
@@ -43,6 +66,12 @@ logger = logging.getLogger("celery_ext.options.unique")
 
 #: Message header carrying the lock's digest, so the worker can release it.
 HEADER = "celery_ext_unique"
+#: Message header of a job locked until finished (value :data:`UNTIL_FINISHED`).
+MODE_HEADER = "celery_ext_unique_mode"
+UNTIL_STARTED = "until_started"
+UNTIL_FINISHED = "until_finished"
+#: The values of the ``unique`` task option, and the mode each one means.
+MODES = {True: UNTIL_STARTED, UNTIL_STARTED: UNTIL_STARTED, UNTIL_FINISHED: UNTIL_FINISHED}
 
 
 @dataclass
@@ -52,6 +81,9 @@ class UniqueRequest:
     name: str
     digest: str
     ttl: float | None
+    mode: str = UNTIL_STARTED
+    #: Seconds the job waits after the latest enqueue with its key (None: no debounce).
+    debounce: float | None = None
     #: Set by the transport: the task id of the job that is pending now (ours or
     #: the one that held the lock).
     holder: str | None = None
@@ -82,7 +114,24 @@ def take_pending(message: dict[str, Any]) -> UniqueRequest | None:
     if not isinstance(headers, dict) or headers.get("task") != req.name:
         return None
     headers[HEADER] = req.digest
+    if req.mode == UNTIL_FINISHED:
+        headers[MODE_HEADER] = UNTIL_FINISHED
     return req
+
+
+def lock_value(mode: str, task_id: str, tag: str) -> str:
+    """The lock's value while this message holds it: the task id, followed for a job
+    locked until finished by a newline and the message's delivery tag (the scripts'
+    ``include/unique.lua`` reads both parts)."""
+    return f"{task_id}\n{tag}" if mode == UNTIL_FINISHED else task_id
+
+
+def finished_lock(headers: Any) -> str | None:
+    """The digest of a job locked until finished, from its message headers (else None)."""
+    if not isinstance(headers, dict) or headers.get(MODE_HEADER) != UNTIL_FINISHED:
+        return None
+    digest = headers.get(HEADER)
+    return digest if isinstance(digest, str) and digest else None
 
 
 def lock_of(payload: str | bytes) -> tuple[str, str] | None:
@@ -102,8 +151,33 @@ def lock_of(payload: str | bytes) -> tuple[str, str] | None:
     return None
 
 
+def unique_mode(task: Any) -> str | None:
+    """The task's unique mode, or None for a task that is not unique."""
+    value = getattr(task, "unique", False)
+    if value is False or value is None:
+        return None
+    try:
+        return MODES[value]
+    except (KeyError, TypeError):
+        raise ValueError(f"celery_ext: task {task.name!r} has unique={value!r}; it must be "
+                         f"True, {UNTIL_STARTED!r} or {UNTIL_FINISHED!r}") from None
+
+
 def validate_unique_options(task: Any) -> None:
-    """Raise ValueError for a unique_ttl or unique_key a task cannot use."""
+    """Raise ValueError for a unique, unique_ttl, unique_key or debounce a task cannot use."""
+    mode = unique_mode(task)
+    if mode == UNTIL_FINISHED and not getattr(task, "acks_late", False):
+        raise ValueError(f"celery_ext: task {task.name!r} has unique={UNTIL_FINISHED!r} "
+                         "without acks_late; set acks_late=True (acked at start, the job "
+                         "would release its lock when it starts)")
+    debounce = getattr(task, "debounce", None)
+    if debounce is not None and (isinstance(debounce, bool)
+                                 or not isinstance(debounce, int | float) or debounce <= 0):
+        raise ValueError(f"celery_ext: task {task.name!r} has debounce={debounce!r}; "
+                         "it must be a number of seconds > 0")
+    if debounce is not None and mode is None:
+        raise ValueError(f"celery_ext: task {task.name!r} has debounce={debounce!r} "
+                         "without unique; set unique=True (and a unique_key)")
     ttl = getattr(task, "unique_ttl", None)
     if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float)
                             or ttl <= 0):
@@ -137,7 +211,9 @@ def patch_send_task(app: Any) -> None:
             return original(name, args, kwargs, *rest, **options)
         validate_unique_options(task)
         req = UniqueRequest(name=name, digest=unique_digest(name, args, kwargs, _key_of(task)),
-                            ttl=getattr(task, "unique_ttl", None))
+                            ttl=getattr(task, "unique_ttl", None),
+                            mode=unique_mode(task) or UNTIL_STARTED,
+                            debounce=getattr(task, "debounce", None))
         token = _pending.set(req)
         try:
             result = original(name, args, kwargs, *rest, **options)
@@ -155,6 +231,9 @@ def patch_send_task(app: Any) -> None:
     app.send_task = send_task
 
 
-def release(scripts: Scripts, keys: Keys, digest: str, task_id: str, client: Any) -> bool:
-    """Release a unique job's lock if this job holds it (when it starts or expires)."""
-    return bool(scripts("unique_release", [keys.unique(digest)], [task_id], client=client))
+def release(scripts: Scripts, keys: Keys, digest: str, task_id: str, client: Any,
+            renew_ms: int = 0) -> bool:
+    """Release a unique job's lock if this job holds it (when it starts or expires); with
+    ``renew_ms``, renew its TTL instead (a job locked until finished starts)."""
+    return bool(scripts("unique_release", [keys.unique(digest)], [task_id, renew_ms],
+                        client=client))

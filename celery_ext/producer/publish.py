@@ -102,7 +102,7 @@ from celery_ext.errors import NotReplicated, check_payload_size, job_name
 from celery_ext.options.fair import message_fair_key, place_last
 from celery_ext.options.priority import level as priority_level
 from celery_ext.options.priority import message_priority
-from celery_ext.options.unique import UniqueRequest, take_pending
+from celery_ext.options.unique import UNTIL_FINISHED, UniqueRequest, lock_value, take_pending
 from celery_ext.producer.periodic_run import PeriodicRun, current_run, run_marker, write_run_apart
 from celery_ext.producer.scheduled import eta_delay_ms, retries_of, schedule, schedule_args
 from celery_ext.store import scripts as _scripts
@@ -270,11 +270,15 @@ class Enqueuer:
         index = self._index_keys if copy is self.keys else index_keys(copy)
         if self.keys.cluster:
             self._register(queue)
+        if uniq is not None and uniq.debounce is not None and retries_of(message) == 0:
+            # Debounced: it waits its debounce time (or its countdown, if longer).
+            delay = max(delay or 0, int(uniq.debounce * 1000))
         if delay is not None and uniq is None:
             keys, args = schedule_args(copy, queue, message, delay,
                                        max_payload=max_payload, marker=marker,
                                        index_ttl_ms=self._index_ttl)
             self._run("schedule", keys, args, batch)
+            self._scheduled(queue, batch)
         elif delay is not None:
             assert uniq is not None
             with self._acquire() as client:
@@ -283,13 +287,14 @@ class Enqueuer:
                                           max_payload=max_payload, marker=marker,
                                           index_ttl_ms=self._index_ttl)
             self._count_unique_hit(uniq, message, copy)
+            self._scheduled(queue, None)
         elif uniq is not None:
-            lock_key, task_id, ttl_ms, force = self._lock(uniq, message, copy)
+            lock_key, value, ttl_ms, force = self._lock(uniq, message, copy)
             _, holder = self._run(
                 "enqueue_unique",
                 [lock_key, *self._queue_keys(queue, message), *index, *marker_keys],
-                [*self._queue_args(queue, message), self._index_ttl, task_id, ttl_ms,
-                 "1" if force else "0", *marker_args],
+                [*self._queue_args(queue, message), self._index_ttl, value, ttl_ms,
+                 force, *marker_args],
                 None)
             uniq.holder = holder.decode() if isinstance(holder, bytes) else str(holder)
             self._count_unique_hit(uniq, message, copy)
@@ -310,6 +315,19 @@ class Enqueuer:
         with self._acquire() as client:
             client.sadd(self.keys.queues, queue)
         self._registered[queue] = now
+
+    def _scheduled(self, queue: str, batch: Any) -> None:
+        """Cluster: a job was written to the scheduled or retry set of its queue's copy;
+        add the queue to the home registry after it, whatever the cache says: a reader
+        may have forgotten the queue since (``store/copies.forget_queues``), and the
+        requeuer finds due jobs only in the copies of known queues."""
+        if not self.keys.cluster:
+            return
+        if batch is not None:
+            batch.add("sadd", self.keys.queues, queue)
+            return
+        with self._acquire() as client:
+            client.sadd(self.keys.queues, queue)
 
     def _pushed(self, queue: str, n: Any, batch: Any) -> None:
         """Cluster: a push that found its list empty (``n`` == 1, or unknown) adds the
@@ -383,11 +401,19 @@ class Enqueuer:
         return [payload, queue, self.keys.wake_channel, self._expires.get(queue, 0)]
 
     def _lock(self, uniq: UniqueRequest, message: dict[str, Any],
-              copy: Keys) -> tuple[str, str, int, bool]:
-        """(lock key, task id, TTL ms, force) of a unique job; a retry is always written."""
+              copy: Keys) -> tuple[str, str, int, str]:
+        """(lock key, lock value, TTL ms, force) of a unique job (see ``schedule.lua``): a
+        retry is always written ("1"), a debounced job replaces a holder still waiting
+        ("d"). The value carries the delivery tag where a script needs it: a job locked
+        until finished (its final move releases the lock) or debounced (the holder's
+        record is found by its tag)."""
         ttl_ms = int((uniq.ttl or self.settings.unique_ttl) * 1000)
-        return (copy.unique(uniq.digest), str(message["headers"].get("id")), ttl_ms,
-                retries_of(message) > 0)
+        retry = retries_of(message) > 0
+        mode = UNTIL_FINISHED if uniq.debounce is not None else uniq.mode
+        value = lock_value(mode, str(message["headers"].get("id")),
+                           str(message["properties"].get("delivery_tag")))
+        return (copy.unique(uniq.digest), value, ttl_ms,
+                "1" if retry else "d" if uniq.debounce is not None else "0")
 
     def _run(self, script: str, keys: list[str], args: list[Any], batch: Any) -> Any:
         if batch is not None:

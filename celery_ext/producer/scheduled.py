@@ -87,12 +87,13 @@ def schedule_meta(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def schedule_args(keys: Keys, queue: str, message: dict[str, Any], delay_ms: int,
-                  lock: tuple[str, str, int, bool] | None = None, max_payload: int = 0,
+                  lock: tuple[str, str, int, str] | None = None, max_payload: int = 0,
                   marker: tuple[str, int] | None = None,
                   index_ttl_ms: int = 0) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of the ``schedule`` script for one message.
 
-    ``lock`` = (lock key, task id, TTL ms, force) makes it a unique job; ``marker`` =
+    ``lock`` = (lock key, lock value, TTL ms, force: "1", "d" or "0", see
+    ``schedule.lua``) makes it a unique job; ``marker`` =
     (publish marker key, TTL ms) makes a retry of this publish store nothing (see
     :mod:`celery_ext.producer`); a payload over ``max_payload`` bytes (0 = no limit)
     raises ``PayloadTooLarge``; ``index_ttl_ms`` > 0 keeps the job index (job_index.py).
@@ -108,9 +109,9 @@ def schedule_args(keys: Keys, queue: str, message: dict[str, Any], delay_ms: int
     args: list[Any] = [tag, delay_ms, meta, queue, payload, keys.schedule_channel,
                        index_ttl_ms, str((message.get("headers") or {}).get("id") or "")]
     if lock is not None:
-        lock_key, task_id, ttl_ms, force = lock
+        lock_key, value, ttl_ms, force = lock
         script_keys.append(lock_key)
-        args += [task_id, ttl_ms, "1" if force else "0"]
+        args += [value, ttl_ms, force]
     if marker is not None:
         if lock is None:
             args += ["", "", ""]
@@ -120,7 +121,7 @@ def schedule_args(keys: Keys, queue: str, message: dict[str, Any], delay_ms: int
 
 
 def schedule(scripts: Callable[..., Any], keys: Keys, queue: str, message: dict[str, Any],
-             delay_ms: int, client: Any, lock: tuple[str, str, int, bool] | None = None,
+             delay_ms: int, client: Any, lock: tuple[str, str, int, str] | None = None,
              max_payload: int = 0, marker: tuple[str, int] | None = None,
              index_ttl_ms: int = 0) -> tuple[bool, str]:
     """Store one message in the scheduled or retry set.

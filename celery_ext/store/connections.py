@@ -396,4 +396,6 @@ async def aclose_async_client(client: Any) -> None:
     await client.aclose()
     manager = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
     if manager is not None:
-        await manager.aclose()
+        # Each sentinel's client, one by one: Sentinel.aclose() is redis-py 8's only.
+        for sentinel in manager.sentinels:
+            await sentinel.aclose()

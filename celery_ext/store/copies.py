@@ -27,14 +27,67 @@ from celery_ext.store.scripts import Scripts, sha
 
 
 def known_queues(client: Any, keys: Keys) -> list[str]:
-    """The job queues of ``keys``' namespace, sorted: the registry and the weighted
-    queues (one round trip). Nothing is forgotten here (see ``queue_info.lua``)."""
+    """The job queues of ``keys``' namespace, sorted: the registry, the weighted queues
+    and, on a cluster, the home hint of queues holding jobs (a push that finds its list
+    empty adds the queue there, so a queue forgotten from the registry while a producer
+    still has it cached is known again with its first job). One round trip. Nothing is
+    forgotten here (see :func:`forget_queues`)."""
     home = keys.home
     with client.pipeline(transaction=False) as pipe:
         pipe.smembers(home.queues)
         pipe.hkeys(home.weights)
-        names, weighted = pipe.execute()
-    return sorted({bytes_to_str(n) for n in names} | {bytes_to_str(w) for w in weighted})
+        if keys.cluster:
+            pipe.smembers(home.ready)
+        found = pipe.execute()
+    return sorted({bytes_to_str(n) for names in found for n in names})
+
+
+def _copy_in_use(pipe: Any, keys: Keys, queue: str) -> None:
+    """Queue the reads that tell whether a queue's copy still holds anything a pass over
+    the known queues must visit (cluster): jobs scheduled, retrying or dead, finished
+    entries of its job index not yet trimmed, pools that joined it or own its jobs, a
+    job queue's copy re-registering it; and the home weight."""
+    c = keys.of(queue)
+    pipe.exists(c.scheduled, c.retry, c.dead, c.job_index_done, c.pools, c.inflight_pools)
+    pipe.sismember(c.queues, queue)
+    pipe.hexists(keys.home.weights, queue)
+
+
+def forget_queues(client: Any, keys: Keys, names: Sequence[str]) -> set[str]:
+    """Cluster: forget from the home copy the job queues whose copy's ``queue_info``
+    just forgot them (list gone, nothing configures or uses it, no live pool consumes
+    it), unless the copy still holds records the reaper, the requeuer or a view must
+    find: remove them from the registry with their fields of the home ``stats`` and
+    ``runtime`` hashes (where the workers' counters go). Returns the names forgotten.
+
+    Every writer adds a queue to the home registry after writing its copy (a pool's
+    join, a scheduled job) or to the home ``ready`` hint after the push, so the copy is
+    read again after the removal: what was written since is seen, and the name put
+    back. On one node ``queue_info.lua`` does all of this itself: returns nothing."""
+    if not keys.cluster or not names:
+        return set()
+    home = keys.home
+
+    def unused() -> list[str]:
+        with client.pipeline(transaction=False) as pipe:  # by master on a cluster
+            for name in names:
+                _copy_in_use(pipe, keys, name)
+            flat = pipe.execute()
+        return [n for i, n in enumerate(names) if not any(flat[3 * i:3 * i + 3])]
+
+    gone = unused()
+    if not gone:
+        return set()
+    with client.pipeline(transaction=False) as pipe:
+        pipe.srem(home.queues, *gone)
+        for name in gone:
+            stats, runtime = Keys.queue_fields(name)
+            pipe.hdel(home.stats, *stats).hdel(home.runtime, *runtime)
+        pipe.execute()
+    back = set(gone).difference(unused())
+    if back:
+        client.sadd(home.queues, *sorted(back))
+    return set(gone) - back
 
 
 def queue_copies(client: Any, keys: Keys) -> dict[Keys, list[str]]:

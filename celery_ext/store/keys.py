@@ -49,14 +49,18 @@ Layout (``ns`` = namespace)::
                                      key plus a suffix: the queue key's hash tag
     {ns}:ready               set     names of job queues that hold at least one job
     {ns}:queues              set     job queue names: added at enqueue (not Kombu's "*.pidbox"
-                                     reply queues), forgotten by readers (queue_info.lua)
-                                     once the list is gone, unless paused, limited,
-                                     weighted or in flight
+                                     reply queues) and by the stats flush, forgotten by
+                                     readers (queue_info.lua, with the queue's fields of
+                                     stats and runtime) once the list is gone, unless
+                                     paused, limited, weighted, in flight or consumed by a
+                                     live pool (on a cluster also: unless its copy holds
+                                     scheduled, retry, dead or index records, or joins)
     {ns}:weights             hash    queue name -> weight (written by worker pools)
     {ns}:wake                channel queue name, published when a queue becomes non-empty
     {ns}:pools               zset    pool id -> last heartbeat (Redis time, ms)
     {ns}:pool:<id>           hash    a pool's registration (host, pid, concurrency,
-                                     its dead_after_ms and heartbeat_interval_ms, ...)
+                                     its dead_after_ms and heartbeat_interval_ms, the job
+                                     queues it consumes ("consumes"; liveness.py), ...)
     {ns}:inflight:<id>       hash    delivery tag -> "<queue>\\n<payload>" jobs a pool owns
     {ns}:inflight_pools      set     pool ids that may own in-flight jobs (finds orphans)
     {ns}:redelivery          hash    delivery tag -> times recovered from a dead pool
@@ -130,6 +134,32 @@ Layout (``ns`` = namespace)::
                                      there; enqueue.lua and schedule.lua write no run of
                                      that due time or an earlier one again
                                      (producer/periodic_run.py)
+
+Result backend (``celery_ext/results/``; ``ResultKeys``). Each result carries the tag of its
+own task id, so results spread over a cluster's masters; a group's and a chord's keys share
+the group's tag, so each chord step is one script. Every one of them is written with a TTL::
+
+    {ns:<task id>}:result    string  a task's result meta (Celery's encoding), TTL result_expires
+    {ns:<group id>}:group    string  a saved GroupResult (GroupResult.save), TTL result_expires
+    {ns:<group id>}:chord    hash    a pending chord: "size" (header jobs), "counted" (header
+                                     results counted), "body_sent" (1 once the body was
+                                     claimed), "error" (the reason it failed), TTL chord expiry
+    {ns:<group id>}:chord_ids
+                             set     task ids of the header results counted (a second run of
+                                     a header job counts once), TTL chord expiry
+    {ns:<group id>}:chord_results
+                             zset    header results (Celery's encoding) scored by their place
+                                     in the header, TTL chord expiry
+    {ns}:pending_chords      zset    group id -> applied at (Redis ms): chords not yet settled, for
+                                     the dashboard, the CLI and Client (an index written beside
+                                     each chord's script: another slot on a cluster; readers
+                                     drop entries whose chord settled or expired), TTL chord
+                                     expiry
+    {ns:client:<oid>}:results
+                             channel a waiting client's wake-up channel (one per client
+                                     thread, named by Celery's ``reply_to``): the storing
+                                     worker publishes each result meta to it (SPUBLISH on a
+                                     cluster, so it stays on the channel's shard)
 """
 
 from __future__ import annotations
@@ -144,6 +174,17 @@ STAT_RECOVERED = "recovered"
 STAT_POOLS_REAPED = "pools_reaped"
 STAT_POISON_PILLS = "poison_pills"
 STAT_UNIQUE_HITS = "unique_hits"
+#: Upper bounds (seconds) of the job runtime histogram's buckets, +Inf implied. Fixed:
+#: the counts in ``{ns}:runtime`` are per bucket, so changing them splits history.
+RUNTIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                   60.0, 300.0, 1800.0)
+#: The ``{ns}:runtime`` field prefix of each bucket: its bound as written by repr().
+RUNTIME_BUCKET_NAMES = (*(repr(b) for b in RUNTIME_BUCKETS), "inf")
+#: Per-queue fields of ``{ns}:stats`` and ``{ns}:runtime``: ``"<prefix>:<queue>"``. They go
+#: with the queue's name when a reader forgets it (``queue_info.lua``), so names that
+#: come and go leave nothing behind.
+QUEUE_STAT_PREFIXES = ("processed", "failed", "retried", "rate_limited")
+QUEUE_RUNTIME_PREFIXES = (*RUNTIME_BUCKET_NAMES, "sum_us")
 #: Between a job queue's key and a priority level in the key of that level's list:
 #: Kombu's Redis separator (``redis.Channel.sep``). Lua scripts check level keys by it.
 LEVEL_SEP = "\x06\x16"
@@ -261,6 +302,12 @@ class Keys:
     def fair_queue(self, name: str, key: str) -> str:
         """The sub-queue of one fair key of a job queue (:mod:`.fair`)."""
         return f"{self.queue(name)}{FAIR_SEP}{key}"
+
+    @staticmethod
+    def queue_fields(queue: str) -> tuple[list[str], list[str]]:
+        """The fields of ``queue`` in the ``stats`` and in the ``runtime`` hash."""
+        return ([f"{p}:{queue}" for p in QUEUE_STAT_PREFIXES],
+                [f"{p}:{queue}" for p in QUEUE_RUNTIME_PREFIXES])
 
     def queue_name(self, key: str) -> str:
         """Inverse of :meth:`queue`."""
@@ -426,3 +473,52 @@ def _queue_copy(namespace: str, queue: str, keyprefix: str = "") -> Keys:
     """A job queue's copy of the layout on a cluster: tag ``<namespace>:<queue>``. A
     ``}`` in the name ends the tag early, the same way for every key of the copy."""
     return Keys(namespace, cluster=True, tag=f"{namespace}:{queue}", keyprefix=keyprefix)
+
+
+@dataclass(frozen=True)
+class ResultKeys:
+    """Keys of the result backend (``celery_ext/results/``) in one namespace.
+
+    Unlike the broker's layout there is no home copy: every result is tagged by its own
+    task id (or its group's id), on one node as on a cluster, so a backend that moves to a
+    cluster keeps its layout and each chord step touches the one slot of its group."""
+
+    namespace: str
+    #: Kombu's ``global_keyprefix`` of ``result_backend_transport_options``, before every
+    #: key and channel name ("" = none), as the broker's ``Keys`` put it.
+    keyprefix: str = ""
+
+    def _of(self, ident: str) -> str:
+        return self.keyprefix + "{" + self.namespace + ":" + ident + "}:"
+
+    def result(self, task_id: str) -> str:
+        return self._of(task_id) + "result"
+
+    def group(self, group_id: str) -> str:
+        return self._of(group_id) + "group"
+
+    def chord(self, group_id: str) -> str:
+        return self._of(group_id) + "chord"
+
+    def chord_ids(self, group_id: str) -> str:
+        return self._of(group_id) + "chord_ids"
+
+    def chord_results(self, group_id: str) -> str:
+        return self._of(group_id) + "chord_results"
+
+    def chord_keys(self, group_id: str) -> list[str]:
+        """KEYS of ``chord_part.lua`` for the chord of ``group_id`` (one slot)."""
+        return [self.chord(group_id), self.chord_ids(group_id), self.chord_results(group_id)]
+
+    @property
+    def pending_chords(self) -> str:
+        return self.keyprefix + "{" + self.namespace + "}:pending_chords"
+
+    def wake_channel(self, oid: str) -> str:
+        """The wake-up channel of a waiting client (its Celery ``reply_to``)."""
+        return self.keyprefix + "{" + self.namespace + ":client:" + oid + "}:results"
+
+    @property
+    def pattern(self) -> str:
+        """SCAN pattern matching every key of this namespace's results (tests, admin)."""
+        return self.keyprefix + "{" + self.namespace + ":*}:*"

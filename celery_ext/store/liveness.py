@@ -7,6 +7,10 @@ own: a reaper started with a smaller ``dead_after`` never reaps a pool that
 heartbeats more slowly. A pool registered by an older version, without them, is
 judged by the judge's settings.
 
+A pool also records which job queues it consumes (:data:`QUEUES_FIELD`, kept up to
+date by its channel), so the readers can tell a job queue no live pool consumes
+(:func:`consumed_queues`): its jobs wait for a worker that knows the task.
+
 A heartbeat is old either because the pool stopped or because Redis could not be
 reached (an outage or a stall makes every heartbeat old at once). So a pool is
 reaped only by a judge that has seen Redis answer steadily for
@@ -16,7 +20,7 @@ second, in which a live pool has stamped again.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +30,18 @@ from celery_ext.config import Settings
 DEAD_AFTER_FIELD = "dead_after_ms"
 HEARTBEAT_INTERVAL_FIELD = "heartbeat_interval_ms"
 LIVENESS_FIELDS = (DEAD_AFTER_FIELD, HEARTBEAT_INTERVAL_FIELD)
+#: Registration field: the job queues the pool consumes, one name a line (a job queue's
+#: name holds no newline: the channel refuses one). Written with the registration and
+#: whenever the pool's consumers change, so it lives and dies with the pool hash.
+QUEUES_FIELD = "consumes"
+#: The field older versions wrote instead (install(app) only, at worker_ready): names
+#: joined by commas. Read when :data:`QUEUES_FIELD` is missing.
+OLD_QUEUES_FIELD = "queues"
+#: Both, for an HMGET that :func:`queues_of` reads.
+QUEUES_FIELDS = (QUEUES_FIELD, OLD_QUEUES_FIELD)
+#: Registration field of a pool's state: "running", or "stopping" after a warm shutdown
+#: began (it fetches nothing more).
+STATE_FIELD = "state"
 #: Added to two heartbeat intervals of steady Redis before a pool may be judged (the
 #: time a heartbeat takes to be sent, reconnect and run).
 CONFIRM_SLACK_MS = 1000
@@ -35,6 +51,35 @@ def registration_fields(settings: Settings) -> dict[str, int]:
     """What a pool records about its own timings when it registers."""
     return {DEAD_AFTER_FIELD: int(settings.dead_after * 1000),
             HEARTBEAT_INTERVAL_FIELD: int(settings.heartbeat_interval * 1000)}
+
+
+def queues_field(queues: Iterable[str]) -> str:
+    """The value of :data:`QUEUES_FIELD` for these job queues."""
+    return "\n".join(sorted(set(queues)))
+
+
+def _field(info: Mapping[Any, Any], field: str) -> str | None:
+    raw = info.get(field, info.get(field.encode()))
+    if raw is None:
+        return None
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def queues_of(info: Mapping[Any, Any]) -> list[str] | None:
+    """The job queues a pool hash says the pool consumes (str or bytes keys), sorted;
+    None when it does not say (a pool of an older version in drop-in mode)."""
+    text = _field(info, QUEUES_FIELD)
+    if text is not None:
+        return sorted(q for q in text.split("\n") if q)
+    old = _field(info, OLD_QUEUES_FIELD)
+    return None if old is None else sorted(q for q in old.split(",") if q)
+
+
+def consumes(info: Mapping[Any, Any], queue: str) -> bool:
+    """Does the pool of this hash consume ``queue``? A pool that does not say counts
+    as consuming every queue (no false alarm while older pools run)."""
+    names = queues_of(info)
+    return names is None or queue in names
 
 
 def _ms(info: Mapping[Any, Any], field: str) -> int | None:
@@ -76,3 +121,37 @@ class Liveness:
         call this pool dead: after an outage or stall a live pool stamps again within
         one heartbeat interval."""
         return 2 * self.heartbeat_interval_ms + CONFIRM_SLACK_MS
+
+
+@dataclass(frozen=True)
+class Consumed:
+    """The job queues the live worker pools consume (``name in consumed``); ``every``
+    when one of them does not say (a pool of an older version): every queue counts."""
+
+    names: frozenset[str] = frozenset()
+    every: bool = False
+
+    def __contains__(self, name: object) -> bool:
+        return self.every or name in self.names
+
+
+#: What a reader that did not look assumes: every queue is consumed (nothing is
+#: forgotten for want of a consumer).
+EVERY = Consumed(every=True)
+
+
+def consumed_by(pools: Iterable[tuple[Mapping[Any, Any], float | None]], now_ms: int,
+                settings: Settings) -> Consumed:
+    """The job queues consumed by the live pools among ``pools`` (each a pool hash and
+    its heartbeat, Redis time): those judged alive by the reaper's rule and not
+    stopping (a stopping pool fetches nothing more)."""
+    out: set[str] = set()
+    for info, beat in pools:
+        if not info or Liveness.of(info, settings).stale(beat, now_ms) \
+                or _field(info, STATE_FIELD) == "stopping":
+            continue
+        names = queues_of(info)
+        if names is None:
+            return EVERY
+        out.update(names)
+    return Consumed(frozenset(out))

@@ -155,8 +155,8 @@ class ProbingConnection(redis.Connection):
         self._heard_at = monotonic()
 
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        # A read with its own timeout (pub/sub, the acks' close) or a push (pub/sub
-        # message) may legitimately wait long: only a reply to a request is watched.
+        # A read with its own timeout (pub/sub) or a push (pub/sub message) may
+        # legitimately wait long: only a reply to a request is watched.
         if "timeout" not in kwargs and not kwargs.get("push_request") and self._sock:
             self._await_reply()
         try:

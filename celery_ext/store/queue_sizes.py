@@ -22,8 +22,9 @@ from kombu.utils.encoding import bytes_to_str
 
 from celery_ext.config import Settings
 from celery_ext.store.clock import now_ms
-from celery_ext.store.copies import known_queues, run_scripts
-from celery_ext.store.keys import Keys
+from celery_ext.store.copies import forget_queues, known_queues, run_scripts
+from celery_ext.store.keys import QUEUE_RUNTIME_PREFIXES, QUEUE_STAT_PREFIXES, Keys
+from celery_ext.store.liveness import EVERY, Consumed, consumed_by
 from celery_ext.store.scripts import Scripts
 
 #: Queue names per ``queue_info`` call: bounds how long one call holds Redis.
@@ -80,61 +81,89 @@ class QueueSizes:
         self.keys = Keys.for_settings(self.settings)
         self.scripts = scripts or Scripts(client)
 
-    def call(self, names: list[str], stamps: bool) -> tuple[list[str], list[str]]:
-        """KEYS and ARGV of one ``queue_info`` call (at most ``QUEUE_INFO_CHUNK`` names)."""
-        k = self.keys
-        steps = self.settings.priority_steps
-        return ([k.queues, k.ready, k.paused, k.limits, k.weights, k.running,
-                 *(key for n in names for key in k.queue_levels(n, steps))],
-                ["1" if stamps else "0", *names])
+    def consumers(self) -> Consumed:
+        """The job queues the live worker pools consume, from their registrations (three
+        round trips): a name one of them consumes is not forgotten."""
+        k = self.keys.home
+        now = now_ms(self.client)  # (TIME is not pipelined on a cluster)
+        beats = self.client.zrange(k.pools, 0, -1, withscores=True)
+        with self.client.pipeline(transaction=False) as pipe:
+            for pool_id, _ in beats:
+                pipe.hgetall(k.pool(bytes_to_str(pool_id)))
+            infos = pipe.execute() if beats else []
+        return consumed_by(zip(infos, (beat for _, beat in beats), strict=True), now,
+                           self.settings)
 
-    def read(self, names: list[str], stamps: bool
+    def call(self, names: list[str], stamps: bool, consumed: Consumed = EVERY,
+             keys: Keys | None = None) -> tuple[list[str], list[str]]:
+        """KEYS and ARGV of one ``queue_info`` call (at most ``QUEUE_INFO_CHUNK`` names)
+        in ``keys`` (default: the namespace's copy). A name in ``consumed`` is not
+        forgotten; with the default, none is for want of a consumer."""
+        k = keys or self.keys
+        steps = self.settings.priority_steps
+        return ([k.queues, k.ready, k.paused, k.limits, k.weights, k.running, k.stats,
+                 k.runtime, *(key for n in names for key in k.queue_levels(n, steps))],
+                ["1" if stamps else "0", " ".join(QUEUE_STAT_PREFIXES),
+                 " ".join(QUEUE_RUNTIME_PREFIXES),
+                 "".join("1" if n in consumed else "0" for n in names), *names])
+
+    def read(self, names: list[str], stamps: bool, consumed: Consumed = EVERY
              ) -> tuple[float, list[tuple[int, float | None]]]:
         """Redis time (s) and (size, oldest job's enqueued_at) of each name, on one node;
         size -1 for a name forgotten now (see ``queue_info.lua``)."""
         time_ms, rows = None, []
         for i in range(0, len(names), QUEUE_INFO_CHUNK):
-            reply = self.scripts("queue_info", *self.call(names[i:i + QUEUE_INFO_CHUNK], stamps))
+            reply = self.scripts("queue_info", *self.call(names[i:i + QUEUE_INFO_CHUNK], stamps,
+                                                          consumed))
             time_ms = int(reply[0])
             rows += queue_info_rows(reply)
         if time_ms is None:
             time_ms = now_ms(self.client)
         return time_ms / 1000, rows
 
-    def read_copies(self, names: list[str]) -> tuple[float, list[tuple[int, float | None]]]:
+    def read_copies(self, names: list[str], consumed: Consumed = EVERY
+                    ) -> tuple[float, list[tuple[int, float | None]]]:
         """Redis time (s) and (size, oldest job's enqueued_at) of each name, each read
         by ``queue_info`` in its own copy (a cluster: the script is cross-slot over
-        several queues). A copy's own registry may lose the name there; the size is 0."""
-        calls = []
-        for name in names:
-            c = self.keys.of(name)
-            calls.append(("queue_info",
-                          [c.queues, c.ready, c.paused, c.limits, c.weights, c.running,
-                           *c.queue_levels(name, self.settings.priority_steps)],
-                          ["1", name]))
+        several queues); size -1 for a name forgotten now, in its copy and then in the
+        home copy (:func:`~celery_ext.store.copies.forget_queues`)."""
+        # A copy has no weights of its own (they are the home's): a weighted queue is
+        # kept as a consumed one is.
+        weighted = {bytes_to_str(w) for w in self.client.hkeys(self.keys.home.weights)}
+        keep = Consumed(consumed.names | weighted, consumed.every)
+        calls = [("queue_info", *self.call([name], True, keep, self.keys.of(name)))
+                 for name in names]
         replies = run_scripts(self.client, self.scripts, calls)
         now = (int(replies[0][0]) if replies else now_ms(self.client)) / 1000
-        return now, [(max(0, size), stamp) for reply in replies
-                     for size, stamp in queue_info_rows(reply)]
+        rows = [row for reply in replies for row in queue_info_rows(reply)]
+        gone = forget_queues(self.client, self.keys,
+                             [n for n, (size, _) in zip(names, rows, strict=True) if size < 0])
+        return now, [(-1 if name in gone else max(0, size), stamp)
+                     for name, (size, stamp) in zip(names, rows, strict=True)]
 
-    def names(self) -> list[str]:
+    def names(self, consumed: Consumed | None = None) -> list[str]:
         """Names of the job queues, sorted; gone ones are forgotten on the way (on one
-        node; a cluster's registry is not trimmed by readers, see queue_info.lua)."""
+        node; a cluster's registry is trimmed by :meth:`read_copies`). ``consumed``:
+        as :meth:`consumers` returns it (read when not given)."""
         if self.keys.cluster:
             return known_queues(self.client, self.keys)
         names = sorted(bytes_to_str(n) for n in self.client.smembers(self.keys.queues))
-        _, rows = self.read(names, stamps=False)
+        _, rows = self.read(names, False, self.consumers() if consumed is None else consumed)
         return [name for name, (size, _) in zip(names, rows, strict=True) if size >= 0]
 
-    def sizes(self, offset: int = 0, limit: int | None = None, prefix: str | None = None
-              ) -> tuple[float, list[SizeRow]]:
+    def sizes(self, offset: int = 0, limit: int | None = None, prefix: str | None = None,
+              consumed: Consumed | None = None) -> tuple[float, list[SizeRow]]:
         """Redis time (s) and one page of job queues by name (those starting with
-        ``prefix``), each with its size and oldest job's enqueued_at."""
+        ``prefix``), each with its size and oldest job's enqueued_at; the gone ones are
+        forgotten on the way. ``consumed``: as :meth:`consumers` returns it (read when
+        not given)."""
         k = self.keys
+        if consumed is None:
+            consumed = self.consumers()
         if k.cluster:
             names = known_queues(self.client, k)
         elif offset or limit is not None:  # forget gone names first, or pages would shift
-            names = self.names()
+            names = self.names(consumed)
         else:  # every name: the one queue_info pass below forgets the gone ones
             names = sorted(bytes_to_str(n) for n in self.client.smembers(k.queues))
         names = [n for n in names if not prefix or n.startswith(prefix)]
@@ -142,9 +171,9 @@ class QueueSizes:
         if not names:
             return 0.0, []
         if k.cluster:
-            now, info = self.read_copies(names)
+            now, info = self.read_copies(names, consumed)
         else:
-            now, info = self.read(names, stamps=True)
+            now, info = self.read(names, True, consumed)
         return now, [(name, size, stamp) for name, (size, stamp) in zip(names, info, strict=True)
                      if size >= 0]
 

@@ -129,11 +129,10 @@ class SentinelGroup:
                 continue
             try:
                 with sentinel.client(socket_timeout=1.0) as c:
-                    addr = c.sentinel_get_master_addr_by_name(self.master_name)
+                    addr = _sentinel(c, "GET-MASTER-ADDR-BY-NAME", self.master_name)
             except redis.RedisError:
                 addr = None
-            host = addr[0].decode() if addr and isinstance(addr[0], bytes) else addr and addr[0]
-            out.append((str(host), int(addr[1])) if addr else None)
+            out.append((_text(addr[0]), int(addr[1])) if addr else None)
         return out
 
     def master_server(self) -> RedisServer | None:
@@ -160,8 +159,22 @@ class SentinelGroup:
 def _knows(sentinel: SentinelServer, name: str, replicas: int, others: int) -> bool:
     try:
         with sentinel.client(socket_timeout=1.0) as c:
-            master = c.sentinel_master(name)
+            reply = _sentinel(c, "MASTER", name)
     except redis.RedisError:
         return False
+    fields = reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=True))
+    master = {_text(k): v for k, v in fields.items()}
     return (int(master.get("num-slaves", 0)) >= replicas
             and int(master.get("num-other-sentinels", 0)) >= others)
+
+
+def _sentinel(client: redis.Redis, *args: str) -> Any:
+    """``SENTINEL <args>``'s reply as the server sent it: redis-py 6.4's parsers of
+    ``SENTINEL MASTER`` and ``GET-MASTER-ADDR-BY-NAME`` refuse the option its own
+    ``sentinel_*`` methods pass them (a TypeError), and a command named ``SENTINEL``
+    alone has no parser in any version."""
+    return client.execute_command("SENTINEL", *args)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -233,6 +233,7 @@ class Channel(kredis.Channel):
         ret = super().basic_consume(queue, no_ack, *args, **kwargs)
         if queue not in self.active_fanout_queues:
             self._ready.add(queue, weight_of(queue, self.settings.default_weight))
+        self._consumers_changed()
         return ret
 
     def _basic_cancel(self, consumer_tag: str) -> Any:
@@ -240,7 +241,19 @@ class Channel(kredis.Channel):
         ret = super()._basic_cancel(consumer_tag)
         if queue is not None and queue not in self._active_queues:  # (may be consumed twice)
             self._ready.remove(queue)
+        self._consumers_changed()
         return ret
+
+    def consumed_job_queues(self) -> frozenset[str]:
+        """The job queues this channel fetches for its pool (not fanout, not no-ack)."""
+        return frozenset(q for q in self._active_queues
+                         if q not in self.active_fanout_queues and q not in self._no_ack_queues)
+
+    def _consumers_changed(self) -> None:
+        """Tell the pool (the next fetch writes it to its registration: readers mark a
+        job queue no live pool consumes); nothing is computed per consumer here."""
+        if self._worker_pool is not None:
+            self._worker_pool.consumes(self)
 
     def _update_queue_cycle(self) -> None:
         """Unused: Kombu calls this after every basic_consume and basic_cancel to
@@ -275,6 +288,8 @@ class Channel(kredis.Channel):
         pool = self._worker_pool
         if pool is None:
             pool = self._worker_pool = pool_for(self.new_client, self.settings, self.server_id)
+            pool.consumes(self)
+            pool.describe_consumed()
         return pool
 
     @property

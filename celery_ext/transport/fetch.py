@@ -185,6 +185,7 @@ class Fetcher:
         if pool is not None:
             # Acks this turn made are written before the fetch they make room for.
             pool.flush_acks()
+            pool.describe_consumed()  # only when the consumers changed
             try:
                 pool.maybe_reconcile()
             except CONNECTION_ERRORS as exc:

@@ -1,7 +1,7 @@
 """Prefetch accounting of a channel (Kombu's QoS), and when a fetch waits to take more.
 
 Ownership lives in Redis (the in-flight record, written by the fetch script itself) and
-in the worker pool of the process (what it holds: ``worker_pool.Holdings``); the QoS
+in the worker pool of the process (what it holds: ``holdings.Holdings``); the QoS
 counts what Kombu delivered and tells the pool of each ack, requeue and reject.
 """
 
@@ -25,7 +25,7 @@ def fetch_waits(free: int, held: int, concurrency: int, batch: int) -> bool:
 
 class QoS(virtual.QoS):
     """Prefetch accounting in memory; ownership lives in Redis (the in-flight record)
-    and in the worker pool of the process (what it holds: ``pool.Holdings``)."""
+    and in the worker pool of the process (what it holds: ``holdings.Holdings``)."""
 
     restore_at_shutdown = True
     channel: Channel

@@ -135,11 +135,14 @@ class AckSender:
         unread = self._unread
         while unread and (len(unread) > keep or (probe and conn.can_read(timeout=0))):
             tags = unread[0][0]
+            # The wait is bounded by can_read, which every redis-py of the declared range
+            # has (read_response(timeout=...) is redis-py 8's only); once the reply's first
+            # bytes are there, the rest of it comes within the socket's timeout.
+            if timeout is not None and not conn.can_read(timeout=timeout):
+                raise redis.exceptions.TimeoutError(
+                    f"no ack reply within {timeout:g} s ({len(unread)} unread)")
             try:
-                if timeout is None:
-                    conn.read_response()
-                else:
-                    conn.read_response(timeout=timeout)
+                conn.read_response()
             except redis.exceptions.ResponseError:
                 resend += tags
             else:

@@ -14,6 +14,8 @@ needs Celery's worker objects, in every mode unless said otherwise:
   all pools), with one line per queue shared by tasks of different limits;
 - ``DeadLetters``: unknown and invalid messages go to the dead set;
 - ``PeriodicJobs``: the app's ``beat_schedule`` handed to the worker pool's periodic leader;
+- ``celery inspect scheduled`` answered from the scheduled and retry sets in Redis
+  (``inspect_scheduled.py``);
 - ``worker_ready``: the pool's registration details (node, concurrency, pool type,
   queues) and the job queues' weights;
 - ``worker_shutting_down`` / ``worker_shutdown``: the pool says "stopping", then stops.
@@ -195,7 +197,8 @@ def _learn(consumer: Any, queue: str | None) -> None:
 @worker_ready.connect(weak=False)
 def describe_pool(sender: Any = None, **kwargs: Any) -> None:
     """The worker consumes: add what only Celery knows to its pool's registration
-    (node name, concurrency, pool type, job queues) and publish the queues' weights."""
+    (node name, concurrency, pool type; its channel records the job queues it consumes)
+    and publish the queues' weights."""
     c = sender
     channel = getattr(getattr(c, "connection", None), "default_channel", None)
     if channel is None or not hasattr(channel, "worker_pool"):
@@ -204,11 +207,11 @@ def describe_pool(sender: Any = None, **kwargs: Any) -> None:
     controller = getattr(c, "controller", None)
     executor_cls = getattr(controller, "pool_cls", None)
     consumed = c.app.amqp.queues.consume_from
+    pool.describe_consumed()  # the consumers are up: the registration below carries them
     pool.describe(
         node=c.hostname,
         concurrency=getattr(controller, "concurrency", "") or "",
         pool_type=getattr(executor_cls, "__module__", str(executor_cls)).rsplit(".", 1)[-1],
-        queues=",".join(sorted(consumed)),
         started_at=int(time.time() * 1000),
         state="running",
     )
@@ -277,8 +280,10 @@ def add_worker_parts(app: Any) -> None:
     the dead set, promoted jobs' eta ignored), ``task.checkin()``, ``task.cursor`` and the hook that
     makes a running worker learn a task bound after it started. Idempotent."""
     from celery_ext.worker.cursor import task_cursor
+    from celery_ext.worker.inspect_scheduled import register as register_inspect_scheduled
     from celery_ext.worker.observer import _task_checkin
 
+    register_inspect_scheduled()
     app.steps["consumer"].add(Sets)
     app.steps["consumer"].add(DeadLetters)
     app.steps["consumer"].add(PeriodicJobs)

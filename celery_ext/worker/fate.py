@@ -16,7 +16,9 @@
   - the ``eta`` header is ignored: a job reaches a job queue only when it is due
     (the requeuer promotes it on the Redis clock), so a worker whose clock runs
     behind must not hold it back in memory;
-  - a unique job's lock is released when the job starts (:mod:`celery_ext.options.unique`).
+  - a unique job's lock is released when the job starts; a job locked until finished
+    renews it then, and releases it with its move to the dead set (its ack releases it
+    otherwise: :mod:`celery_ext.options.unique`).
 
 Retry delays (the task option ``backoff``) are :mod:`celery_ext.options.backoff`.
 """
@@ -34,6 +36,7 @@ from celery.worker.request import Request as CeleryRequest
 from kombu.utils.json import dumps
 
 from celery_ext.options.unique import HEADER as UNIQUE_HEADER
+from celery_ext.options.unique import MODE_HEADER, UNTIL_FINISHED
 from celery_ext.options.unique import release as release_unique
 from celery_ext.store.dead_set import MAX_TRACEBACK
 from celery_ext.text import one_line
@@ -71,18 +74,24 @@ class JobFateRequest(CeleryRequest):
 
     # -- start ----------------------------------------------------------------------------
     def on_accepted(self, pid: Any, time_accepted: Any) -> Any:
-        self._ext_release_unique()
+        self._ext_release_unique(renew=self._ext_until_finished())
         return super().on_accepted(pid, time_accepted)
 
-    def _ext_release_unique(self) -> None:
+    def _ext_until_finished(self) -> bool:
+        return self._request_dict.get(MODE_HEADER) == UNTIL_FINISHED
+
+    def _ext_release_unique(self, renew: bool = False) -> None:
+        """Release this job's unique lock; with ``renew``, renew its TTL for the run."""
         digest = self._request_dict.get(UNIQUE_HEADER)
         channel: Any = getattr(self.message, "channel", None)
         if not digest or not hasattr(channel, "settings"):
             return
+        renew_ms = int((getattr(self.task, "unique_ttl", None) or channel.settings.unique_ttl)
+                       * 1000) if renew else 0
         try:
             with channel.conn_or_acquire() as client:
                 release_unique(channel.scripts, channel.copy_of(self.message.delivery_tag),
-                               str(digest), self.id, client)
+                               str(digest), self.id, client, renew_ms=renew_ms)
         except Exception as exc:
             logger.warning("celery_ext: could not release the unique lock of %s[%s]: %s "
                            "(it expires after its TTL)", one_line(self.name),
@@ -126,7 +135,8 @@ class JobFateRequest(CeleryRequest):
             expires = self.expires
             self._ext_dead("expired", error=f"expired at {expires.isoformat()}"
                            if expires is not None else "expired")
-            self._ext_release_unique()
+            if not self._ext_until_finished():  # (else released with the dead move)
+                self._ext_release_unique()
         return super()._announce_revoked(reason, terminated, signum, expired)
 
     # -- dead set -------------------------------------------------------------------------
@@ -150,7 +160,9 @@ class JobFateRequest(CeleryRequest):
                 message.delivery_tag, reason, error, fallback=fallback,
                 name=self.name, task_id=self.id, args=self.args, kwargs=self.kwargs,
                 attempts=int(self._request_dict.get("retries") or 0) + 1,
-                hostname=self.hostname, **fields))
+                hostname=self.hostname, **fields,
+                **({"unique_digest": str(self._request_dict.get(UNIQUE_HEADER))}
+                   if self._ext_until_finished() else {})))
         except Exception as exc:
             logger.error("celery_ext: could not move %s[%s] to the dead set: %s",
                          one_line(self.name), one_line(self.id), exc)

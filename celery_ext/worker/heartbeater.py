@@ -85,11 +85,10 @@ class Heartbeater(BackgroundLoop):
         #: Called after the pool found it had been reaped and registered again.
         self.on_reregistered: list[Callable[[], None]] = []
 
-    def _call(self, mode: str) -> tuple[int, int]:
+    def _call(self, mode: str, info: dict[str, Any] | None = None) -> tuple[int, int]:
         fields: list[Any] = []
-        if mode == "register":
-            for key, value in self.info.items():
-                fields += [key, value if isinstance(value, str | int | float) else repr(value)]
+        for key, value in (self.info if mode == "register" else info or {}).items():
+            fields += [key, value if isinstance(value, str | int | float) else repr(value)]
         ok, now = self.scripts(
             "heartbeat", [self.keys.pools, self.keys.pool(self.pool_id)],
             [self.pool_id, mode, *fields],
@@ -103,9 +102,17 @@ class Heartbeater(BackgroundLoop):
 
     def update_info(self, **info: Any) -> None:
         """Add registration fields (node name, concurrency, ...) and re-register."""
-        self.info.update(info)
+        self.info = {**self.info, **info}  # a new dict: the heartbeat thread may register
         if self.registered:
             self.register()
+
+    def set_info(self, **info: Any) -> None:
+        """Change registration fields of the registered pool in place (the job queues it
+        consumes): its other fields, such as "stopping", are kept. A pool found declared
+        dead registers again, with them."""
+        self.info = {**self.info, **info}
+        if self.registered and not self._call("beat", info)[0]:
+            self.revive()
 
     def heartbeat(self) -> bool:
         """Stamp the heartbeat once. Returns False if the pool had been declared dead

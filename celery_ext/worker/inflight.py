@@ -9,6 +9,7 @@ the reaper for a dead pool, or when a prefork child died, ``recover_tags``).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +19,9 @@ from kombu.utils.encoding import bytes_to_str
 
 from celery_ext.config import DEFAULT_PRIORITY_STEPS, Settings
 from celery_ext.options.priority import level, payload_priority
+from celery_ext.options.unique import MODE_HEADER, finished_lock
 from celery_ext.store.copies import run_scripts
+from celery_ext.store.dead_set import notify_dead
 from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import STAT_POISON_PILLS, STAT_RECOVERED, Keys
 from celery_ext.store.scripts import Scripts
@@ -50,6 +53,22 @@ def pairs_of(keys: Keys, steps: Sequence[int], tags: list[str],
     return pairs
 
 
+def locks_of(keys: Keys, records: Sequence[bytes | None]) -> list[str]:
+    """The unique locks of the jobs locked until finished among in-flight ``records``
+    (HMGET replies): a recovery that dead-letters one of them releases its lock."""
+    out = set()
+    for rec in records:
+        if rec and MODE_HEADER.encode() in rec:
+            _, _, payload = rec.partition(b"\n")
+            try:
+                digest = finished_lock(json.loads(payload).get("headers"))
+            except (ValueError, AttributeError):
+                digest = None
+            if digest is not None:
+                out.add(keys.unique(digest))
+    return sorted(out)
+
+
 class InflightRecord:
     """One pool's in-flight record, through one client.
 
@@ -74,6 +93,9 @@ class InflightRecord:
         self._queue_of: dict[str, str] = {}
         #: Cluster: the copies fetched from since the record was last read whole.
         self._touched: set[Keys] = set()
+        #: The unique lock digest of each job locked until finished that this process
+        #: delivered and has not finished: its ack releases the lock (``ack_call``).
+        self._locks: dict[str, str] = {}
 
     # -- where the record is (one copy on one node) -----------------------------------
     def copies(self) -> list[Keys]:
@@ -93,6 +115,11 @@ class InflightRecord:
             for k in new:
                 pipe.zadd(k.pools, {self.pool_id: 0})
             pipe.execute()
+        # Then the home registry, after the copies: a reader that forgot a queue while
+        # this pool joined it sees the join or this (store/copies.forget_queues).
+        queues = [k.copy_queue for k in new if k.copy_queue is not None]
+        if queues:
+            self.client.sadd(self.keys.home.queues, *queues)
         self._joined.update(new)
 
     def forget_joins(self) -> None:
@@ -103,7 +130,13 @@ class InflightRecord:
         if self.keys.cluster:
             self._queue_of[tag] = queue
 
+    def locked(self, tag: str, digest: str) -> None:
+        """A delivered job is locked until finished by the lock ``digest``."""
+        self._locks[tag] = digest
+
     def finished(self, tags: Sequence[str]) -> None:
+        for tag in tags:
+            self._locks.pop(tag, None)
         if self.keys.cluster:
             for tag in tags:
                 self._queue_of.pop(tag, None)
@@ -134,10 +167,13 @@ class InflightRecord:
     # -- moves ----------------------------------------------------------------------------
     def ack_call(self, tags: list[str], keys: Keys | None = None
                  ) -> tuple[list[str], list[Any]]:
-        """KEYS and ARGV of the ``ack`` script for ``tags`` of one copy (tags last)."""
+        """KEYS and ARGV of the ``ack`` script for ``tags`` of one copy (tags last); the
+        unique locks of the jobs locked until finished among them go last in KEYS."""
         k = keys or self.keys
+        locks = {k.unique(d) for d in (self._locks.get(t) for t in tags) if d is not None}
         return ([k.inflight(self.pool_id), k.redelivery, k.running, k.limits, k.ready,
-                 *index_keys(k)], [k.wake_channel, self.index_ttl, k.cursor_prefix, *tags])
+                 *index_keys(k), *sorted(locks)],
+                [k.wake_channel, self.index_ttl, k.cursor_prefix, *tags])
 
     def ack(self, tags: list[str]) -> int:
         """Drop finished jobs from the record; tags no longer in it are ignored."""
@@ -232,17 +268,18 @@ def _count_recoveries(client: Any, keys: Keys, recovered: int, poison_pills: int
 
 
 def recover_call(keys: Keys, settings: Settings, pool_id: str, pairs: list[tuple[str, str]],
-                 *, mode: str, deadline_ms: int = 0, reason: str = "worker lost"
-                 ) -> tuple[str, list[str], list[Any]]:
+                 *, mode: str, deadline_ms: int = 0, reason: str = "worker lost",
+                 locks: Sequence[str] = ()) -> tuple[str, list[str], list[Any]]:
     """Name, KEYS and ARGV of one ``recover`` call on the copy ``keys`` for ``pairs``
-    (:func:`pairs_of`)."""
+    (:func:`pairs_of`); ``locks`` (:func:`locks_of`) are released with the jobs of
+    theirs that go to the dead set."""
     return ("recover",
             [keys.inflight(pool_id), keys.pools, keys.pool(pool_id), keys.inflight_pools,
              keys.ready, keys.redelivery, keys.running, keys.dead, keys.dead_jobs,
-             *index_keys(keys), *(q for _, q in pairs)],
+             *index_keys(keys), *(q for _, q in pairs), *locks],
             [pool_id, mode, deadline_ms, keys.wake_channel, keys.queue(""),
              settings.max_recoveries, settings.dead_max_size, reason, index_ttl_ms(settings),
-             *(t for t, _ in pairs), keys.cursor_prefix])
+             keys.cursor_prefix, *(t for t, _ in pairs)])
 
 
 def recover_reply(client: Any, keys: Keys, mode: str, reply: Any
@@ -251,7 +288,9 @@ def recover_reply(client: Any, keys: Keys, mode: str, reply: Any
     stats."""
     status, requeued, dead = reply
     _count_recoveries(client, keys, len(requeued) if mode == "pool" else 0, len(dead))
-    return bool(status), [bytes_to_str(t) for t in requeued], [bytes_to_str(t) for t in dead]
+    dead_tags = [bytes_to_str(t) for t in dead]
+    notify_dead(client, keys, dead_tags)  # poison pills: their chords fail (results/)
+    return bool(status), [bytes_to_str(t) for t in requeued], dead_tags
 
 
 def recover_tags(client: Any, settings: Settings, pool_id: str, tags: list[str], *,
@@ -266,8 +305,10 @@ def recover_tags(client: Any, settings: Settings, pool_id: str, tags: list[str],
     to be alive ("pool" mode re-checks the heartbeat atomically).
     """
     keys = keys or Keys.for_settings(settings)
-    pairs = lists_of(client, keys, settings.priority_steps, keys.inflight(pool_id), tags)
+    records = client.hmget(keys.inflight(pool_id), tags) if tags else []
+    pairs = pairs_of(keys, settings.priority_steps, tags, records)
     scripts = scripts or Scripts(client)
     reply = scripts(*recover_call(keys, settings, pool_id, pairs, mode=mode,
-                                  deadline_ms=deadline_ms, reason=reason))
+                                  deadline_ms=deadline_ms, reason=reason,
+                                  locks=locks_of(keys, records)))
     return recover_reply(client, keys, mode, reply)

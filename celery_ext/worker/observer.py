@@ -34,7 +34,7 @@ from celery_ext.config import OBSERVER_RETRY_INTERVAL, Settings, uses_our_transp
 from celery_ext.errors import CONNECTION_ERRORS
 from celery_ext.store.connections import green_sockets
 from celery_ext.store.history import HistoryWriter
-from celery_ext.store.keys import Keys
+from celery_ext.store.keys import RUNTIME_BUCKET_NAMES, RUNTIME_BUCKETS, Keys
 from celery_ext.store.scripts import Scripts
 from celery_ext.text import one_line
 from celery_ext.worker import cursor as cursors
@@ -56,14 +56,6 @@ STATS_FLUSH_INTERVAL = 1.0
 #: Under gevent, a finished job's busy record is cleared by the background greenlet
 #: within this many seconds, with the others due, in one round trip (not one per job).
 GREEN_END_DELAY = 0.05
-#: Upper bounds (seconds) of the job runtime histogram's buckets, +Inf implied. Fixed:
-#: the counts in ``{ns}:runtime`` are per bucket, so changing them splits history.
-RUNTIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                   60.0, 300.0, 1800.0)
-
-
-#: The ``{ns}:runtime`` field prefix of each bucket: its bound as written by repr().
-RUNTIME_BUCKET_NAMES = (*(repr(b) for b in RUNTIME_BUCKETS), "inf")
 
 
 def runtime_bucket(seconds: float) -> str:
@@ -305,8 +297,11 @@ class Observer:
                 stats, self._stats = self._stats, {}
                 runtime, self._runtime = self._runtime, {}
                 self._last_stats = now
+                # With the known queues: a queue forgotten since its jobs ran is added
+                # back, so its fields are forgotten again (queue_info.lua). The runtime
+                # fields are of the same queues.
                 try:
-                    self.scripts("stats", [self.keys.stats],
+                    self.scripts("stats", [self.keys.stats, self.keys.queues],
                                  [x for item in stats.items() for x in item])
                 except BaseException:  # not written: counted again with the next flush
                     self._merge(stats, runtime)

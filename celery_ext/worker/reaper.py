@@ -39,7 +39,13 @@ from celery_ext.store.keys import STAT_POOLS_REAPED, Keys
 from celery_ext.store.liveness import LIVENESS_FIELDS, Liveness
 from celery_ext.store.scripts import Scripts
 from celery_ext.worker.background import BackgroundLoop
-from celery_ext.worker.inflight import pairs_of, recover_call, recover_reply, recover_tags
+from celery_ext.worker.inflight import (
+    locks_of,
+    pairs_of,
+    recover_call,
+    recover_reply,
+    recover_tags,
+)
 
 logger = logging.getLogger("celery_ext.worker.reaper")
 
@@ -197,11 +203,12 @@ class Reaper(BackgroundLoop):
         steps = self.settings.priority_steps
         for (copy, tags), recs in zip(todo, records, strict=True):
             pairs = pairs_of(copy, steps, tags, recs) if tags else []
+            locks = locks_of(copy, recs) if tags else []
             chunks = [pairs[i:i + RECOVER_CHUNK] for i in range(0, len(pairs),
                                                                  RECOVER_CHUNK)] or [[]]
             for chunk in chunks:
                 calls.append(recover_call(copy, self.settings, pool_id, chunk, mode="pool",
-                                          deadline_ms=JOINED_DEADLINE_MS))
+                                          deadline_ms=JOINED_DEADLINE_MS, locks=locks))
                 owners.append(copy)
         ready: set[str] = set()
         for copy, reply in zip(owners, run_scripts(self.client, self.scripts, calls),

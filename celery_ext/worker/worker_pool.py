@@ -12,7 +12,9 @@ with or without ``install(app)`` (drop-in mode). It owns, in start order:
    (``run_periodic``): the app's periodic jobs while this pool holds their lease;
 
 and, for the life of the process, what the process holds of the pool's in-flight
-record (:class:`Holdings`) with the connection its acks travel on. ``stop()`` runs
+record (``holdings.Holdings``), the acks made and not yet written
+(``ack_batcher.AckBatcher``) and the connection they travel on (``acks.AckSender``).
+``stop()`` runs
 in the reverse order: the periodic leader and the requeuer hand over their leases,
 the reaper stops, the busy records and counters of this process are flushed, acks
 still unconfirmed are applied, every job still in the record goes back to the front
@@ -47,13 +49,17 @@ import redis
 
 from celery_ext.config import Settings
 from celery_ext.errors import CONNECTION_ERRORS
+from celery_ext.options.unique import finished_lock
 from celery_ext.store.connections import green_sockets
 from celery_ext.store.job_index import index_ttl_ms
 from celery_ext.store.keys import Keys
+from celery_ext.store.liveness import QUEUES_FIELD, queues_field
 from celery_ext.store.memory import eviction_warning
 from celery_ext.text import one_line
+from celery_ext.worker.ack_batcher import AckBatcher
 from celery_ext.worker.acks import AckSender, SyncAcks
 from celery_ext.worker.heartbeater import Heartbeater, current_pool_id
+from celery_ext.worker.holdings import Holdings
 from celery_ext.worker.inflight import InflightRecord, recover_tags
 from celery_ext.worker.observer import stop_observers
 from celery_ext.worker.periodic_leader import Periodic, PeriodicLeader
@@ -66,67 +72,6 @@ logger = logging.getLogger("celery_ext.worker.worker_pool")
 RECONCILE_RETRY_INTERVAL = 0.5
 #: On a cluster, seconds between two reconciles when nothing asked for one.
 CLUSTER_RECONCILE_INTERVAL = 30.0
-#: Most tags one coalesced ``ack`` call carries (more go in the next call).
-MAX_ACKS_PER_CALL = 256
-
-
-class Holdings:
-    """What this process holds of its pool's in-flight record (thread-safe).
-
-    A delivered message is held while it is referenced (weakly here): by a reserved
-    or running request, by a queued thread-pool task, by Kombu. A message whose
-    request Celery dropped is collected and so no longer held. Acks move a tag from
-    "delivered" to "acking" until Redis confirms them; an ack whose outcome is not
-    known (connection lost) moves to "replay", applied before anything is returned.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._messages: dict[str, weakref.ref[Any]] = {}  # insertion = delivery order
-        self._acking: set[str] = set()
-        self._replay: set[str] = set()
-
-    def delivered(self, tag: str, message: Any) -> None:
-        with self._lock:
-            self._messages[tag] = weakref.ref(message)
-
-    def acking(self, tags: list[str]) -> None:
-        with self._lock:
-            for tag in tags:
-                self._messages.pop(tag, None)
-                self._acking.add(tag)
-
-    def confirmed(self, tags: list[str]) -> None:
-        with self._lock:
-            self._acking.difference_update(tags)
-            self._replay.difference_update(tags)
-
-    def unconfirmed(self, tags: list[str]) -> None:
-        with self._lock:
-            self._acking.difference_update(tags)
-            self._replay.update(tags)
-
-    def released(self, tags: list[str]) -> None:
-        """The process is done with these (returned, dead-lettered, or given up)."""
-        with self._lock:
-            for tag in tags:
-                self._messages.pop(tag, None)
-
-    def to_replay(self) -> list[str]:
-        with self._lock:
-            return sorted(self._replay)
-
-    def held(self) -> set[str]:
-        """What the process holds now; forgets the messages nothing references."""
-        with self._lock:
-            gone = [t for t, ref in self._messages.items() if ref() is None]
-            for tag in gone:
-                del self._messages[tag]
-            return set(self._messages) | self._acking | self._replay
-
-    def delivery_order(self) -> list[str]:
-        with self._lock:
-            return list(self._messages)
 
 
 class WorkerPool:
@@ -155,25 +100,21 @@ class WorkerPool:
         self.acks: AckSender | SyncAcks = (
             SyncAcks(self._ack_now) if self.keys.cluster else
             AckSender(self.client.connection_pool, self._ack_now,
-                      on_confirmed=self.holdings.confirmed))
+                      on_confirmed=self._confirmed))
         self._next_cluster_reconcile = 0.0
         self._needs_reconcile = False
         self._reconcile_failed_at = 0.0
         self._last_tick = 0.0
         self._fetches_on_wire = 0
         self._wire_lock = threading.Lock()
-        #: Acks not yet written, coalesced into one ``ack`` call (``ack``/``flush_acks``).
-        self._pending_acks: list[str] = []
-        self._acks_lock = threading.Lock()
-        self._acks_writing = False
-        #: Notified when a thread stops writing acks (``flush_acks(wait=True)``).
-        self._acks_idle = threading.Condition(self._acks_lock)
-        #: The event loop's thread while its ticks flush the pending acks (else None).
-        self._loop_thread: int | None = None
-        #: Jobs are greenlets (``-P gevent``): a greenlet writes the acks they make, once
-        #: the jobs runnable now have run (``_spawn_green_write``); it is due when True.
-        self._green = green_sockets()
-        self._green_write_due = False
+        #: Acks made and not yet written: one ``ack`` call per batch (``ack_batcher``).
+        self.batcher = AckBatcher(self._write_ack_batch, green=green_sockets())
+        #: The channels whose consumers changed (``consumes``) and the job queues of
+        #: the last registration write (None: not yet, or it failed).
+        self._consumers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._consumers_changed = False
+        self._consumed_lock = threading.Lock()
+        self._consumed_written: str | None = None
         self.state = "new"
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -198,32 +139,53 @@ class WorkerPool:
             logger.warning("celery_ext: could not mark pool stopping: %s", exc)
 
     def stop(self) -> None:
-        """Stop everything in reverse start order; return the jobs left in flight."""
+        """Stop everything in reverse start order; return the jobs left in flight.
+
+        Each step runs whatever the one before it raised (logged): a pool that stopped
+        half way would stay registered, its record full, its jobs waiting for another
+        pool's reaper, each counted as a recovery."""
         if self.state != "running":
             return
         self.state = "stopped"
-        if self.periodic is not None:
-            self.periodic.stop()
-        self.requeuer.stop()
-        self.reaper.stop()
-        stop_observers()
+        periodic = self.periodic
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("stop the periodic leader", periodic.stop if periodic else lambda: None),
+            ("stop the requeuer", self.requeuer.stop),
+            ("stop the reaper", self.reaper.stop),
+            ("flush the busy records", stop_observers),
+            ("apply the acks", self._settle_acks),
+            ("return the jobs left in flight", self._return_everything),
+            ("close the ack connection", self.acks.close),
+            ("leave the queues' copies", self.record.leave),
+            ("deregister", lambda: self.heartbeater.stop(deregister=True)),
+        ]
+        for what, step in steps:
+            try:
+                step()
+            except redis.RedisError as exc:
+                logger.error("celery_ext: pool %s could not %s at shutdown (%s)%s",
+                             self.pool_id, what, one_line(str(exc)),
+                             "; the reaper will requeue its jobs" if what.startswith(
+                                 "return") else "")
+            except Exception:
+                logger.exception("celery_ext: pool %s could not %s at shutdown; "
+                                 "stopping goes on", self.pool_id, what)
+
+    def _settle_acks(self) -> None:
+        """Shutdown: every ack made is applied before anything is returned. An ack
+        whose reply could not be read is applied again here (acks are idempotent), so
+        a finished job is never returned to run twice."""
         try:
-            self._return_everything()
-        except redis.RedisError as exc:
-            logger.error("celery_ext: could not return the jobs of pool %s at shutdown "
-                         "(%s); the reaper will requeue them", self.pool_id, exc)
-        self.acks.close()
-        try:
-            self.record.leave()
-        except redis.RedisError as exc:
-            logger.debug("celery_ext: could not leave the queues' copies: %s", exc)
-        self.heartbeater.stop(deregister=True)
+            self.event_loop_gone()
+            self.acks.flush()
+        except Exception:
+            self.holdings.unconfirmed(self.holdings.acking_tags())
+            raise
+        finally:
+            self._replay_acks()
 
     def _return_everything(self) -> None:
         """Shutdown: nothing of this process runs anymore; return what is left."""
-        self.event_loop_gone()
-        self.acks.flush()
-        self._replay_acks()
         left = set(self.record.tags())
         if not left:
             return
@@ -237,6 +199,33 @@ class WorkerPool:
         dashboard and ``celery ext status``."""
         self.heartbeater.update_info(**info)
 
+    def consumes(self, channel: Any) -> None:
+        """``channel``'s consumers changed: :meth:`describe_consumed` writes them."""
+        with self._consumed_lock:
+            self._consumers.add(channel)
+            self._consumers_changed = True
+
+    def describe_consumed(self) -> None:
+        """Write the job queues the process consumes to the registration when they changed
+        (readers mark a queue no live pool consumes). Before each fetch: one write for
+        all the consumers a worker starts; a failed one is tried again at the next."""
+        if not self._consumers_changed:
+            return
+        with self._consumed_lock:
+            self._consumers_changed = False
+            value = queues_field(q for channel in list(self._consumers)
+                                 for q in channel.consumed_job_queues())
+            if value == self._consumed_written:
+                return
+            self._consumed_written = value
+        try:
+            self.heartbeater.set_info(**{QUEUES_FIELD: value})
+        except redis.RedisError as exc:
+            with self._consumed_lock:
+                self._consumed_written, self._consumers_changed = None, True
+            logger.debug("celery_ext: could not record the queues pool %s consumes: %s",
+                         self.pool_id, exc)
+
     def _warn_on_eviction(self) -> None:
         try:
             warning = eviction_warning(self.client)
@@ -249,6 +238,9 @@ class WorkerPool:
     # -- what the process holds ------------------------------------------------------------
     def delivered(self, tag: str, message: Any) -> None:
         self.holdings.delivered(tag, message)
+        digest = finished_lock(getattr(message, "headers", None))
+        if digest is not None:
+            self.record.locked(tag, digest)
 
     def fetched(self, tag: str, queue: str) -> None:
         """A tracked job of ``queue`` came in a fetch reply (its record's copy)."""
@@ -330,88 +322,35 @@ class WorkerPool:
 
     # -- moves out of the record -----------------------------------------------------------
     def ack(self, tags: list[str]) -> None:
-        """Ack without waiting for the reply (``acks.AckSender``); never raises: an ack
-        that cannot be sent now is applied by the next reconcile.
-
-        Acks are coalesced: one ``ack`` call carries every tag pending when it is
-        written. In the event loop's thread (a prefork pool's results, a solo pool's
-        jobs) the write waits for the loop's next tick, which comes before the loop
-        polls again, so all the jobs finished in one turn of the loop go in one call.
-        Any other thread (a threads pool's) writes at once, unless another thread is
-        writing: that one writes these too before it returns. Under gevent (no event
-        loop of Kombu's: Celery's ``synloop``) one greenlet writes the acks of every job
-        that finishes before it runs. The tags are "acking" from here on, so a reconcile
-        never returns them."""
+        """Ack without waiting for the reply (``acks.AckSender``), in a batch with the
+        acks made close to it (``ack_batcher.AckBatcher``: called from the thread that
+        acks the job); never raises: an ack that cannot be sent now is applied by the
+        next reconcile. The tags are "acking" from here on, so a reconcile never
+        returns them."""
         self.holdings.acking(tags)
-        with self._acks_lock:
-            self._pending_acks += tags
-            if (self._acks_writing or self._green_write_due
-                    or threading.get_ident() == self._loop_thread):
-                return
-            if self._green:
-                self._green_write_due = True
-                self._spawn_green_write()
-                return
-            self._acks_writing = True
-        self._write_acks()
-
-    def _spawn_green_write(self) -> None:
-        """Start the greenlet that writes the pending acks. gevent runs it after the
-        greenlets already runnable (jobs finishing in the same turn of its loop ack
-        meanwhile), and not in the loop's own callback, where a socket write that
-        waits is forbidden."""
-        import gevent
-
-        def write() -> None:
-            with self._acks_lock:
-                self._green_write_due = False
-            self.flush_acks()
-
-        gevent.spawn(write)
+        self.batcher.add(tags)
 
     def flush_acks(self, wait: bool = False) -> None:
-        """Write the pending acks now, unless a thread is writing them already; with
-        ``wait``, also wait for that thread: the caller then knows every ack made
-        before the call was written (shutdown returns what is left in the record)."""
-        with self._acks_lock:
-            while wait and self._acks_writing:
-                self._acks_idle.wait()
-            if self._acks_writing or not self._pending_acks:
-                return
-            self._acks_writing = True
-        self._write_acks()
+        """Write the acks made and not yet written (``AckBatcher.flush``)."""
+        self.batcher.flush(wait)
 
     def on_loop_tick(self) -> None:
-        """From the event loop, each turn before it polls: acks of its thread wait for
-        this call from now on, which writes them."""
-        self._loop_thread = threading.get_ident()
-        if self._pending_acks:
-            self.flush_acks()
+        """Each turn of the event loop, in its thread (``AckBatcher.on_loop_tick``)."""
+        self.batcher.on_loop_tick()
 
     def event_loop_gone(self) -> None:
-        """The event loop closed (or the pool stops): no tick will come, write acks at
-        once again and write those pending, after any other thread's write under way."""
-        self._loop_thread = None
-        self.flush_acks(wait=True)
+        """The event loop closed or the pool stops (``AckBatcher.event_loop_gone``)."""
+        self.batcher.event_loop_gone()
 
-    def _write_acks(self) -> None:
-        """Write pending acks until none is left (the caller set ``_acks_writing``)."""
-        try:
-            while True:
-                with self._acks_lock:
-                    tags = self._pending_acks[:MAX_ACKS_PER_CALL]
-                    del self._pending_acks[:MAX_ACKS_PER_CALL]
-                    if not tags:
-                        self._acks_writing = False
-                        self._acks_idle.notify_all()
-                        return
-                keys, args = self.record.ack_call(tags)
-                self.acks.ack(keys, args, tags)
-        except BaseException:
-            with self._acks_lock:
-                self._acks_writing = False
-                self._acks_idle.notify_all()
-            raise
+    def _write_ack_batch(self, tags: list[str]) -> None:
+        """One ``ack`` call for ``tags``, sent without waiting for its reply."""
+        keys, args = self.record.ack_call(tags)
+        self.acks.ack(keys, args, tags)
+
+    def _confirmed(self, tags: list[str]) -> None:
+        """Redis applied these acks (the AckSender read their reply)."""
+        self.holdings.confirmed(tags)
+        self.record.finished(tags)
 
     def _ack_now(self, tags: list[str]) -> None:
         """The AckSender's fallback: apply acks synchronously, or keep them for replay."""

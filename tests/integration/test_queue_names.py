@@ -70,11 +70,13 @@ def test_remote_control_replies_are_not_job_queues(
 
 def test_drained_and_purged_queues_leave_the_listing_configured_ones_stay(
         broker_url: str, redis_client: redis.Redis, worker_factory: Factory) -> None:
-    """A queue drained by a worker and one purged with jobs in it are no longer listed
-    (nor kept in the set); an empty queue that is paused, limited or weighted by a
-    worker pool stays; a pruned name comes back with its next job."""
+    """A queue drained by a worker, once no live pool consumes it, and one purged with
+    jobs in it are no longer listed (nor kept in the set); an empty queue that is
+    paused, limited, weighted or consumed by a live worker pool stays; a pruned name
+    comes back with its next job."""
     proj.configure(broker_url)
-    worker_factory("tests.apps.proj", pool="solo", concurrency=1, queues=["adhoc"]).start()
+    worker = worker_factory("tests.apps.proj", pool="solo", concurrency=1, queues=["adhoc"])
+    worker.start()
     result = proj.app.send_task("tests.apps.proj.add", (2, 3), queue="adhoc")
     assert result.get(timeout=15) == 5
     push(redis_client, "purged", stamped("d1", 1.0))
@@ -89,6 +91,8 @@ def test_drained_and_purged_queues_leave_the_listing_configured_ones_stay(
     redis_client.hset(K.weights, "weighted", 3)  # as a pool consuming it writes
     wait_for(lambda: not int(redis_client.hget(K.running, "adhoc") or 0), 5, "the ack")
 
+    assert "adhoc" in listed(client)  # drained, but a live pool consumes it
+    worker.stop()
     names = listed(client)
     assert {"held", "capped", "weighted"} <= names
     assert not names & {"adhoc", "purged"}, names

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gc
 
-from celery_ext.worker.worker_pool import Holdings
+from celery_ext.worker.holdings import Holdings
 
 
 class Message:

@@ -37,6 +37,20 @@ def pools(client: ClientGetter) -> Output:
     return Output(items, [pool_table(items)])
 
 
+@command("chords")
+@click.option("--limit", default=100, show_default=True, type=int, help="Most chords to list.")
+def chords(client: ClientGetter, limit: int) -> Output:
+    """Chords whose body was not sent yet: header results counted of the header's size."""
+    c = client()
+    items = c.pending_chords(limit)
+    now = c.server_time()  # applied_at is on the Redis clock
+    return Output(items, [Table(
+        ["CHORD (GROUP ID)", "COUNTED", "APPLIED"],
+        [[c["group_id"], f"{c['counted']} of {c['size'] if c['size'] is not None else '?'}",
+          age(now - c["applied_at"])] for c in items],
+        "no pending chords (or the app's result backend is not celery-ext's)")])
+
+
 @command("busy")
 def busy(client: ClientGetter) -> Output:
     """Busy workers: the jobs running now, with checkin progress."""
@@ -101,4 +115,4 @@ def reap(client: ClientGetter, force: bool) -> Output:
                    "waiting": result.waiting, "watched": result.watched}, text)
 
 
-COMMANDS = [pools, busy, stop, job, reap]
+COMMANDS = [pools, busy, chords, stop, job, reap]

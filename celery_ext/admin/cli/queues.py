@@ -29,8 +29,24 @@ def queue_table(items: list[Any]) -> Table:
     return Table(QUEUE_HEADERS, [
         [q["name"], q["size"], age(q["latency"]), q["weight"], q["in_flight"],
          q["max_concurrency"], q.get("rate_limit"), q["processed"], q["failed"],
-         "paused" if q["paused"] else "active", fair_cell(q.get("fair"))] for q in items],
+         state_cell(q), fair_cell(q.get("fair"))] for q in items],
         "no job queues")
+
+
+def state_cell(q: Any) -> str:
+    """"paused" or "active", and "no consumer" when no live worker pool consumes it."""
+    state = "paused" if q["paused"] else "active"
+    return state if q.get("consumed", True) else f"{state}, no consumer"
+
+
+def unconsumed_warning(queues: list[Any]) -> str | None:
+    """One line naming the job queues whose jobs wait for a pool that consumes them."""
+    waiting = [q for q in queues if q["size"] and not q.get("consumed", True)]
+    if not waiting:
+        return None
+    return (f"{sum(q['size'] for q in waiting)} job(s) wait in job queue(s) no live worker "
+            f"pool consumes (unknown task name, or a deploy not rolled out yet): "
+            + ", ".join(q["name"] for q in waiting))
 
 
 @command("status")
@@ -48,11 +64,11 @@ def status(client: ClientGetter) -> Output:
         **sizes,
         **totals,
     }
-    warning = c.memory_warning()
+    warnings = [w for w in (c.memory_warning(), unconsumed_warning(queues)) if w]
     return Output(
         {"summary": summary, "queues": queues, "pools": pools, "busy": busy,
-         "warnings": [warning] if warning else []},
-        [*([f"warning: {warning}"] if warning else []),
+         "warnings": warnings},
+        [*(f"warning: {w}" for w in warnings),
          f"queued {summary['queued']}  in flight {summary['in_flight']}  "
          f"busy {summary['busy']}  scheduled {sizes['scheduled']}  retry {sizes['retry']}  "
          f"dead {sizes['dead']}  processed {totals['processed']}  failed {totals['failed']}",

@@ -175,6 +175,12 @@ def busy(request: Request) -> JSONResponse:
     return JSONResponse({"items": _client(request).busy_workers()})
 
 
+def chords(request: Request) -> JSONResponse:
+    """Pending chords of the app's result backend (celery-ext's), with n of m counted."""
+    client = _client(request)
+    return JSONResponse({"items": client.pending_chords(), "server_time": client.server_time()})
+
+
 def set_listing(request: Request, *, kind: str) -> JSONResponse:
     """One page of the scheduled, retry or dead set (``kind``), without bulky fields."""
     client = _client(request)

@@ -57,6 +57,7 @@ def routes() -> list[BaseRoute]:
         Route("/api/queues/rate_limit", api.rate_limit, methods=POST),
         Route("/api/pools", api.pools),
         Route("/api/busy", api.busy),
+        Route("/api/chords", api.chords),
         Route("/api/busy/stop", api.stop, methods=POST),
         Route("/api/scheduled", partial(api.set_listing, kind="scheduled")),
         Route("/api/scheduled/delete", api.scheduled_delete, methods=POST),

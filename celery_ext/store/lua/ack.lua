@@ -7,6 +7,9 @@
 -- KEYS[5]  ready set                    {ns}:ready
 -- KEYS[6]  job index hash               {ns}:jobs
 -- KEYS[7]  finished index entries       {ns}:jobs_done
+-- KEYS[8..] unique locks of jobs locked until finished {ns}:unique:<digest>: each is
+--          deleted if the message holding it is one of the tags removed here (its last
+--          run ended; a retry published before this ack holds it under its own tag)
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job index TTL of finished entries in ms, "0" = no index (include/job_index.lua)
 -- ARGV[3]  cursor key prefix            {ns}:cursor: (include/cursor.lua): a finished
@@ -22,7 +25,9 @@
 -- Returns how many tags were removed.
 -- @include clock
 -- @include fair
+-- @include unique
 local removed = 0
+local done = {}
 local limited = redis.call('HLEN', KEYS[4]) > 0
 local indexTtl = tonumber(ARGV[2])
 -- @include job_index
@@ -50,6 +55,8 @@ for i = 4, #ARGV do
       end
     end
     removed = removed + 1
+    done[ARGV[i]] = true
   end
 end
+if #KEYS > 7 then unique_release_tags({unpack(KEYS, 8)}, done) end
 return removed

@@ -9,6 +9,8 @@
 -- KEYS[7]  ready set                    {ns}:ready
 -- KEYS[8]  job index hash               {ns}:jobs
 -- KEYS[9]  finished index entries       {ns}:jobs_done
+-- KEYS[10] (optional) unique lock of a job locked until finished {ns}:unique:<digest>:
+--          deleted if this message holds it (include/unique.lua)
 -- ARGV[1]  delivery tag (becomes the dead job id)
 -- ARGV[2]  meta JSON (reason, error, pool, ...), one line
 -- ARGV[3]  max dead jobs kept
@@ -32,6 +34,7 @@ local indexTtl = tonumber(ARGV[7] or 0) or 0
 -- @include fair
 -- @include dead_set
 -- @include cursor
+-- @include unique
 local rec = redis.call('HGET', KEYS[1], ARGV[1])
 local inflight = rec ~= false
 if rec then
@@ -61,4 +64,5 @@ if indexTtl > 0 then
   end
 end
 dead_trim(KEYS[2], KEYS[3], KEYS[8], indexTtl, tonumber(ARGV[3]), tonumber(ARGV[4]))
+if KEYS[10] then unique_release_tags({KEYS[10]}, {[ARGV[1]] = true}) end
 return 1

@@ -11,7 +11,7 @@
 --          a deleted job's entry goes too, unless it names another copy of the job
 -- ARGV[2..] four values per job: job id, SHA1 of the record the caller read, index
 --          in KEYS of its unique lock (0: not a unique job) and its task id (the
---          lock's value while this job holds it)
+--          lock's value while this job holds it, include/unique.lua)
 -- A job whose record is gone (deleted, promoted or retried meanwhile) or changed
 -- since the caller read it is skipped; a lock now held by another job is kept.
 -- Returns {deleted ids, changed ids} (the caller reads the changed ones again).
@@ -19,6 +19,7 @@ local recordsKey, firstSet, secondSet = KEYS[1], KEYS[2], KEYS[3]
 local indexTtl = tonumber(ARGV[1])
 -- @include clock
 -- @include job_index
+-- @include unique
 local deleted, changed = {}, {}
 for j = 2, #ARGV, 4 do
   local id, digest, lockIndex, taskId = ARGV[j], ARGV[j + 1], tonumber(ARGV[j + 2]), ARGV[j + 3]
@@ -37,7 +38,8 @@ for j = 2, #ARGV, 4 do
     if removed > 0 then
       deleted[#deleted + 1] = id
     end
-    if lockIndex > 0 and redis.call('GET', KEYS[lockIndex]) == taskId then
+    local lockValue = lockIndex > 0 and redis.call('GET', KEYS[lockIndex])
+    if lockValue and unique_holder(lockValue) == taskId then
       redis.call('DEL', KEYS[lockIndex])
     end
   end

@@ -7,14 +7,24 @@
 -- KEYS[4]  concurrency limits hash      {ns}:limits
 -- KEYS[5]  weights hash                 {ns}:weights
 -- KEYS[6]  running counts hash          {ns}:running
--- KEYS[7..] job queue lists, L per name: one per priority level, the default
---          level's first (L = (#KEYS - 6) / number of names)
+-- KEYS[7]  counters hash                {ns}:stats
+-- KEYS[8]  runtime histogram hash       {ns}:runtime
+-- KEYS[9..] job queue lists, L per name: one per priority level, the default
+--          level's first (L = (#KEYS - 8) / number of names)
 -- ARGV[1]  "1" = also read each queue's oldest enqueue stamp, "0" = sizes only
--- ARGV[2..] queue names, in the order of KEYS[7..]
+-- ARGV[2]  the per-queue field prefixes of the counters hash, space-separated
+--          ("processed failed ..."; a queue's field is "<prefix>:<queue>")
+-- ARGV[3]  the same for the runtime histogram hash ("0.005 0.01 ... sum_us")
+-- ARGV[4]  one flag per name: "1" = a live worker pool consumes it (or the caller does
+--          not know), "0" = none does
+-- ARGV[5..] queue names, in the order of KEYS[9..]
 -- A name is forgotten (removed from the known queues, and from the ready set if its
 -- list is gone) when it is one of Kombu's remote-control reply queues ("*.pidbox", see enqueue.lua), or when
 -- its list is gone (drained, deleted, expired) and nothing configures or uses it: not
--- paused, no max_concurrency, no weight written by a worker pool, no job in flight.
+-- paused, no max_concurrency, no weight written by a worker pool, no job in flight, no
+-- live pool consuming it. Its fields of the running, counters and runtime hashes go with it, so
+-- names that come and go leave nothing behind (a late counter flush adds the name again,
+-- stats.lua, and the next read forgets both).
 -- A job in the scheduled or retry set brings its name back when it is promoted.
 -- The stamp is the "enqueued_at" property, which producers write after the delivery
 -- tag at the very end of the payload (see fetch.lua): only the last STAMP_WINDOW bytes
@@ -28,9 +38,20 @@
 local STAMP_WINDOW = 1024
 local known, ready, paused, limits, weights, running = KEYS[1], KEYS[2], KEYS[3], KEYS[4],
   KEYS[5], KEYS[6]
+local stats, runtime = KEYS[7], KEYS[8]
 local want_stamps = ARGV[1] == '1'
-local nnames = #ARGV - 1
-local nlev = nnames > 0 and (#KEYS - 6) / nnames or 1
+local consumed = ARGV[4]
+local nnames = #ARGV - 4
+local nlev = nnames > 0 and (#KEYS - 8) / nnames or 1
+
+-- Delete a forgotten queue's fields "<prefix>:<name>" of one hash.
+local function forget_fields(hash, prefixes, name)
+  local fields = {}
+  for prefix in string.gmatch(prefixes, '%S+') do
+    fields[#fields + 1] = prefix .. ':' .. name
+  end
+  if #fields > 0 then redis.call('HDEL', hash, unpack(fields)) end
+end
 
 -- The last "enqueued_at" number in the last `window` bytes of a payload, or nil.
 local function stamp_in(payload, window)
@@ -47,8 +68,9 @@ local function stamp_of(payload)
   return stamp_in(payload, 64) or stamp_in(payload, STAMP_WINDOW) or ''
 end
 
-local function in_use(name)
-  return redis.call('SISMEMBER', paused, name) == 1
+local function in_use(n, name)
+  return string.sub(consumed, n, n) ~= '0'
+    or redis.call('SISMEMBER', paused, name) == 1
     or redis.call('HEXISTS', limits, name) == 1
     or redis.call('HEXISTS', weights, name) == 1
     or (tonumber(redis.call('HGET', running, name)) or 0) > 0
@@ -56,7 +78,7 @@ end
 
 local out = {clock_ms()}
 for n = 1, nnames do
-  local first, name = 6 + (n - 1) * nlev, ARGV[n + 1]
+  local first, name = 8 + (n - 1) * nlev, ARGV[n + 4]
   local size, sizes = 0, {}
   for j = first + 1, first + nlev do
     sizes[j] = redis.call('LLEN', KEYS[j])
@@ -69,9 +91,12 @@ for n = 1, nnames do
     size = size + redis.call('LLEN', subs[j])
   end
   local stamp = ''
-  if string.sub(name, -7) == '.pidbox' or (size == 0 and not in_use(name)) then
+  if string.sub(name, -7) == '.pidbox' or (size == 0 and not in_use(n, name)) then
     redis.call('SREM', known, name)
     if size == 0 then redis.call('SREM', ready, name) end
+    redis.call('HDEL', running, name)  -- its count of jobs in flight, 0 since the last ack
+    forget_fields(stats, ARGV[2], name)
+    forget_fields(runtime, ARGV[3], name)
     size = -1
   elseif size > 0 and want_stamps then
     for j = first + 1, first + nlev do

@@ -18,6 +18,9 @@
 -- KEYS[12..] job queue lists, one per tag: the list of the job's priority level,
 --          read by the caller from its payload (priority.py)
 --          (a job with a fair key goes to its key's sub-queue of that queue instead, include/fair.lua)
+-- KEYS[after the lists] unique locks of jobs locked until finished {ns}:unique:<digest>:
+--          each is deleted if a job of this call that holds it goes to the dead set (a
+--          job requeued keeps its lock: it runs again; include/unique.lua)
 -- ARGV[1]  pool id
 -- ARGV[2]  "pool": only if the pool's heartbeat is older than its own dead_after
 --          (field dead_after_ms of its hash, see liveness.py) or, for a pool
@@ -30,9 +33,9 @@
 -- ARGV[7]  max dead jobs kept
 -- ARGV[8]  reason/error text prefix for the dead set (e.g. "worker lost")
 -- ARGV[9]  job index TTL of finished entries in ms, "0" = no index (include/job_index.lua)
--- ARGV[10..] delivery tags, one per KEYS[12..], in the order to push them
--- ARGV[after the tags] (optional) cursor key prefix {ns}:cursor: (include/cursor.lua):
---          a poison pill keeps no cursor; a requeued job keeps its own, to resume from
+-- ARGV[10] cursor key prefix            {ns}:cursor: (include/cursor.lua): a poison
+--          pill keeps no cursor; a requeued job keeps its own, to resume from
+-- ARGV[11..] delivery tags, one per KEYS[12..], in the order to push them
 -- Returns {status, requeued tags, dead tags}; status 0 = the pool heartbeated
 -- meanwhile (alive: nothing done), 1 = done.
 -- @include clock
@@ -54,11 +57,13 @@ local indexTtl = tonumber(ARGV[9])
 -- @include job_index
 -- @include fair
 -- @include dead_set
+-- @include unique
 -- @include cursor
-local cursorPrefix = ARGV[#KEYS - 1]
-local requeued, dead = {}, {}
-for i = 12, #KEYS do
-  local tag = ARGV[i - 2]
+local cursorPrefix = ARGV[10]
+local requeued, dead, deadTags = {}, {}, {}
+local nTags = #ARGV - 10
+for i = 12, 11 + nTags do
+  local tag = ARGV[i - 1]
   local rec = redis.call('HGET', KEYS[1], tag)
   if rec then
     local nl = string.find(rec, '\n', 1, true)
@@ -83,6 +88,7 @@ for i = 12, #KEYS do
         if same then jix_set(KEYS[10], id, 'dead', qname, did, 'worker_lost') end
         cursor_drop(cursorPrefix, string.sub(rec, nl + 1), nil)
         dead[#dead + 1] = tag
+        deadTags[tag] = true
       else
         push_front(ARGV[5] .. qname, KEYS[i], string.sub(rec, nl + 1))
         if redis.call('SADD', KEYS[5], qname) == 1 then
@@ -93,6 +99,9 @@ for i = 12, #KEYS do
       end
     end
   end
+end
+if #dead > 0 and #KEYS > 11 + nTags then
+  unique_release_tags({unpack(KEYS, 12 + nTags)}, deadTags)
 end
 if ARGV[2] == 'pool' and redis.call('HLEN', KEYS[1]) == 0 then
   redis.call('SREM', KEYS[4], ARGV[1])

@@ -16,15 +16,19 @@
 -- ARGV[6]  schedule channel             {ns}:schedule
 -- ARGV[7]  job index TTL of finished entries in ms, "0" = no index (include/job_index.lua)
 -- ARGV[8]  the job's task id (its index entry says scheduled or retry)
--- ARGV[9]  (unique) lock value: the job's task id; "" = not a unique job
+-- ARGV[9]  (unique) lock value: the job's task id, and for a job locked until finished or
+--          debounced a newline and its delivery tag (include/unique.lua); "" = not unique
 -- ARGV[10] (unique) lock TTL in ms, counted from the due time
--- ARGV[11] (unique) "1" = schedule even if the lock is held (a retry), else "0"
+-- ARGV[11] (unique) "1" = schedule even if the lock is held (a retry); "d" = debounce: a
+--          holder still waiting in this set is replaced by this job (its record, index
+--          entry and lock, in this call); "0" = otherwise
 -- ARGV[12] (with the marker) marker TTL in ms
 -- KEYS[last, after the marker] (with ARGV[13]) a periodic entry's run record in this copy
 --          {ns}:periodic_pushed:<entry> (the latest due time of the entry written)
 -- ARGV[13] (optional, with the marker) the periodic run's due time (ms)
 -- ARGV[14] (with ARGV[13]) the run record's TTL in ms
--- Returns {1, due ms, task id} when scheduled, {0, 0, holder} when a unique job
+-- Returns {1, due ms, task id} when scheduled (a debounced job also when it replaced the
+-- holder), {0, 0, holder's task id} when a unique job
 -- with the same key is already pending (nothing stored; the same task id
 -- published twice counts as pending), {0, 0, marker value} when the publish marker
 -- was there already: a retry of a publish that stored its job (nothing stored again;
@@ -35,10 +39,12 @@ local targetKey, jobsKey, otherKey, queuesKey = KEYS[1], KEYS[2], KEYS[3], KEYS[
 local jobId, delayMs, metaJson, queueName = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local payload, scheduleChannel = ARGV[5], ARGV[6]
 local indexTtl, indexId = tonumber(ARGV[7]), ARGV[8]
-local taskId, lockTtlMs, force, markerTtlMs = ARGV[9] or '', ARGV[10], ARGV[11], ARGV[12]
+local lockValue, lockTtlMs, force, markerTtlMs = ARGV[9] or '', ARGV[10], ARGV[11], ARGV[12]
 local runDueMs, runRecordTtlMs = ARGV[13], ARGV[14]
 local runRecordKey = runDueMs and KEYS[#KEYS] or nil
 local lockKey, markerKey = nil, nil
+-- @include unique
+local taskId = unique_holder(lockValue)
 if taskId ~= '' then
   lockKey, markerKey = KEYS[7], KEYS[8]
 else
@@ -60,11 +66,22 @@ local now = clock_ms()
 local due = now + delayMs
 if lockKey then
   local holder = redis.call('GET', lockKey)
-  if holder and force ~= '1' then
-    return {0, 0, holder}
+  if holder and force == 'd' and unique_holder(holder) ~= taskId then
+    -- Debounce: a holder still waiting here gives way to this job.
+    local old = unique_tag(holder)
+    local rec = old ~= '' and redis.call('ZSCORE', targetKey, old) and redis.call('HGET', jobsKey, old)
+    if rec then
+      redis.call('ZREM', targetKey, old)
+      redis.call('HDEL', jobsKey, old)
+      if indexTtl > 0 then jix_drop(KEYS[5], unique_holder(holder), nil, old) end
+      holder = false
+    end
   end
-  if not holder or holder == taskId then
-    redis.call('SET', lockKey, taskId, 'PX', delayMs + tonumber(lockTtlMs))
+  if holder and force ~= '1' then
+    return {0, 0, unique_holder(holder)}
+  end
+  if not holder or unique_holder(holder) == taskId then
+    redis.call('SET', lockKey, lockValue, 'PX', delayMs + tonumber(lockTtlMs))
   end
 end
 local meta = cjson.decode(metaJson)

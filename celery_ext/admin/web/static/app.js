@@ -311,6 +311,17 @@
       });
     },
 
+    chords: function () {
+      return api("/api/chords").then(function (d) {
+        return table([
+          { label: "Chord (group id)", key: "group_id", cls: "mono" },
+          { label: "Header results", render: function (c) { return c.counted + " of " + (c.size === null ? "?" : c.size); } },
+          { label: "Applied", render: function (c) { return fmtDur(d.server_time - c.applied_at) + " ago"; } }
+        ], d.items.map(function (c) { c.__key = c.group_id; return c; }),
+        "No chord is waiting for its header (or the app's result backend is not celery-ext's).");
+      });
+    },
+
     scheduled: function () { return setPage("scheduled"); },
     retry: function () { return setPage("retry"); },
 
@@ -379,7 +390,12 @@
       { label: "Rate limit", render: function (q) { return q.rate_limit || "—"; }, num: true },
       { label: "Processed", render: function (q) { return fmtNum(q.processed); }, num: true },
       { label: "Failed", render: function (q) { return fmtNum(q.failed); }, num: true },
-      { label: "State", render: function (q) { return q.paused ? badge("paused", "warn") : badge("active", "good"); } },
+      { label: "State", render: function (q) {
+        var state = q.paused ? badge("paused", "warn") : badge("active", "good");
+        // No live worker pool consumes it: its jobs wait for one that knows the task.
+        if (q.consumed === false) return h("span", {}, state, " ", badge("no consumer", q.size ? "bad" : "warn"));
+        return state;
+      } },
       // A fair queue (docs/fair.md): its keys with jobs waiting, and the biggest ones.
       { label: "Fair keys", cls: "mono", render: function (q) {
         if (!q.fair) return "—";

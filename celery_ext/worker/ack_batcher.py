@@ -1,0 +1,130 @@
+"""Ack batching: the acks of jobs that finish close together go in one ``ack`` call.
+
+A worker pool's acks (``WorkerPool.ack``) wait here until one writer takes them all, so
+one ``ack`` script carries every tag pending when it is written (``AckSender`` then
+sends it without waiting for the reply). Who writes depends on how the worker runs its
+jobs; one of three modes applies to each ack:
+
+* **event loop** (a prefork pool's results, a solo pool's jobs): an ack made in the
+  loop's own thread waits for the loop's next turn, which comes before the loop polls
+  again, so the acks of one turn go in one call;
+* **threads** (a threads pool's jobs, and any thread not the loop's): the acking thread
+  writes at once, unless another thread is writing: that one writes these too before it
+  returns;
+* **gevent** (no Kombu event loop: Celery's ``synloop``): the first job to ack spawns a
+  greenlet, and it writes the acks of every job that finished before it ran.
+
+Which thread calls each method:
+
+==========================  ============================================================
+``add``                     the thread acking a job (Kombu's ``QoS.ack``): the event
+                            loop's, a thread of a threads pool, a job's greenlet
+``flush``                   the consumer's thread before each fetch and at each tick; a
+                            reconcile; the writer greenlet (gevent); ``add``'s thread
+``on_loop_tick``            the event loop's thread, each turn before it polls
+``event_loop_gone``         the thread closing the event loop, or the one stopping the pool
+==========================  ============================================================
+
+Only one thread writes at a time (``_writing``); the others leave their tags to it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+#: Most tags one coalesced ``ack`` call carries (more go in the next call).
+MAX_ACKS_PER_CALL = 256
+
+
+class AckBatcher:
+    """The acks made and not yet written, and who writes them (thread-safe).
+
+    ``write`` sends one ``ack`` call for a batch of tags (``WorkerPool`` hands them to
+    its ``AckSender``); ``green``: jobs are greenlets (``-P gevent``)."""
+
+    def __init__(self, write: Callable[[list[str]], None], green: bool) -> None:
+        self._write_batch = write
+        self._green = green
+        self._pending: list[str] = []
+        self._lock = threading.Lock()
+        #: A thread is writing the pending acks: others leave theirs to it.
+        self._writing = False
+        #: Notified when a thread stops writing acks (``flush(wait=True)``).
+        self._idle = threading.Condition(self._lock)
+        #: The event loop's thread while its ticks flush the pending acks (else None).
+        self._loop_thread: int | None = None
+        #: gevent: the writer greenlet is spawned and has not run yet.
+        self._green_write_due = False
+
+    def add(self, tags: list[str]) -> None:
+        """Ack ``tags``: write them now, or leave them to the writer of this mode (see
+        the module's docstring)."""
+        with self._lock:
+            self._pending += tags
+            if (self._writing or self._green_write_due
+                    or threading.get_ident() == self._loop_thread):
+                return
+            if self._green:
+                self._green_write_due = True
+                self._spawn_green_write()
+                return
+            self._writing = True
+        self._write()
+
+    def flush(self, wait: bool = False) -> None:
+        """Write the pending acks now, unless a thread is writing them already; with
+        ``wait``, also wait for that thread: the caller then knows every ack made
+        before the call was written (shutdown returns what is left in the record)."""
+        with self._lock:
+            while wait and self._writing:
+                self._idle.wait()
+            if self._writing or not self._pending:
+                return
+            self._writing = True
+        self._write()
+
+    def on_loop_tick(self) -> None:
+        """From the event loop, each turn before it polls: acks of its thread wait for
+        this call from now on, which writes them."""
+        self._loop_thread = threading.get_ident()
+        if self._pending:
+            self.flush()
+
+    def event_loop_gone(self) -> None:
+        """The event loop closed (or the pool stops): no tick will come, write acks at
+        once again and write those pending, after any other thread's write under way."""
+        self._loop_thread = None
+        self.flush(wait=True)
+
+    def _spawn_green_write(self) -> None:
+        """Start the greenlet that writes the pending acks. gevent runs it after the
+        greenlets already runnable (jobs finishing in the same turn of its loop ack
+        meanwhile), and not in the loop's own callback, where a socket write that
+        waits is forbidden."""
+        import gevent
+
+        def write() -> None:
+            with self._lock:
+                self._green_write_due = False
+            self.flush()
+
+        gevent.spawn(write)
+
+    def _write(self) -> None:
+        """Write pending acks until none is left (the caller set ``_writing``)."""
+        try:
+            while True:
+                with self._lock:
+                    tags = self._pending[:MAX_ACKS_PER_CALL]
+                    del self._pending[:MAX_ACKS_PER_CALL]
+                    if not tags:
+                        self._writing = False
+                        self._idle.notify_all()
+                        return
+                self._write_batch(tags)
+        except BaseException:
+            with self._lock:
+                self._writing = False
+                self._idle.notify_all()
+            raise
