@@ -79,7 +79,7 @@ def one_round(client: Any, variant: str, jobs: int, batch: int, keys: int) -> di
         got = scripts("fetch", fetch_keys, fetch_args)[1]
         if not got:
             raise RuntimeError(f"{variant}: fetch found nothing after {done} of {jobs} jobs")
-        scripts("ack", ack_keys, [k.wake_channel, ttl, *(job[1] for job in got)])
+        scripts("ack", ack_keys, [k.wake_channel, ttl, k.cursor_prefix, *(job[1] for job in got)])
         done += len(got)
     wall = time.perf_counter() - wall
     usec = client.info("commandstats")["cmdstat_evalsha"]["usec"]

@@ -160,6 +160,18 @@ DEFAULT_REVOKED_TTL = 10800.0
 #: Most revoked ids kept per copy (the oldest go first): Celery's ``REVOKES_MAX``.
 DEFAULT_REVOKED_MAX = 50_000
 
+#: Bytes a resumable job's cursor may take as JSON (``checkin(cursor=...)``): a cursor is a
+#: position (an id, an offset, a page token), not the job's data; a larger one is refused
+#: at its checkin with one error line, and the job runs on.
+DEFAULT_CURSOR_MAX_BYTES = 4096
+#: Seconds a resumable job's cursor is kept after its last write: the bound on a cursor
+#: whose job nobody finishes (purged from its queue, lost with its data), as Sidekiq keeps
+#: an iterable job's state for 30 days.
+DEFAULT_CURSOR_TTL = 30 * 24 * 3600.0
+#: A job writes its cursor at most this often (seconds; 0 = at every checkin); the last
+#: one is always written when the job is asked to stop or ends without finishing. A crash
+#: redoes at most the steps of this interval.
+DEFAULT_CURSOR_INTERVAL = 1.0
 #: Seconds a stored result (and a saved group) lives when ``result_expires`` is unset or 0:
 #: Celery's own default, since the result backend stores nothing without a TTL.
 DEFAULT_RESULT_EXPIRES = 24 * 3600
@@ -224,6 +236,9 @@ class Settings:
     stop_request_ttl: float = DEFAULT_STOP_REQUEST_TTL
     revoked_ttl: float = DEFAULT_REVOKED_TTL
     revoked_max: int = DEFAULT_REVOKED_MAX
+    cursor_max_bytes: int = DEFAULT_CURSOR_MAX_BYTES
+    cursor_ttl: float = DEFAULT_CURSOR_TTL
+    cursor_interval: float = DEFAULT_CURSOR_INTERVAL
     #: The broker is a Redis/Valkey Cluster (``broker_transport_options={"cluster":
     #: True}``): job queues spread over its shards (keys.py, docs/cluster.md).
     cluster: bool = False
@@ -250,7 +265,7 @@ class Settings:
                      "promote_interval", "unique_ttl", "retry_backoff_base",
                      "retry_backoff_max", "reply_timeout", "reply_probe_after",
                      "probe_timeout", "history_sample_interval", "job_index_ttl",
-                     "stop_request_ttl", "revoked_ttl"):
+                     "stop_request_ttl", "revoked_ttl", "cursor_ttl"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"celery_ext: {name} must be > 0, got {getattr(self, name)!r}")
         if self.dead_after < 2 * self.heartbeat_interval:
@@ -285,6 +300,9 @@ class Settings:
             raise ConfigError("celery_ext: wait_replicas must be >= 0 and wait_timeout_ms > 0 "
                               "(WAIT with 0 would block forever), got "
                               f"{self.wait_replicas!r} and {self.wait_timeout_ms!r}")
+        if self.cursor_max_bytes < 1 or self.cursor_interval < 0:
+            raise ConfigError("celery_ext: cursor_max_bytes must be >= 1 and cursor_interval "
+                              f">= 0, got {self.cursor_max_bytes!r} and {self.cursor_interval!r}")
         steps = self.priority_steps
         if (not isinstance(steps, tuple) or not steps or steps[0] != 0 or steps[-1] > 9
                 or any(type(s) is not int for s in steps)

@@ -106,7 +106,7 @@ def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,
          keys.limits, keys.ready, *index_keys(keys),
          *([keys.unique(unique_digest)] if unique_digest else [])],
         [tag, record, settings.dead_max_size, int(settings.dead_max_age * 1000), fallback,
-         keys.wake_channel, index_ttl_ms(settings)],
+         keys.wake_channel, index_ttl_ms(settings), keys.cursor_prefix],
     )
     if moved:
         notify_dead(client, keys, [tag])

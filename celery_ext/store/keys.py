@@ -77,6 +77,10 @@ Layout (``ns`` = namespace)::
                                      on a cluster written to every copy)
     {ns}:revoked_by          hash    task id -> "<meta json>" of its revoke (by, at,
                                      terminate), trimmed with {ns}:revoked
+    {ns}:cursor:<task id>    string  "<owner delivery tag>\n<cursor json>": a resumable job's
+                                     cursor (worker/cursor.py), in its job queue's copy,
+                                     TTL cursor_ttl; removed by the ack of the run that
+                                     owns it, by dead-lettering and by a poison pill
     {ns}:stats               hash    "processed"/"failed"/"retried"[":<queue>"] -> count; and
                                      "recovered" (jobs the reaper requeued), "pools_reaped",
                                      "poison_pills" (dead-lettered after max_recoveries),
@@ -363,6 +367,16 @@ class Keys:
     @property
     def stop_requests(self) -> str:
         return self.prefix + "stop_requests"
+
+    def cursor(self, job_id: str) -> str:
+        """A resumable job's cursor, by task id, in its job queue's copy (``of``)."""
+        return f"{self.cursor_prefix}{job_id}"
+
+    @property
+    def cursor_prefix(self) -> str:
+        """:meth:`cursor` without the task id: the scripts that end a job (ack, dead,
+        recover) find its id in its payload and drop its cursor by this prefix."""
+        return self.prefix + "cursor:"
 
     @property
     def revoked(self) -> str:

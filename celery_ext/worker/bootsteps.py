@@ -277,9 +277,10 @@ def _executor_name(executor: Any) -> str:
 def add_worker_parts(app: Any) -> None:
     """What a worker of ``app`` needs from the plugin whether or not ``install(app)``
     ran: the consumer steps, the Request class (lost-worker counting, failed jobs to
-    the dead set, promoted jobs' eta ignored), ``task.checkin()`` and the hook that
+    the dead set, promoted jobs' eta ignored), ``task.checkin()``, ``task.cursor`` and the hook that
     makes a running worker learn a task bound after it started. Idempotent."""
     from celery_ext.worker import control
+    from celery_ext.worker.cursor import task_cursor
     from celery_ext.worker.inspect_scheduled import register as register_inspect_scheduled
     from celery_ext.worker.observer import _task_checkin
 
@@ -296,6 +297,8 @@ def add_worker_parts(app: Any) -> None:
         app.Task.Request = "celery_ext.worker.request:Request"
     if not hasattr(app.Task, "checkin"):
         app.Task.checkin = _task_checkin
+    if not hasattr(app.Task, "cursor"):
+        app.Task.cursor = property(task_cursor)
 
 
 def _one_line_connection_errors() -> None:

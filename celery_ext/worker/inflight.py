@@ -172,7 +172,8 @@ class InflightRecord:
         k = keys or self.keys
         locks = {k.unique(d) for d in (self._locks.get(t) for t in tags) if d is not None}
         return ([k.inflight(self.pool_id), k.redelivery, k.running, k.limits, k.ready,
-                 *index_keys(k), *sorted(locks)], [k.wake_channel, self.index_ttl, *tags])
+                 *index_keys(k), *sorted(locks)],
+                [k.wake_channel, self.index_ttl, k.cursor_prefix, *tags])
 
     def ack(self, tags: list[str]) -> int:
         """Drop finished jobs from the record; tags no longer in it are ignored."""
@@ -278,7 +279,7 @@ def recover_call(keys: Keys, settings: Settings, pool_id: str, pairs: list[tuple
              *index_keys(keys), *(q for _, q in pairs), *locks],
             [pool_id, mode, deadline_ms, keys.wake_channel, keys.queue(""),
              settings.max_recoveries, settings.dead_max_size, reason, index_ttl_ms(settings),
-             *(t for t, _ in pairs)])
+             keys.cursor_prefix, *(t for t, _ in pairs)])
 
 
 def recover_reply(client: Any, keys: Keys, mode: str, reply: Any
