@@ -90,7 +90,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, suppress
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 import redis
@@ -132,6 +132,11 @@ def publish_marker(publish_id: str, queue: str) -> str:
 NOT_SENT = object()
 
 
+def pack_command(*parts: str | int) -> bytes:
+    """A short command in the Redis protocol (``WAIT n ms``)."""
+    return hiredis.pack_command(parts)  # type: ignore[arg-type]
+
+
 def pack_evalsha(sha: str, keys: list[str], args: list[Any]) -> bytes:
     """``EVALSHA sha len(keys) *keys *args`` in the Redis protocol, as one buffer, packed
     by hiredis (str, bytes, int or float arguments; str as UTF-8, redis-py's default
@@ -161,28 +166,27 @@ class PublishConnection:
         self._conn: Any = None
         self._pid = 0
 
-    def call(self, script: str, keys: list[str], args: list[Any]) -> Any:
-        """EVALSHA ``script`` on the kept connection and return its reply, or
-        :data:`NOT_SENT` when the connection is busy in another thread or the call
-        failed on it (connection error, NOSCRIPT): the caller then uses its client,
-        which has redis-py's retries and script loading. An error reply of the script
-        itself (out of memory, ...) is raised: the client would raise the same."""
+    def send(self, commands: list[bytes]) -> Any:
+        """Send the packed ``commands`` on the kept connection in one write and return
+        their replies, an error reply (NOSCRIPT, out of memory, ...) as its exception in
+        place; or :data:`NOT_SENT` when the connection is busy in another thread or failed
+        (the caller then sends them through its client, with redis-py's retries)."""
         if not self._lock.acquire(blocking=False):
             return NOT_SENT
         try:
             conn = self._connection()
             try:
-                conn.send_packed_command(
-                    [pack_evalsha(_scripts.sha(script), keys, args)],
-                    check_health=False)
-                return conn.read_response()
-            except redis.exceptions.NoScriptError:
-                return NOT_SENT
-            except redis.exceptions.ResponseError:
-                raise
+                conn.send_packed_command([b"".join(commands)], check_health=False)
+                replies: list[Any] = []
+                for _ in commands:
+                    try:
+                        replies.append(conn.read_response())
+                    except redis.exceptions.ResponseError as exc:
+                        replies.append(exc)  # the reply was read whole: read on
+                return replies
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
                 with suppress(Exception):
-                    conn.disconnect()  # its reply may still come: never read it later
+                    conn.disconnect()  # its replies may still come: never read them later
                 return NOT_SENT
         finally:
             self._lock.release()
@@ -429,64 +433,61 @@ class Enqueuer:
         """The one way jobs are written: one round trip for ``writes`` (a single publish
         is a list of one), then each write's ``done`` with its script's reply.
 
-        One job without ``wait_replicas`` is one EVALSHA on the kept connection
-        (:class:`PublishConnection`), or through the client when that one is busy or
-        failed. Anything else is one pipeline of EVALSHAs, followed by ``WAIT`` when
-        ``wait_replicas`` is set: the only ``WAIT`` of the producer (see "Surviving a
-        failover"). A connection error is raised to the caller (Kombu's publish retry
-        for a single publish, the bulk's retry policy for a bulk), which sends the same
-        writes again: each job's publish marker makes what landed a no-op."""
-        if len(writes) == 1 and not self.settings.wait_replicas:
-            w = writes[0]
-            reply = self._line.call(w.script, w.keys, w.args) if self._line else NOT_SENT
-            if reply is NOT_SENT:
-                with self._acquire() as client:
-                    reply = self._scripts(w.script, w.keys, w.args, client=client)
-            replies = [reply]
-        else:
-            replies = self._pipelined(writes)
+        The round trip is the writes' EVALSHAs, followed by ``WAIT`` when
+        ``wait_replicas`` is set (the producer's only ``WAIT``: see "Surviving a
+        failover"), sent in one buffer on the kept connection (:class:`PublishConnection`),
+        or as a pipeline of the channel's client when that one is busy or failed. Writes
+        whose script the server did not know (it restarted) are sent again once it is
+        loaded. A connection error is raised to the caller (Kombu's publish retry for a
+        single publish, the bulk's retry policy for a bulk), which sends the same writes
+        again: each job's publish marker makes what landed a no-op."""
+        wanted = self.settings.wait_replicas
+        replies: list[Any] = [None] * len(writes)
+        todo = list(range(len(writes)))
+        for attempt in (1, 2):
+            out = self._round_trip([writes[i] for i in todo])
+            acked: Any = out.pop() if wanted else 0
+            unknown: list[int] = []
+            for i, reply in zip(todo, out, strict=True):
+                if isinstance(reply, NoScriptError) and attempt == 1:
+                    unknown.append(i)
+                elif isinstance(reply, Exception):
+                    raise reply
+                else:
+                    replies[i] = reply
+            if isinstance(acked, Exception):
+                raise acked
+            if wanted and int(acked) < wanted:
+                raise NotReplicated("the job was enqueued" if len(writes) == 1
+                                    else f"{len(writes)} jobs were enqueued",
+                                    wanted, int(acked), self.settings.wait_timeout_ms)
+            if not unknown:
+                break
+            with self._acquire() as client:
+                for name in {writes[i].script for i in unknown}:
+                    client.script_load(_scripts.source(name))  # the server restarted
+            todo = unknown
         for w, reply in zip(writes, replies, strict=True):
             if w.done is not None:
                 w.done(reply)
         return replies
 
-    def _pipelined(self, writes: Sequence[Write]) -> list[Any]:
-        """One pipeline of the writes' scripts (and ``WAIT``); the writes whose script the
-        server did not know (it restarted) are sent again once it is loaded, alone."""
+    def _round_trip(self, writes: Sequence[Write]) -> list[Any]:
+        """The replies of the writes' scripts (and of ``WAIT``), errors in place."""
         wanted, timeout_ms = self.settings.wait_replicas, self.settings.wait_timeout_ms
-        replies: list[Any] = [None] * len(writes)
-        todo = list(range(len(writes)))
-        with self._acquire() as client:
-            for attempt in (1, 2):
-                with client.pipeline(transaction=False) as pipe:
-                    for i in todo:
-                        w = writes[i]
-                        pipe.evalsha(_scripts.sha(w.script), len(w.keys), *w.keys, *w.args)
-                    if wanted:
-                        pipe.wait(wanted, timeout_ms)
-                    out = pipe.execute(raise_on_error=False)
-                acked: Any = out.pop() if wanted else 0
-                unknown: list[int] = []
-                for i, reply in zip(todo, out, strict=True):
-                    if isinstance(reply, NoScriptError) and attempt == 1:
-                        unknown.append(i)
-                    elif isinstance(reply, Exception):
-                        raise reply
-                    else:
-                        replies[i] = reply
-                if isinstance(acked, Exception):
-                    raise acked
-                if wanted and int(acked) < wanted:
-                    raise NotReplicated(
-                        "the job was enqueued" if len(writes) == 1
-                        else f"{len(writes)} jobs were enqueued",
-                        wanted, int(acked), timeout_ms)
-                if not unknown:
-                    return replies
-                for name in {writes[i].script for i in unknown}:
-                    client.script_load(_scripts.source(name))  # the server restarted
-                todo = unknown
-        raise AssertionError("unreachable")
+        if self._line is not None:
+            commands = [pack_evalsha(_scripts.sha(w.script), w.keys, w.args) for w in writes]
+            if wanted:
+                commands.append(pack_command("WAIT", wanted, timeout_ms))
+            replies = self._line.send(commands)
+            if replies is not NOT_SENT:
+                return cast("list[Any]", replies)
+        with self._acquire() as client, client.pipeline(transaction=False) as pipe:
+            for w in writes:
+                pipe.evalsha(_scripts.sha(w.script), len(w.keys), *w.keys, *w.args)
+            if wanted:
+                pipe.wait(wanted, timeout_ms)
+            return cast("list[Any]", pipe.execute(raise_on_error=False))
 
 
 class Producer(messaging.Producer):
