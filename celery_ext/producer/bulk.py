@@ -93,22 +93,27 @@ class Bulk:
         self.round_trips = 0
 
     def add(self, writer: Writer, write: Write) -> None:
-        """Buffer one job's write; a full buffer is written at once."""
+        """Buffer one job's write; a full buffer is written at once. A round trip that
+        failed (its retries spent) stays buffered and is sent again by the next flush:
+        Kombu's publish retry then publishes only the job it was adding, again (a no-op
+        if it is written: its marker is the same)."""
         entry = self._pending.get(id(writer))
         if entry is None:
             entry = self._pending[id(writer)] = (writer, [])
         entry[1].append(write)
         if len(entry[1]) >= self.size:
-            writes = entry[1][:]
-            entry[1].clear()
-            self._write(writer, writes)
+            self._write(writer, entry[1][:self.size])
+            del entry[1][:self.size]
 
     def flush(self) -> None:
-        """Write every buffered job, ``size`` per round trip."""
-        while self._pending:
-            _, (writer, writes) = self._pending.popitem()
-            for start in range(0, len(writes), self.size):
-                self._write(writer, writes[start:start + self.size])
+        """Write every buffered job, ``size`` per round trip; what a failed round trip
+        left stays buffered."""
+        for key in list(self._pending):
+            writer, writes = self._pending[key]
+            while writes:
+                self._write(writer, writes[:self.size])
+                del writes[:self.size]
+            del self._pending[key]
 
     def _write(self, writer: Writer, writes: list[Write]) -> None:
         """One round trip, sent again under the retry policy when the connection failed

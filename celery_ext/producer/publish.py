@@ -482,12 +482,23 @@ class Enqueuer:
             replies = self._line.send(commands)
             if replies is not NOT_SENT:
                 return cast("list[Any]", replies)
+        if self.keys.cluster:  # no EVALSHA in a cluster pipeline (and no bulk, no WAIT)
+            with self._acquire() as client:
+                return [self._one(client, w) for w in writes]
         with self._acquire() as client, client.pipeline(transaction=False) as pipe:
             for w in writes:
                 pipe.evalsha(_scripts.sha(w.script), len(w.keys), *w.keys, *w.args)
             if wanted:
                 pipe.wait(wanted, timeout_ms)
             return cast("list[Any]", pipe.execute(raise_on_error=False))
+
+    def _one(self, client: Any, w: Write) -> Any:
+        """One script call through the client (redis-py's NOSCRIPT handling), its error
+        reply in place."""
+        try:
+            return self._scripts(w.script, w.keys, w.args, client=client)
+        except redis.exceptions.ResponseError as exc:
+            return exc
 
 
 class Producer(messaging.Producer):
