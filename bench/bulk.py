@@ -98,10 +98,12 @@ def largest_call(server: RedisServer, app: Celery, n: int, slower_than_us: int) 
         stats = client.info("commandstats").get("cmdstat_evalsha", {})
         queued = client.llen(f"celery_ext:queue:{TASK}")
         client.config_set("slowlog-log-slower-than", 10_000)
-    longest = max((e["duration"] for e in entries), default=0)
+    top = max(entries, key=lambda e: e["duration"], default=None)
+    longest = top["duration"] if top else 0
+    command = top["command"].split()[0].decode() if top else ""
     return {"jobs": n, "queued": queued, "seconds": round(wall, 2),
             "slowlog_threshold_us": slower_than_us, "calls_over_threshold": len(entries),
-            "largest_call_ms": round(longest / 1000, 3),
+            "largest_call_ms": round(longest / 1000, 3), "largest_command": command,
             "evalsha_calls": stats.get("calls"), "evalsha_us_per_call": stats.get("usec_per_call")}
 
 
@@ -160,7 +162,8 @@ def table(res: dict[str, Any]) -> str:
     s = res["settings"]
     lines.append("")
     lines.append(f"Largest single Redis call of one apply_many of {big['jobs']:,} jobs: "
-                 f"{big['largest_call_ms']} ms ({big['calls_over_threshold']} calls over "
+                 f"{big['largest_call_ms']} ms, {big['largest_command']} "
+                 f"({big['calls_over_threshold']} calls over "
                  f"{big['slowlog_threshold_us']} µs; EVALSHA mean {big['evalsha_us_per_call']} µs "
                  f"over {big['evalsha_calls']:,} calls; {big['seconds']} s in all).")
     lines.append(f"Settings: {s['rounds']} rounds, {s['jobs']:,} jobs per group/bulk call, "
