@@ -26,6 +26,7 @@ from celery_ext.store import scripts
 from celery_ext.store.keys import Keys
 from tests.apps import proj, proj_bulk
 from tests.faults.proxy import Proxy
+from tests.integration.test_publish_retry import replicated  # noqa: F401 (a fixture)
 from tests.helpers import wait_for
 from tests.workers import WorkerProcess
 
@@ -214,3 +215,53 @@ def test_drop_in_bulk_writes_in_round_trips_and_a_group_publishes_as_before(
     worker_factory("tests.apps.proj_bulk", pool="threads", concurrency=8).start()
     wait_for(drained(rec, "dropin", 2005), 120, "the jobs to run")
     assert runs(rec, "dropin") == {str(i): 1 for i in range(2005)}
+
+
+def test_unique_until_finished_and_debounce_in_a_bulk(
+        broker_url: str, rec: redis.Redis, redis_client: redis.Redis, writes: list[int],
+        worker_factory: Callable[..., WorkerProcess]) -> None:
+    """In one bulk: a job locked until finished is published once per key (the others'
+    results name it), and debounced publishes of one key leave one job, the latest."""
+    from tests.apps import proj_unique
+
+    proj.configure(broker_url)
+    rec.delete("runs:bk1", "runs:bk2", "runs:bdeb", "start:bk1", "start:bk2")
+    with celery_ext.bulk(proj.app):
+        held = [proj_unique.held.delay(key) for key in ("bk1", "bk1", "bk2", "bk1")]
+        debounced = [proj_unique.debounced.delay("bdeb", n) for n in (1, 2, 3)]
+    assert writes == [7]
+    assert [r.id for r in held] == [held[0].id, held[0].id, held[2].id, held[0].id]
+    assert redis_client.llen(K.queue("tests.apps.proj_unique.held")) == 2
+    assert redis_client.zcard(K.scheduled) == 1  # the debounced job: the latest replaced the others
+    assert len({r.id for r in debounced}) == 3
+    worker_factory("tests.apps.proj_unique", pool="solo", concurrency=1).start()
+    wait_for(lambda: rec.llen("runs:bk1") and rec.llen("runs:bk2") and rec.llen("runs:bdeb"),
+             30, "the jobs to run")
+    assert [r.decode().split(":")[1] for r in rec.lrange("runs:bk1", 0, -1)] == [held[0].id]
+    assert [r.decode().split(":")[1] for r in rec.lrange("runs:bk2", 0, -1)] == [held[2].id]
+    assert rec.lrange("runs:bdeb", 0, -1) == [b"3"]
+
+
+def test_wait_replicas_waits_once_per_round_trip_of_a_bulk(
+        replicated: tuple[Any, Any]) -> None:
+    """With ``wait_replicas=1`` each round trip of a bulk ends with one ``WAIT``: when
+    ``apply_many`` returns, the replica has every job."""
+    primary, replica = replicated
+    app = Celery("bulk_replicated", broker=primary.url(scheme="celery-ext"),
+                 set_as_current=False)
+    app.conf.broker_transport_options = {"wait_replicas": 1, "wait_timeout_ms": 2000}
+    app.conf.task_ignore_result = True
+    celery_ext.install(app)
+
+    @app.task(name="bulk.replicated", shared=False)
+    def plain(n: int) -> None: ...
+
+    with primary.client() as p:
+        p.config_resetstat()
+    try:
+        plain.apply_many([(i,) for i in range(2500)])
+    finally:
+        app.close()
+    with primary.client() as p, replica.client() as r:
+        assert r.llen(K.queue("bulk.replicated")) == 2500
+        assert p.info("commandstats")["cmdstat_wait"]["calls"] == 3
