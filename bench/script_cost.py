@@ -14,6 +14,8 @@ Variants (each against ``plain``, the same run without the feature):
 * ``rate_limit`` the queue rate-limited far above what this loop reaches (every fetch
                  checks and moves the limit's state, none is refused)
 * ``index``      the job index on (``job_index_ttl`` 1 h): every move writes an entry
+* ``revoked``    10,000 other task ids revoked (``{ns}:revoked``): every fetched job's id
+                 is looked up there (store/revoked.py), none is dropped
 
     python -m bench.script_cost                              # every variant
     python -m bench.script_cost --variants plain,rate_limit --jobs 20000 --rounds 5
@@ -32,7 +34,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-VARIANTS = ("plain", "priority", "fair", "rate_limit", "index")
+VARIANTS = ("plain", "priority", "fair", "rate_limit", "index", "revoked")
+#: Other ids revoked in the ``revoked`` variant (far from ``revoked_max``, 50,000).
+REVOKED_IDS = 10_000
 
 
 def one_round(client: Any, variant: str, jobs: int, batch: int, keys: int) -> dict[str, float]:
@@ -50,6 +54,8 @@ def one_round(client: Any, variant: str, jobs: int, batch: int, keys: int) -> di
     client.zadd(k.pools, {pool: 1})
     if variant == "rate_limit":
         client.hset(k.rate_limits, queue, interval_us("1000000/s"))
+    if variant == "revoked":
+        client.zadd(k.revoked, {f"other{i}": 2**50 for i in range(REVOKED_IDS)})
     client.script_load(source("enqueue"))  # EVALSHA in a pipeline needs it loaded
     with client.pipeline(transaction=False) as pipe:
         for i in range(jobs):
@@ -73,7 +79,7 @@ def one_round(client: Any, variant: str, jobs: int, batch: int, keys: int) -> di
         got = scripts("fetch", fetch_keys, fetch_args)[1]
         if not got:
             raise RuntimeError(f"{variant}: fetch found nothing after {done} of {jobs} jobs")
-        scripts("ack", ack_keys, [k.wake_channel, ttl, *(job[1] for job in got)])
+        scripts("ack", ack_keys, [k.wake_channel, ttl, k.cursor_prefix, *(job[1] for job in got)])
         done += len(got)
     wall = time.perf_counter() - wall
     usec = client.info("commandstats")["cmdstat_evalsha"]["usec"]

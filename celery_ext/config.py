@@ -164,6 +164,38 @@ DEFAULT_JOB_INDEX_TTL = 3600.0
 #: Seconds a request to stop a running job holds (its checkins answer "stop" until the
 #: job ends or this passes): the bound on entries whose job's end nobody reports.
 DEFAULT_STOP_REQUEST_TTL = 24 * 3600.0
+#: Seconds a revoked task id is kept in Redis (every fetch drops a job with that id, so a
+#: job enqueued, promoted or retried later does not run): Celery's ``REVOKE_EXPIRES``.
+DEFAULT_REVOKED_TTL = 10800.0
+#: Most revoked ids kept per copy (the oldest go first): Celery's ``REVOKES_MAX``.
+DEFAULT_REVOKED_MAX = 50_000
+
+#: Bytes a resumable job's cursor may take as JSON (``checkin(cursor=...)``): a cursor is a
+#: position (an id, an offset, a page token), not the job's data; a larger one is refused
+#: at its checkin with one error line, and the job runs on.
+DEFAULT_CURSOR_MAX_BYTES = 4096
+#: Seconds a resumable job's cursor is kept after its last write: the bound on a cursor
+#: whose job nobody finishes (purged from its queue, lost with its data), as Sidekiq keeps
+#: an iterable job's state for 30 days.
+DEFAULT_CURSOR_TTL = 30 * 24 * 3600.0
+#: A job writes its cursor at most this often (seconds; 0 = at every checkin); the last
+#: one is always written when the job is asked to stop or ends without finishing. A crash
+#: redoes at most the steps of this interval.
+DEFAULT_CURSOR_INTERVAL = 1.0
+#: Seconds a stored result (and a saved group) lives when ``result_expires`` is unset or 0:
+#: Celery's own default, since the result backend stores nothing without a TTL.
+DEFAULT_RESULT_EXPIRES = 24 * 3600
+#: A client waiting for results re-reads the pending ones (one MGET) this often when no
+#: wake-up arrived: pub/sub is at-most-once, and a result sent by another process (or
+#: stored before this thread subscribed) publishes nowhere this client listens.
+RESULT_POLL_INTERVAL = 0.5
+#: A waiting client whose wake-up subscription broke (a failover, a restart) waits this
+#: many seconds before it subscribes again, re-reading its pending results meanwhile: an
+#: attempt on a node that just died can block for seconds in redis-py's retries.
+RESULT_RESUBSCRIBE_AFTER = 2.0
+#: Longest a chord's counting keys live past their last header result (seconds), when
+#: neither ``result_chord_expires`` nor ``result_expires`` says otherwise.
+DEFAULT_CHORD_EXPIRES = 24 * 3600
 
 _ENV_PREFIX = "CELERY_EXT_"
 _NAMESPACE_RE = re.compile(r"\A[A-Za-z0-9_.:-]{1,64}\Z")  # not "$": it accepts a trailing newline
@@ -212,6 +244,11 @@ class Settings:
     job_index: bool = DEFAULT_JOB_INDEX
     job_index_ttl: float = DEFAULT_JOB_INDEX_TTL
     stop_request_ttl: float = DEFAULT_STOP_REQUEST_TTL
+    revoked_ttl: float = DEFAULT_REVOKED_TTL
+    revoked_max: int = DEFAULT_REVOKED_MAX
+    cursor_max_bytes: int = DEFAULT_CURSOR_MAX_BYTES
+    cursor_ttl: float = DEFAULT_CURSOR_TTL
+    cursor_interval: float = DEFAULT_CURSOR_INTERVAL
     #: The broker is a Redis/Valkey Cluster (``broker_transport_options={"cluster":
     #: True}``): job queues spread over its shards (keys.py, docs/cluster.md).
     cluster: bool = False
@@ -238,7 +275,7 @@ class Settings:
                      "promote_interval", "unique_ttl", "retry_backoff_base",
                      "retry_backoff_max", "reply_timeout", "reply_probe_after",
                      "probe_timeout", "history_sample_interval", "job_index_ttl",
-                     "stop_request_ttl"):
+                     "stop_request_ttl", "revoked_ttl", "cursor_ttl"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"celery_ext: {name} must be > 0, got {getattr(self, name)!r}")
         if self.dead_after < 2 * self.heartbeat_interval:
@@ -248,6 +285,8 @@ class Settings:
             )
         if self.dead_max_size < 1 or self.dead_max_age <= 0:
             raise ConfigError("celery_ext: dead_max_size must be >= 1 and dead_max_age > 0")
+        if self.revoked_max < 1:
+            raise ConfigError(f"celery_ext: revoked_max must be >= 1, got {self.revoked_max!r}")
         if self.max_recoveries < 0 or self.default_weight < 1 or self.fetch_batch < 1:
             raise ConfigError(
                 "celery_ext: max_recoveries must be >= 0, default_weight >= 1 and fetch_batch >= 1"
@@ -271,6 +310,9 @@ class Settings:
             raise ConfigError("celery_ext: wait_replicas must be >= 0 and wait_timeout_ms > 0 "
                               "(WAIT with 0 would block forever), got "
                               f"{self.wait_replicas!r} and {self.wait_timeout_ms!r}")
+        if self.cursor_max_bytes < 1 or self.cursor_interval < 0:
+            raise ConfigError("celery_ext: cursor_max_bytes must be >= 1 and cursor_interval "
+                              f">= 0, got {self.cursor_max_bytes!r} and {self.cursor_interval!r}")
         steps = self.priority_steps
         if (not isinstance(steps, tuple) or not steps or steps[0] != 0 or steps[-1] > 9
                 or any(type(s) is not int for s in steps)

@@ -76,3 +76,9 @@ def check_payload_size(payload: str, message: object, queue: str, limit: int) ->
     size = len(payload) if payload.isascii() else len(payload.encode("utf-8"))
     if size > limit:
         raise PayloadTooLarge(job_name(message, queue), size, limit)
+
+
+class DeadJob(Exception):
+    """The result of a job that went to the dead set without Celery seeing it end (a poison
+    pill, an undecodable or rejected message): its waiters and its chord fail with the
+    reason instead of waiting forever (``celery_ext/results/dead_jobs.py``)."""

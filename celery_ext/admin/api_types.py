@@ -15,10 +15,18 @@ from typing import Any, Generic, TypedDict, TypeVar
 from celery_ext.options.fair import FairInfo
 from celery_ext.store.history import Runtime, Series
 
-__all__ = ["BusyWorker", "DeadJob", "FairInfo", "JobStatus", "Page", "PoolInfo", "QueueInfo",
-           "Runtime", "ScheduledJob", "SearchPage", "Series", "SetCounts"]
+__all__ = ["BusyWorker", "DeadJob", "FairInfo", "JobStatus", "Page", "PendingChord", "PoolInfo",
+           "QueueInfo", "Runtime", "ScheduledJob", "SearchPage", "Series", "SetCounts"]
 
 T = TypeVar("T")
+
+
+# -- chords of the result backend (celery_ext.results.chords) ---------------------------------
+class PendingChord(TypedDict):
+    group_id: str
+    counted: int  # header results counted (a job run twice counts once)
+    size: int | None  # header jobs the body waits for (None: not known yet)
+    applied_at: float
 
 
 # -- queues, pools, busy workers (celery_ext.admin.overview) -----------------------------------

@@ -32,6 +32,7 @@ from celery_ext.admin.api_types import (
     DeadJob,
     JobStatus,
     Page,
+    PendingChord,
     PoolInfo,
     QueueInfo,
     Runtime,
@@ -53,7 +54,9 @@ from celery_ext.store.copies import copies, per_copy, set_counts
 from celery_ext.store.history import HistoryReader
 from celery_ext.store.keys import Keys
 from celery_ext.store.memory import eviction_warning
+from celery_ext.store.revoked import RevokedId, RevokeOutcome, revoke, revoked, sender
 from celery_ext.store.scripts import Scripts
+from celery_ext.worker.control import mark_revoked
 from celery_ext.worker.reaper import Reaper, ReapResult
 
 __all__ = ["Client", "DeadJob", "Page", "ScheduledJob", "SetCounts"]
@@ -119,6 +122,24 @@ class Client:
         """Ask a running job to stop: its next checkin returns True. False (nothing
         kept) when the job is not in flight (see :mod:`celery_ext.store.stop_requests`)."""
         return self.state.request_stop(job_id)
+
+    def cancel(self, job_id: str, by: str | None = None) -> RevokeOutcome:
+        """Cancel a job by its id, wherever it is, as Celery's ``revoke(terminate=True)``
+        does here: queued, it is dropped by the fetch that pops it; scheduled or in the
+        retry set, it moves to the dead set now (reason ``revoked``); in flight, its next
+        checkin says stop; enqueued later with this id, it does not run either (for
+        ``revoked_ttl``). ``by``: who, for the record (default this host and pid). Built
+        with :meth:`from_app`, the job's result says ``REVOKED`` too, as Celery's revoke
+        makes it. See :mod:`celery_ext.store.revoked`."""
+        outcome = revoke(self.client, self.scripts, self.settings, [job_id],
+                         by=by or sender(), via="cancel", terminate=True)
+        if self.app is not None:
+            mark_revoked([job_id], self.app.backend)
+        return outcome
+
+    def revoked(self) -> list[RevokedId]:
+        """The revokes that hold now, oldest first, with who made them and when."""
+        return revoked(self.client, self.keys)
 
     def totals(self) -> dict[str, int]:
         """Processed/failed/retried counters over all job queues."""
@@ -295,6 +316,16 @@ class Client:
     def job(self, job_id: str, deep: bool = True) -> JobStatus:
         """One job's status by its id (see :mod:`celery_ext.admin.job_status`)."""
         return JobLookup(self.client, self.settings, self.app).status(job_id, deep)
+
+    def pending_chords(self, limit: int = 100) -> list[PendingChord]:
+        """Chords whose body was not sent yet, oldest first, with their progress (n of m
+        header results): read from the app's result backend when it is celery-ext's
+        (:meth:`from_app`); empty otherwise."""
+        read = getattr(getattr(self.app, "backend", None), "pending_chords", None)
+        if read is None:
+            return []
+        return [PendingChord(group_id=r["group_id"], counted=r["counted"], size=r["size"],
+                             applied_at=r["applied_at"]) for r in read(limit)]
 
     def reap(self, force: bool = False) -> ReapResult:
         """One reaper pass now: requeue the jobs of dead worker pools, each judged by

@@ -20,18 +20,10 @@ from kombu.utils.json import dumps
 from celery_ext.admin.api_types import DeadJob, ScheduledJob
 from celery_ext.options.fair import message_fair_key
 from celery_ext.store.dead_set import split_record
+from celery_ext.store.envelope import decode_message
 
 #: Header counting how often a person retried a job from the dead set.
 MANUAL_RETRIES_HEADER = "celery_ext_manual_retries"
-
-
-def decode_message(payload: str) -> dict[str, Any]:
-    """The Kombu message of a payload as a dict; empty when it is not a JSON object."""
-    try:
-        message = json.loads(payload)
-    except ValueError:
-        return {}
-    return message if isinstance(message, dict) else {}
 
 
 def _headers(message: dict[str, Any]) -> dict[str, Any]:

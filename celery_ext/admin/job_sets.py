@@ -27,6 +27,7 @@ from celery_ext.store.copies import copies, per_copy, queue_of
 from celery_ext.store.dead_set import split_record
 from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import Keys
+from celery_ext.store.revoked import lift, revoked_task_id
 from celery_ext.store.scripts import Scripts
 
 T = TypeVar("T")
@@ -258,15 +259,20 @@ class JobSets:
         now = now_s(self.client)
         keys: list[str] = []
         args: list[Any] = []
+        lifted: list[str] = []
         for job_id, raw in zip(ids, records, strict=True):
             if raw is None:
                 continue
-            _meta, queue, payload = split_record(raw)
+            meta, queue, payload = split_record(raw)
+            task_id = revoked_task_id(meta, payload)
+            if task_id:
+                lifted.append(task_id)
             keys.append(k.queue_level(queue, level(payload_priority(payload),
                                                    self.settings.priority_steps)))
             args += [job_id, hashlib.sha1(raw).hexdigest(), manual_retry_payload(payload, now)]
         if not keys:
             return set()
+        lift(self.client, self.keys, lifted)  # (before: its fetch would drop it again)
         done = self.scripts("dead_retry", [k.dead, k.dead_jobs, k.ready, k.queues,
                                            *index_keys(k), *keys],
                             [k.wake_channel, k.queue(""), index_ttl_ms(self.settings), *args])

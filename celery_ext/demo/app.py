@@ -5,7 +5,8 @@ Two lines turn a Celery app into a celery_ext app: a ``celery-ext://`` broker UR
 
 - ``send_notice``: a short job (weight 5: its queue is picked five times as often);
 - ``build_report``: a long job that checks in with progress and stops cleanly when
-  its worker shuts down or someone asks it to;
+  its worker shuts down or someone asks it to; resumable: after its pool is killed it
+  goes on from its last step (its cursor) instead of starting over;
 - ``sync_account``: a flaky job that retries with backoff and, when it keeps
   failing, ends in the dead set, from where a person can retry it;
 - ``refresh_cache``: a unique job (a duplicate enqueued while one is pending is dropped);
@@ -45,12 +46,14 @@ def send_notice(user_id: int) -> str:
 
 @app.task(bind=True, weight=1, stall_after=30)
 def build_report(self: Any, report_id: int, steps: int = 20, step_seconds: float = 0.25) -> dict:
-    """A long job: checks in after each step; stops early when told to."""
-    for step in range(1, steps + 1):
+    """A long job: checks in after each step, with the step as its cursor, so a run after
+    its pool died resumes after the last step it did; stops early when told to."""
+    resumed_from = self.cursor or 0
+    for step in range(resumed_from + 1, steps + 1):
         time.sleep(step_seconds)
-        if self.checkin(message=f"step {step}/{steps}", progress=step / steps):
+        if self.checkin(message=f"step {step}/{steps}", progress=step / steps, cursor=step):
             return {"report_id": report_id, "stopped_at_step": step}
-    return {"report_id": report_id, "steps": steps}
+    return {"report_id": report_id, "steps": steps, "resumed_from": resumed_from}
 
 
 @app.task(bind=True, autoretry_for=(TransientError,), max_retries=3,

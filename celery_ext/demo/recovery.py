@@ -77,8 +77,11 @@ class Recovery:
                     and result.date_done != self.before.get(job_id):
                 worker = str(result.worker or "?").split("@")[0]
                 self.finished[tag] = worker
+                resumed = result.result.get("resumed_from") \
+                    if isinstance(result.result, dict) else None
                 out.event(f"recovered job {job_label(name, job_id)} ran on {worker}: "
-                          f"{result.state}")
+                          f"{result.state}" + (f", resumed after step {resumed} (its cursor)"
+                                               if resumed else ""))
             elif self.before.get(job_id) is not None:
                 self._rerun_after_its_result(job_id, name, tag, out)
         if len(self.finished) == len(self.jobs) and self.reaped_after is not None:

@@ -74,10 +74,11 @@ __all__ = ["job_label", "main", "run"]
 
 def _runs_long_job(admin: Client, pool_id: str, task: Any) -> bool:
     """Does the pool run a job of ``task`` (a long one, there to show running on) with
-    half of it or more still to go? One near its end can finish and be acked between
-    this read and the kill, which then finds the pool owning nothing to recover."""
+    a step done (its cursor: the recovered run resumes after it) and half of it or more
+    still to go? One near its end can finish and be acked between this read and the
+    kill, which then finds the pool owning nothing to recover."""
     return any(b["pool_id"] == pool_id and b["job_name"] == task.name
-               and (b["progress"] is None or b["progress"] < 0.5)
+               and b["progress"] is not None and b["progress"] < 0.5
                for b in admin.busy_workers())
 
 

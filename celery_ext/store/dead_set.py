@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,7 +40,43 @@ REASONS = {
     "unknown_message": "its message is not a task message",
     "rejected": "rejected by the consumer without requeue",
     "worker_lost": "its worker died under it too often (a poison pill)",
+    "revoked": "revoked or cancelled (Celery's revoke, Client.cancel): see store/revoked.py",
 }
+
+
+#: Called with ``(payload, record meta)`` for each job this process moved to the dead set;
+#: the result backend (``celery_ext/results/dead_jobs.py``) registers one, so the job's
+#: waiters and chord learn why. Nothing is read back when none is registered.
+DeadListener = Callable[[str, dict[str, Any]], None]
+_listeners: list[DeadListener] = []
+
+
+def on_dead(listener: DeadListener) -> None:
+    """Call ``listener`` for every job this process moves to the dead set (once per
+    listener, however often registered)."""
+    if listener not in _listeners:
+        _listeners.append(listener)
+
+
+def notify_dead(client: Any, keys: Keys, tags: list[str]) -> None:
+    """Hand the dead records of ``tags`` (just moved, in the copy ``keys``) to the
+    listeners. A listener's failure is logged: the job is dead either way."""
+    if not _listeners or not tags:
+        return
+    try:
+        raws = client.hmget(keys.dead_jobs, tags)
+    except CONNECTION_ERRORS as exc:
+        logger.warning("celery_ext: could not read %d dead job(s) back: %s", len(tags), exc)
+        return
+    for raw in raws:
+        if raw is None:
+            continue
+        meta, _queue, payload = split_record(raw)
+        for listener in list(_listeners):
+            try:
+                listener(payload, meta)
+            except Exception as exc:
+                logger.warning("celery_ext: a dead-set listener failed: %s", one_line(str(exc)))
 
 
 #: Tracebacks are cut to their last this many characters (the frames nearest the error).
@@ -69,8 +106,10 @@ def dead_letter(client: Any, settings: Settings, pool_id: str, tag: str, *,
          keys.limits, keys.ready, *index_keys(keys),
          *([keys.unique(unique_digest)] if unique_digest else [])],
         [tag, record, settings.dead_max_size, int(settings.dead_max_age * 1000), fallback,
-         keys.wake_channel, index_ttl_ms(settings)],
+         keys.wake_channel, index_ttl_ms(settings), keys.cursor_prefix],
     )
+    if moved:
+        notify_dead(client, keys, [tag])
     return bool(moved)
 
 

@@ -35,6 +35,16 @@ def _kind(value: Any) -> str:
             type(None): "null"}.get(type(value), "a number")
 
 
+def decode_message(payload: str) -> dict[str, Any]:
+    """The Kombu message of a stored payload (a dead or scheduled job's) as a dict; empty
+    when it is not a JSON object. Read by the admin side and the result backend."""
+    try:
+        message = json.loads(payload)
+    except ValueError:
+        return {}
+    return message if isinstance(message, dict) else {}
+
+
 def envelope_problem(raw: Any) -> str | None:
     """Why ``raw`` (a parsed job) cannot be handed to Kombu, or None if it can."""
     if not isinstance(raw, dict):

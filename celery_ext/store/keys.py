@@ -72,6 +72,15 @@ Layout (``ns`` = namespace)::
     {ns}:stop_requests       zset    job id -> ms when the request lapses: running jobs
                                      someone asked to stop (checkin returns True;
                                      stop_requests.py)
+    {ns}:revoked             zset    task id -> ms when its revoke lapses (revoked_ttl): the
+                                     ids a fetch drops instead of delivering (revoked.py;
+                                     on a cluster written to every copy)
+    {ns}:revoked_by          hash    task id -> "<meta json>" of its revoke (by, at,
+                                     terminate), trimmed with {ns}:revoked
+    {ns}:cursor:<task id>    string  "<owner delivery tag>\n<cursor json>": a resumable job's
+                                     cursor (worker/cursor.py), in its job queue's copy,
+                                     TTL cursor_ttl; removed by the ack of the run that
+                                     owns it, by dead-lettering and by a poison pill
     {ns}:stats               hash    "processed"/"failed"/"retried"[":<queue>"] -> count; and
                                      "recovered" (jobs the reaper requeued), "pools_reaped",
                                      "poison_pills" (dead-lettered after max_recoveries),
@@ -130,6 +139,32 @@ Layout (``ns`` = namespace)::
                                      there; enqueue.lua and schedule.lua write no run of
                                      that due time or an earlier one again
                                      (producer/periodic_run.py)
+
+Result backend (``celery_ext/results/``; ``ResultKeys``). Each result carries the tag of its
+own task id, so results spread over a cluster's masters; a group's and a chord's keys share
+the group's tag, so each chord step is one script. Every one of them is written with a TTL::
+
+    {ns:<task id>}:result    string  a task's result meta (Celery's encoding), TTL result_expires
+    {ns:<group id>}:group    string  a saved GroupResult (GroupResult.save), TTL result_expires
+    {ns:<group id>}:chord    hash    a pending chord: "size" (header jobs), "counted" (header
+                                     results counted), "body_sent" (1 once the body was
+                                     claimed), "error" (the reason it failed), TTL chord expiry
+    {ns:<group id>}:chord_ids
+                             set     task ids of the header results counted (a second run of
+                                     a header job counts once), TTL chord expiry
+    {ns:<group id>}:chord_results
+                             zset    header results (Celery's encoding) scored by their place
+                                     in the header, TTL chord expiry
+    {ns}:pending_chords      zset    group id -> applied at (Redis ms): chords not yet settled, for
+                                     the dashboard, the CLI and Client (an index written beside
+                                     each chord's script: another slot on a cluster; readers
+                                     drop entries whose chord settled or expired), TTL chord
+                                     expiry
+    {ns:client:<oid>}:results
+                             channel a waiting client's wake-up channel (one per client
+                                     thread, named by Celery's ``reply_to``): the storing
+                                     worker publishes each result meta to it (SPUBLISH on a
+                                     cluster, so it stays on the channel's shard)
 """
 
 from __future__ import annotations
@@ -263,7 +298,8 @@ class Keys:
         (candidates, repeats allowed): the fixed keys, then each candidate's level lists."""
         return [self.inflight(pool_id), self.pools, self.ready, self.redelivery,
                 self.inflight_pools, self.running, self.limits, self.paused, self.rate_limits,
-                self.rate_tat, self.stats, self.job_index,
+                self.rate_tat, self.stats, self.job_index, self.revoked, self.revoked_by,
+                self.dead, self.dead_jobs, self.job_index_done,
                 *(key for q in queues for key in self.queue_levels(q, steps))]
     def fair_ring(self, name: str) -> str:
         """The ring of a job queue's active fair keys (:mod:`.fair`)."""
@@ -331,6 +367,24 @@ class Keys:
     @property
     def stop_requests(self) -> str:
         return self.prefix + "stop_requests"
+
+    def cursor(self, job_id: str) -> str:
+        """A resumable job's cursor, by task id, in its job queue's copy (``of``)."""
+        return f"{self.cursor_prefix}{job_id}"
+
+    @property
+    def cursor_prefix(self) -> str:
+        """:meth:`cursor` without the task id: the scripts that end a job (ack, dead,
+        recover) find its id in its payload and drop its cursor by this prefix."""
+        return self.prefix + "cursor:"
+
+    @property
+    def revoked(self) -> str:
+        return self.prefix + "revoked"
+
+    @property
+    def revoked_by(self) -> str:
+        return self.prefix + "revoked_by"
 
     @property
     def stats(self) -> str:
@@ -433,3 +487,52 @@ def _queue_copy(namespace: str, queue: str, keyprefix: str = "") -> Keys:
     """A job queue's copy of the layout on a cluster: tag ``<namespace>:<queue>``. A
     ``}`` in the name ends the tag early, the same way for every key of the copy."""
     return Keys(namespace, cluster=True, tag=f"{namespace}:{queue}", keyprefix=keyprefix)
+
+
+@dataclass(frozen=True)
+class ResultKeys:
+    """Keys of the result backend (``celery_ext/results/``) in one namespace.
+
+    Unlike the broker's layout there is no home copy: every result is tagged by its own
+    task id (or its group's id), on one node as on a cluster, so a backend that moves to a
+    cluster keeps its layout and each chord step touches the one slot of its group."""
+
+    namespace: str
+    #: Kombu's ``global_keyprefix`` of ``result_backend_transport_options``, before every
+    #: key and channel name ("" = none), as the broker's ``Keys`` put it.
+    keyprefix: str = ""
+
+    def _of(self, ident: str) -> str:
+        return self.keyprefix + "{" + self.namespace + ":" + ident + "}:"
+
+    def result(self, task_id: str) -> str:
+        return self._of(task_id) + "result"
+
+    def group(self, group_id: str) -> str:
+        return self._of(group_id) + "group"
+
+    def chord(self, group_id: str) -> str:
+        return self._of(group_id) + "chord"
+
+    def chord_ids(self, group_id: str) -> str:
+        return self._of(group_id) + "chord_ids"
+
+    def chord_results(self, group_id: str) -> str:
+        return self._of(group_id) + "chord_results"
+
+    def chord_keys(self, group_id: str) -> list[str]:
+        """KEYS of ``chord_part.lua`` for the chord of ``group_id`` (one slot)."""
+        return [self.chord(group_id), self.chord_ids(group_id), self.chord_results(group_id)]
+
+    @property
+    def pending_chords(self) -> str:
+        return self.keyprefix + "{" + self.namespace + "}:pending_chords"
+
+    def wake_channel(self, oid: str) -> str:
+        """The wake-up channel of a waiting client (its Celery ``reply_to``)."""
+        return self.keyprefix + "{" + self.namespace + ":client:" + oid + "}:results"
+
+    @property
+    def pattern(self) -> str:
+        """SCAN pattern matching every key of this namespace's results (tests, admin)."""
+        return self.keyprefix + "{" + self.namespace + ":*}:*"

@@ -48,6 +48,7 @@ from celery_ext.errors import CLUSTER_ERRORS, BrokerOutOfMemory, job_name
 from celery_ext.options.fair import connect as connect_fair_keys
 from celery_ext.options.weights import weight_of
 from celery_ext.producer.bulk import Bulk
+from celery_ext.producer.control import MAILBOX_SUFFIX, record_control
 from celery_ext.producer.publish import Enqueuer
 from celery_ext.store import connections
 from celery_ext.store import scripts as _scripts
@@ -183,6 +184,15 @@ class Channel(kredis.Channel):
     # -- fanout (events, remote control): Kombu's channels, under the prefix ---------------
     def _get_publish_topic(self, exchange: str, routing_key: str) -> str:
         return self.keys.kombu_channel(super()._get_publish_topic(exchange, routing_key))
+
+    def _put_fanout(self, exchange: str, message: Any, routing_key: str, **kwargs: Any) -> None:
+        # A revoke is recorded in Redis before its broadcast goes out (producer/control.py),
+        # so it holds for the workers that are not up to hear it. (Events: nothing more.)
+        if exchange.endswith(MAILBOX_SUFFIX):
+            with self.conn_or_acquire() as client:
+                record_control(exchange, message, self.decode_body, client, self._scripts,
+                               self.settings)
+        super()._put_fanout(exchange, message, routing_key, **kwargs)
 
     def _handle_message(self, client: Any, r: Any) -> dict[str, Any]:
         payload: dict[str, Any] = super()._handle_message(client, r)

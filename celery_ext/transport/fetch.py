@@ -7,6 +7,8 @@ job per candidate and records it in the pool's in-flight hash in the same atomic
 (or, for a no-ack queue, only pops it). In the event loop the call is sent on the
 channel's own connection and its reply read when that connection is readable
 (Kombu's ``_brpop_start``/``_brpop_read``); ``basic_get`` and ``_get`` run it at once.
+A job whose task id is revoked is not delivered: the script moves it to the dead set,
+and its result is marked revoked here (``worker/control.mark_revoked``).
 The reply says which queues were empty, blocked (paused, at their max_concurrency) or
 rate-limited: the channel stops fetching from them until a wake-up or a timer says
 otherwise (``wakeup.py``).
@@ -43,6 +45,7 @@ from celery_ext.store.keys import Keys
 from celery_ext.store.probe import gone_silent
 from celery_ext.text import one_line
 from celery_ext.transport.qos import fetch_waits
+from celery_ext.worker.control import mark_revoked
 
 if TYPE_CHECKING:
     from celery_ext.transport.channel import Channel
@@ -56,7 +59,8 @@ def fetch_call(keys: Keys, settings: Settings, pool_id: str, queues: list[str],
     of ``queues`` for ``pool_id`` ("-": none tracked), ``flags`` a "1" (tracked) or "0"
     (no-ack) per queue."""
     return (keys.fetch(pool_id, queues, settings.priority_steps),
-            [pool_id, flags, *queues, settings.max_payload_bytes, int(settings.job_index)])
+            [pool_id, flags, *queues, settings.max_payload_bytes, int(settings.job_index),
+             settings.dead_max_size, int(settings.dead_max_age * 1000)])
 
 
 def envelope_json(payload: bytes | str) -> Any:
@@ -251,8 +255,10 @@ class Fetcher:
         if not pending:
             channel._ready.fetch_replied(())
             raise Empty()
-        status, jobs, empties, blocked, waits = reply
+        status, jobs, empties, blocked, waits, *dropped = reply
         self._replied(empties, blocked, waits)
+        if dropped:
+            mark_revoked([bytes_to_str(i) for i in dropped[0]])
         if not status:
             # A reaper declared this pool dead while it was stopped; register again.
             # (On a cluster the copies that did not refuse it may have given jobs.)

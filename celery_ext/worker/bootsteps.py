@@ -277,14 +277,18 @@ def _executor_name(executor: Any) -> str:
 def add_worker_parts(app: Any) -> None:
     """What a worker of ``app`` needs from the plugin whether or not ``install(app)``
     ran: the consumer steps, the Request class (lost-worker counting, failed jobs to
-    the dead set, promoted jobs' eta ignored), ``task.checkin()`` and the hook that
+    the dead set, promoted jobs' eta ignored), ``task.checkin()``, ``task.cursor`` and the hook that
     makes a running worker learn a task bound after it started. Idempotent."""
+    from celery_ext.worker import control
+    from celery_ext.worker.cursor import task_cursor
     from celery_ext.worker.inspect_scheduled import register as register_inspect_scheduled
     from celery_ext.worker.observer import _task_checkin
 
+    control.register()
     register_inspect_scheduled()
     app.steps["consumer"].add(Sets)
     app.steps["consumer"].add(DeadLetters)
+    app.steps["consumer"].add(RevokedEvents)
     app.steps["consumer"].add(PeriodicJobs)
     app.steps["consumer"].add(NewTasks)
     if "on_bound" not in vars(app.Task):
@@ -293,6 +297,8 @@ def add_worker_parts(app: Any) -> None:
         app.Task.Request = "celery_ext.worker.request:Request"
     if not hasattr(app.Task, "checkin"):
         app.Task.checkin = _task_checkin
+    if not hasattr(app.Task, "cursor"):
+        app.Task.cursor = property(task_cursor)
 
 
 def _one_line_connection_errors() -> None:
@@ -472,6 +478,19 @@ class DeadLetters(bootsteps.Step):
         if not getattr(c, "_celery_ext_dead_letters", False):
             wrap_consumer_handlers(c)
             c._celery_ext_dead_letters = True
+
+
+class RevokedEvents(bootsteps.Step):
+    """Consumer step: the jobs the fetch drops as revoked are announced with Celery's
+    ``task-revoked`` event from this consumer, as Celery announces a revoked job it
+    receives (``worker/control.mark_revoked``): Flower shows them revoked."""
+
+    name = "celery_ext.RevokedEvents"
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        from celery_ext.worker import control
+
+        control.watch(c)
 
 
 class PeriodicJobs(bootsteps.StartStopStep):

@@ -9,7 +9,8 @@ client is a pool that serves any number of greenlets, so both are shared across 
 worker's greenlets (the Redis one bounded like our own clients, ``GREEN_MAX_CONNECTIONS``,
 unless ``redis_max_connections`` says otherwise). Other backends keep Celery's default
 (one per greenlet): whether they may be shared is theirs to say, with
-``result_backend_thread_safe``.
+``result_backend_thread_safe``, or with a ``shared_by_greenlets`` class attribute (celery-ext's
+result backend, whose clients are sized for every greenlet as the channels' are).
 
 **Kombu's retry sleep yields.** ``celery worker -P gevent`` patches the standard library
 first thing (``celery.maybe_patch_concurrency`` -> ``gevent.monkey.patch_all``). While
@@ -56,7 +57,8 @@ def share_result_backend(app: Any) -> bool:
         return True
     # Which class Celery would make, without making one (as ``Celery._get_backend``).
     cls, _ = by_url(getattr(app, "backend_cls", None) or conf.result_backend, app.loader)
-    if not issubclass(cls, SHAREABLE_BACKENDS):
+    # celery-ext's own backend says so itself (``results/`` is not imported from here).
+    if not (issubclass(cls, SHAREABLE_BACKENDS) or getattr(cls, "shared_by_greenlets", False)):
         return False
     conf[THREAD_SAFE] = True
     if issubclass(cls, RedisBackend) and not conf.get(MAX_CONNECTIONS):

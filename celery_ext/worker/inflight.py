@@ -21,6 +21,7 @@ from celery_ext.config import DEFAULT_PRIORITY_STEPS, Settings
 from celery_ext.options.priority import level, payload_priority
 from celery_ext.options.unique import MODE_HEADER, finished_lock
 from celery_ext.store.copies import run_scripts
+from celery_ext.store.dead_set import notify_dead
 from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import STAT_POISON_PILLS, STAT_RECOVERED, Keys
 from celery_ext.store.scripts import Scripts
@@ -171,7 +172,8 @@ class InflightRecord:
         k = keys or self.keys
         locks = {k.unique(d) for d in (self._locks.get(t) for t in tags) if d is not None}
         return ([k.inflight(self.pool_id), k.redelivery, k.running, k.limits, k.ready,
-                 *index_keys(k), *sorted(locks)], [k.wake_channel, self.index_ttl, *tags])
+                 *index_keys(k), *sorted(locks)],
+                [k.wake_channel, self.index_ttl, k.cursor_prefix, *tags])
 
     def ack(self, tags: list[str]) -> int:
         """Drop finished jobs from the record; tags no longer in it are ignored."""
@@ -277,7 +279,7 @@ def recover_call(keys: Keys, settings: Settings, pool_id: str, pairs: list[tuple
              *index_keys(keys), *(q for _, q in pairs), *locks],
             [pool_id, mode, deadline_ms, keys.wake_channel, keys.queue(""),
              settings.max_recoveries, settings.dead_max_size, reason, index_ttl_ms(settings),
-             *(t for t, _ in pairs)])
+             keys.cursor_prefix, *(t for t, _ in pairs)])
 
 
 def recover_reply(client: Any, keys: Keys, mode: str, reply: Any
@@ -286,7 +288,9 @@ def recover_reply(client: Any, keys: Keys, mode: str, reply: Any
     stats."""
     status, requeued, dead = reply
     _count_recoveries(client, keys, len(requeued) if mode == "pool" else 0, len(dead))
-    return bool(status), [bytes_to_str(t) for t in requeued], [bytes_to_str(t) for t in dead]
+    dead_tags = [bytes_to_str(t) for t in dead]
+    notify_dead(client, keys, dead_tags)  # poison pills: their chords fail (results/)
+    return bool(status), [bytes_to_str(t) for t in requeued], dead_tags
 
 
 def recover_tags(client: Any, settings: Settings, pool_id: str, tags: list[str], *,

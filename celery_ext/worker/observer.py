@@ -37,6 +37,7 @@ from celery_ext.store.history import HistoryWriter
 from celery_ext.store.keys import RUNTIME_BUCKET_NAMES, RUNTIME_BUCKETS, Keys
 from celery_ext.store.scripts import Scripts
 from celery_ext.text import one_line
+from celery_ext.worker import cursor as cursors
 from celery_ext.worker.heartbeater import owning_pool_id
 from celery_ext.worker.outage import Outage
 
@@ -447,12 +448,13 @@ class Observer:
 
 
 def checkin(message: str | None = None, progress: float | None = None,
-            task: Any = None) -> bool:
+            task: Any = None, cursor: Any = cursors.UNSET) -> bool:
     """Report progress of the running job; True means "stop now, cleanly".
 
     True when the job's worker pool is shutting down (warm shutdown) or someone asked
     this job to stop (``celery_ext.client``). Writes at most once per second per job,
     however often it is called; also emits a ``task-progress`` Celery event (Flower).
+    ``cursor``: where a resumable job is, its next run's ``self.cursor`` (cursor.py).
     """
     task = task or current_task
     if task is None or task.request.id is None or task.request.called_directly:
@@ -461,6 +463,8 @@ def checkin(message: str | None = None, progress: float | None = None,
     if obs is None:
         return False
     answer, written = obs.checkin(task.request.id, message, progress)
+    if cursor is not cursors.UNSET:
+        cursors.save(obs, task, cursor, stopping=answer)
     if written:
         try:
             task.send_event("task-progress", message=message, progress=progress)
@@ -469,8 +473,9 @@ def checkin(message: str | None = None, progress: float | None = None,
     return answer
 
 
-def _task_checkin(self: Any, message: str | None = None, progress: float | None = None) -> bool:
-    return checkin(message, progress, task=self)
+def _task_checkin(self: Any, message: str | None = None, progress: float | None = None,
+                  cursor: Any = cursors.UNSET) -> bool:
+    return checkin(message, progress, task=self, cursor=cursor)
 
 
 def _observed(app: Any) -> bool:

@@ -268,7 +268,7 @@ def test_jobs_dead_in_one_millisecond_are_listed_and_trimmed_in_the_order_they_d
                 K.redelivery, K.running, K.dead, K.dead_jobs, K.job_index,
                 K.job_index_done, K.queue("job.a")],
                ["p1", "job", 0, K.wake_channel, K.queue(""), small.max_recoveries,
-                small.dead_max_size, "worker lost", 0, pill])
+                small.dead_max_size, "worker lost", 0, K.cursor_prefix, pill])
     Scripts(redis_client).load_all()  # (EVALSHA in a pipeline)
     with redis_client.pipeline(transaction=False) as pipe:
         for tag in tags:

@@ -151,6 +151,9 @@ def test_demo_shows_everything_and_stops_cleanly(demo: Demo, empty: Path) -> Non
     # job index: "ran on demo-a (its first run had finished before the kill ...").
     ran = re.findall(r"recovered job (\S+) ran on demo-a(?:: | \(its first run)", demo.output)
     assert sorted(ran) == sorted(jobs), demo.output
+    # The long job it ran went on from its cursor (resumable jobs), not from step 1.
+    assert re.search(r"recovered job build_report\[\S+\] ran on demo-a: SUCCESS, resumed "
+                     r"after step \d+ \(its cursor\)", demo.output), demo.output
     demo.line(r"started a new pool demo-b \(pid \d+\)", 5)
     # The app's periodic job (every 10 s), enqueued by the pools and run.
     demo.line(r"periodic runs [1-9]", 30)

@@ -170,7 +170,7 @@ namespaces = st.from_regex(r"\A[A-Za-z0-9_.:-]{1,64}\Z")
 # Any name a user or a pool could bring, braces, newlines and colons included.
 names = st.text(min_size=0, max_size=40)
 
-DYNAMIC = ("queue", "pool", "inflight", "busy", "unique")
+DYNAMIC = ("queue", "pool", "inflight", "busy", "unique", "cursor")
 FIXED = ("ready", "queues", "weights", "pools", "inflight_pools", "redelivery",
          "reaper_lock", "checkins", "stop_requests", "stats", "running", "dead", "dead_jobs",
          "scheduled", "retry", "scheduled_jobs", "requeuer_lease", "paused", "limits")

@@ -1,5 +1,5 @@
 """Worker pools and the jobs they run: pools, busy workers, one job's status, asking a
-job to stop, and a reaper pass."""
+job to stop, cancelling a job by id (and the revoked ids), and a reaper pass."""
 
 from __future__ import annotations
 
@@ -37,6 +37,20 @@ def pools(client: ClientGetter) -> Output:
     return Output(items, [pool_table(items)])
 
 
+@command("chords")
+@click.option("--limit", default=100, show_default=True, type=int, help="Most chords to list.")
+def chords(client: ClientGetter, limit: int) -> Output:
+    """Chords whose body was not sent yet: header results counted of the header's size."""
+    c = client()
+    items = c.pending_chords(limit)
+    now = c.server_time()  # applied_at is on the Redis clock
+    return Output(items, [Table(
+        ["CHORD (GROUP ID)", "COUNTED", "APPLIED"],
+        [[c["group_id"], f"{c['counted']} of {c['size'] if c['size'] is not None else '?'}",
+          age(now - c["applied_at"])] for c in items],
+        "no pending chords (or the app's result backend is not celery-ext's)")])
+
+
 @command("busy")
 def busy(client: ClientGetter) -> Output:
     """Busy workers: the jobs running now, with checkin progress."""
@@ -52,6 +66,37 @@ def stop(client: ClientGetter, job_id: str) -> Output:
         return Output(None, [f"asked job {job_id} to stop"])
     return Output(None, error=f"job {job_id} is not in flight: only a fetched or running "
                               "job can be asked to stop")
+
+
+@command("cancel")
+@click.argument("job_id")
+def cancel(client: ClientGetter, job_id: str) -> Output:
+    """Cancel a job by id, wherever it is: queued, scheduled or retrying, it never runs
+    (it goes to the dead set, reason revoked); running, its next checkin returns True;
+    enqueued later with this id, it does not run either (for revoked_ttl)."""
+    outcome = client().cancel(job_id)
+    if job_id in outcome["removed"]:
+        where = f"removed from the {outcome['removed'][job_id]} set to the dead set"
+    elif job_id in outcome["queued"]:
+        where = "queued: the fetch that pops it moves it to the dead set"
+    elif job_id in outcome["stop_requested"]:
+        where = "in flight: asked to stop at its next checkin"
+    elif job_id in outcome["inflight"]:
+        where = "in flight"
+    else:
+        where = "not found now: a job enqueued with this id later will not run"
+    return Output(outcome, [f"cancelled job {job_id}: {where}"])
+
+
+@command("revoked")
+def revoked(client: ClientGetter) -> Output:
+    """Revoked and cancelled job ids that hold now: who, when, until when."""
+    items = client().revoked()
+    return Output(items, [Table(
+        ["JOB ID", "BY", "VIA", "AT", "UNTIL"],
+        [[r["task_id"], r["meta"].get("by"), r["meta"].get("via"),
+          when((r["meta"].get("revoked_at") or 0) / 1000), when(r["lapses_at"])]
+         for r in items], "no revoked jobs")])
 
 
 @command("job")
@@ -101,4 +146,4 @@ def reap(client: ClientGetter, force: bool) -> Output:
                    "waiting": result.waiting, "watched": result.watched}, text)
 
 
-COMMANDS = [pools, busy, stop, job, reap]
+COMMANDS = [pools, busy, chords, stop, cancel, revoked, job, reap]

@@ -175,6 +175,12 @@ def busy(request: Request) -> JSONResponse:
     return JSONResponse({"items": _client(request).busy_workers()})
 
 
+def chords(request: Request) -> JSONResponse:
+    """Pending chords of the app's result backend (celery-ext's), with n of m counted."""
+    client = _client(request)
+    return JSONResponse({"items": client.pending_chords(), "server_time": client.server_time()})
+
+
 def set_listing(request: Request, *, kind: str) -> JSONResponse:
     """One page of the scheduled, retry or dead set (``kind``), without bulky fields."""
     client = _client(request)
@@ -316,6 +322,17 @@ async def stop(request: Request) -> JSONResponse:
         raise HTTPException(404, "no such job in flight (only a fetched or running job "
                                  "can be asked to stop)")
     return JSONResponse({"job_id": job_id, "stop_requested": True})
+
+
+async def cancel(request: Request) -> JSONResponse:
+    """Cancel a job by id wherever it is (``Client.cancel``): the outcome says where."""
+    job_id = _str_field(await _json_body(request), "job_id")
+    outcome = await run_in_threadpool(_client(request).cancel, job_id)
+    return JSONResponse({"job_id": job_id, **outcome})
+
+
+async def revoked(request: Request) -> JSONResponse:
+    return JSONResponse({"items": await run_in_threadpool(_client(request).revoked)})
 
 
 async def scheduled_delete(request: Request) -> JSONResponse:

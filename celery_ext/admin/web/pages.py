@@ -24,6 +24,7 @@ PAGES = (
     ("queues", "/queues", "Job queues"),
     ("pools", "/pools", "Worker pools"),
     ("busy", "/busy", "Busy workers"),
+    ("chords", "/chords", "Chords"),
     ("scheduled", "/scheduled", "Scheduled"),
     ("retry", "/retry", "Retry"),
     ("dead", "/dead", "Dead"),

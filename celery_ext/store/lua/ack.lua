@@ -12,7 +12,9 @@
 --          run ended; a retry published before this ack holds it under its own tag)
 -- ARGV[1]  wake channel                 {ns}:wake
 -- ARGV[2]  job index TTL of finished entries in ms, "0" = no index (include/job_index.lua)
--- ARGV[3..] delivery tags
+-- ARGV[3]  cursor key prefix            {ns}:cursor: (include/cursor.lua): a finished
+--          job's cursor goes with it, if this run owns it
+-- ARGV[4..] delivery tags
 -- A job whose index entry names another copy (a retry scheduled under its task id)
 -- leaves that entry alone.
 -- A tag no longer in the record (its pool was reaped and the job requeued) is
@@ -29,7 +31,8 @@ local done = {}
 local limited = redis.call('HLEN', KEYS[4]) > 0
 local indexTtl = tonumber(ARGV[2])
 -- @include job_index
-for i = 3, #ARGV do
+-- @include cursor
+for i = 4, #ARGV do
   local rec = redis.call('HGET', KEYS[1], ARGV[i])
   if rec then
     local qname = string.sub(rec, 1, string.find(rec, '\n', 1, true) - 1)
@@ -38,6 +41,7 @@ for i = 3, #ARGV do
       local same, f = jix_is(KEYS[6], id, 'inflight', ARGV[i])
       if same then jix_finish(KEYS[6], KEYS[7], indexTtl, id, qname, ARGV[i], f and f[5]) end
     end
+    cursor_drop(ARGV[3], jix_payload_after(rec, 1), ARGV[i])
     redis.call('HDEL', KEYS[1], ARGV[i])
     redis.call('HDEL', KEYS[2], ARGV[i])
     local n = redis.call('HINCRBY', KEYS[3], qname, -1)

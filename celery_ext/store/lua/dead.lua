@@ -22,6 +22,8 @@
 -- ARGV[7]  job index TTL of finished entries in ms, "0" = no index (include/job_index.lua):
 --          the entry says dead unless it names another copy of the job; jobs trimmed
 --          from the dead set lose theirs
+-- ARGV[8]  (optional) cursor key prefix {ns}:cursor: (include/cursor.lua): a dead job
+--          keeps no cursor (retried from the dead set, it starts over)
 -- Returns 1 if moved, 0 if the tag was not in flight and no record was given
 -- (already moved: idempotent). The dead job's id is the tag, with "~<n>" added
 -- if that id is already dead (include/dead_set.lua, which also orders jobs that die in
@@ -31,6 +33,7 @@ local indexTtl = tonumber(ARGV[7] or 0) or 0
 -- @include job_index
 -- @include fair
 -- @include dead_set
+-- @include cursor
 -- @include unique
 local rec = redis.call('HGET', KEYS[1], ARGV[1])
 local inflight = rec ~= false
@@ -50,6 +53,7 @@ else
   return 0
 end
 local id = dead_add(KEYS[2], KEYS[3], ARGV[1], ARGV[2] .. '\n' .. rec)
+cursor_drop(ARGV[8], jix_payload_after(rec, 1), nil)
 if indexTtl > 0 then
   local nl = string.find(rec, '\n', 1, true)
   local tid = jix_task_id(string.sub(rec, nl + 1))

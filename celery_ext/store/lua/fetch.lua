@@ -15,15 +15,26 @@
 -- KEYS[10] rate limit state hash        {ns}:rate_tat
 -- KEYS[11] stats hash                   {ns}:stats
 -- KEYS[12] job index hash               {ns}:jobs (include/job_index.lua)
--- KEYS[13..] job queue lists, L per candidate (repeats allowed): one per priority
---          level, the level that runs first first (L = (#KEYS - 12) / candidates)
+-- KEYS[13] revoked ids zset             {ns}:revoked (include/revoked.lua)
+-- KEYS[14] revokes' meta hash           {ns}:revoked_by
+-- KEYS[15] dead zset                    {ns}:dead
+-- KEYS[16] dead jobs hash               {ns}:dead_jobs
+-- KEYS[17] finished index entries       {ns}:jobs_done
+-- KEYS[18..] job queue lists, L per candidate (repeats allowed): one per priority
+--          level, the level that runs first first (L = (#KEYS - 17) / candidates)
 -- ARGV[1]  pool id
 -- ARGV[2]  one char per candidate: "1" = record in-flight (acked consumer), "0" = no-ack
--- ARGV[3..] queue names, one per candidate, in the order of the KEYS[13..] groups
+-- ARGV[3..] queue names, one per candidate, in the order of the KEYS[18..] groups
 -- ARGV[3 + n] (optional, n = number of candidates) max_payload_bytes, 0 = no limit
 -- ARGV[4 + n] (optional) "1" = keep the job index: each tracked job's entry says
 --          inflight in this pool under its delivery tag (O(1): the task id is read
 --          from the payload's last bytes)
+-- ARGV[5 + n] (optional) max dead jobs kept (default 10000)
+-- ARGV[6 + n] (optional) max age of dead jobs, ms (default: no age rule)
+-- A popped job whose task id is revoked (KEYS[13], while its revoke holds) is not
+-- delivered nor recorded in flight: it goes to the dead set, reason "revoked", with the
+-- revoke's meta (who, when), and its index entry says dead. One ZSCORE per job while
+-- any id is revoked, nothing more when none is. The candidate yields no job this call.
 -- Delivery tag: read from the payload's last bytes (include/delivery_tag.lua); a job
 -- without one (another client's layout) gets "untagged-<sha1 ...>", the same on every
 -- fetch, so its recovery count holds across requeues; a duplicate gets a "~<n>"
@@ -54,18 +65,24 @@
 -- over the limit), recoveries or -1}, ...};
 -- empties = names of candidate queues found or left empty; blocked = names of
 -- candidate queues skipped (paused, at their limit or not due) or left at their limit
--- or not due; waits = {{queue name, µs until its next job is due}, ...}.
+-- or not due; waits = {{queue name, µs until its next job is due}, ...}; and, only when
+-- jobs were dropped as revoked, a sixth element: their task ids (the worker marks their
+-- results revoked, as Celery does for a revoked job it receives).
 local FAIR_TRIES = 8
 local MAX_WAIT_US = 86400000000
-local NFIXED = 12
+local NFIXED = 17
 local flags = ARGV[2]
 local ncand = #flags
 -- Lists per candidate, one per priority level: the first non-empty one is popped.
 local nlev = ncand > 0 and (#KEYS - NFIXED) / ncand or 1
 local max_payload = tonumber(ARGV[3 + ncand] or 0) or 0
 local indexed = ARGV[4 + ncand] == '1'
+local dead_max = tonumber(ARGV[5 + ncand] or '') or 10000
+local dead_age = tonumber(ARGV[6 + ncand] or '')
 -- @include clock
 -- @include job_index
+-- @include revoked
+-- @include dead_set
 
 -- @include delivery_tag
 -- Per queue name, the first level (1 = the first) that may hold jobs: the levels
@@ -134,6 +151,8 @@ if rated then
   now_us = clock_us()
 end
 local tracked = false
+local any_revoked = redis.call('EXISTS', KEYS[13]) == 1
+local dropped = {}
 for i = 1, ncand do
   local first, qname = NFIXED + (i - 1) * nlev, ARGV[2 + i]
   if not skip[qname] and not checked[qname] then
@@ -182,42 +201,55 @@ for i = 1, ncand do
       empties[#empties + 1] = qname
       redis.call('SREM', KEYS[3], qname)
     else
-      local tag = tag_of(payload)
-      local track = string.sub(flags, i, i) == '1'
-      if track then
-        -- A tag this pool already owns (a duplicated or forged message) gets a
-        -- suffix: overwriting would silently drop the other job's record.
-        local base, n = tag, 0
-        while redis.call('HSETNX', KEYS[1], tag, qname .. '\n' .. payload) == 0 do
-          n = n + 1
-          tag = base .. '~' .. n
-        end
-        redis.call('HINCRBY', KEYS[6], qname, 1)
-        if fkey then  -- counted with a per-key limit or not (include/fair.lua)
-          redis.call('HINCRBY', KEYS[6], qname .. '\n' .. fkey, 1)
-        end
-        tracked = true
-        if indexed then
-          jix_set(KEYS[12], jix_task_id(payload), 'inflight', qname, tag, ARGV[1])
-        end
-        if room[qname] then room[qname] = room[qname] - 1 end
-      elseif indexed then
-        jix_drop(KEYS[12], jix_task_id(payload), 'queued')  -- no-ack: delivered is gone
-      end
-      local rec = redis.call('HGET', KEYS[4], tag)
-      if track and max_payload > 0 and #payload > max_payload then
-        jobs[#jobs + 1] = {qname, tag, #payload, tonumber(rec or -1)}
+      local tid = any_revoked and jix_task_id(payload)
+      local rmeta = tid and revoked_meta(KEYS[13], KEYS[14], tid)
+      if rmeta then
+        local rtag = tag_of(payload)
+        redis.call('HDEL', KEYS[4], rtag)  -- (a recovered job's count goes with it)
+        local did = dead_add(KEYS[15], KEYS[16], rtag, rmeta .. '\n' .. qname .. '\n' .. payload)
+        if indexed then jix_set(KEYS[12], tid, 'dead', qname, did, 'revoked') end
+        dead_trim(KEYS[15], KEYS[16], KEYS[12], indexed and 1 or 0, dead_max, dead_age)
+        dropped[#dropped + 1] = tid
       else
-        jobs[#jobs + 1] = {qname, tag, payload, tonumber(rec or -1)}
-      end
-      if interval[qname] then
-        tat[qname] = math.max(tat[qname], now_us) + interval[qname]
-        redis.call('HSET', KEYS[10], qname, string.format('%.0f', tat[qname]))
+        local tag = tag_of(payload)
+        local track = string.sub(flags, i, i) == '1'
+        if track then
+          -- A tag this pool already owns (a duplicated or forged message) gets a
+          -- suffix: overwriting would silently drop the other job's record.
+          local base, n = tag, 0
+          while redis.call('HSETNX', KEYS[1], tag, qname .. '\n' .. payload) == 0 do
+            n = n + 1
+            tag = base .. '~' .. n
+          end
+          redis.call('HINCRBY', KEYS[6], qname, 1)
+          if fkey then  -- counted with a per-key limit or not (include/fair.lua)
+            redis.call('HINCRBY', KEYS[6], qname .. '\n' .. fkey, 1)
+          end
+          tracked = true
+          if indexed then
+            jix_set(KEYS[12], jix_task_id(payload), 'inflight', qname, tag, ARGV[1])
+          end
+          if room[qname] then room[qname] = room[qname] - 1 end
+        elseif indexed then
+          jix_drop(KEYS[12], jix_task_id(payload), 'queued')  -- no-ack: delivered is gone
+        end
+        local rec = redis.call('HGET', KEYS[4], tag)
+        if track and max_payload > 0 and #payload > max_payload then
+          jobs[#jobs + 1] = {qname, tag, #payload, tonumber(rec or -1)}
+        else
+          jobs[#jobs + 1] = {qname, tag, payload, tonumber(rec or -1)}
+        end
+        if interval[qname] then
+          tat[qname] = math.max(tat[qname], now_us) + interval[qname]
+          redis.call('HSET', KEYS[10], qname, string.format('%.0f', tat[qname]))
+        end
       end
       if at and drained(at, first) then
         skip[qname] = 'empty'
         empties[#empties + 1] = qname
         redis.call('SREM', KEYS[3], qname)
+      elseif rmeta then
+        -- (nothing was taken: the queue's limits and rate are as they were)
       elseif room[qname] and room[qname] <= 0 then
         skip[qname] = 'reported'
         blocked[#blocked + 1] = qname
@@ -231,5 +263,8 @@ for i = 1, ncand do
 end
 if tracked then
   redis.call('SADD', KEYS[5], ARGV[1])
+end
+if #dropped > 0 then
+  return {1, jobs, empties, blocked, waits, dropped}
 end
 return {1, jobs, empties, blocked, waits}

@@ -33,7 +33,9 @@
 -- ARGV[7]  max dead jobs kept
 -- ARGV[8]  reason/error text prefix for the dead set (e.g. "worker lost")
 -- ARGV[9]  job index TTL of finished entries in ms, "0" = no index (include/job_index.lua)
--- ARGV[10..] delivery tags, one per KEYS[12..], in the order to push them
+-- ARGV[10] cursor key prefix            {ns}:cursor: (include/cursor.lua): a poison
+--          pill keeps no cursor; a requeued job keeps its own, to resume from
+-- ARGV[11..] delivery tags, one per KEYS[12..], in the order to push them
 -- Returns {status, requeued tags, dead tags}; status 0 = the pool heartbeated
 -- meanwhile (alive: nothing done), 1 = done.
 -- @include clock
@@ -56,10 +58,12 @@ local indexTtl = tonumber(ARGV[9])
 -- @include fair
 -- @include dead_set
 -- @include unique
+-- @include cursor
+local cursorPrefix = ARGV[10]
 local requeued, dead, deadTags = {}, {}, {}
-local nTags = #ARGV - 9
+local nTags = #ARGV - 10
 for i = 12, 11 + nTags do
-  local tag = ARGV[i - 2]
+  local tag = ARGV[i - 1]
   local rec = redis.call('HGET', KEYS[1], tag)
   if rec then
     local nl = string.find(rec, '\n', 1, true)
@@ -82,6 +86,7 @@ for i = 12, 11 + nTags do
         local did = dead_add(KEYS[8], KEYS[9], tag, meta .. '\n' .. rec)
         dead_trim(KEYS[8], KEYS[9], KEYS[10], indexTtl, tonumber(ARGV[7]), nil)
         if same then jix_set(KEYS[10], id, 'dead', qname, did, 'worker_lost') end
+        cursor_drop(cursorPrefix, string.sub(rec, nl + 1), nil)
         dead[#dead + 1] = tag
         deadTags[tag] = true
       else

@@ -123,13 +123,15 @@ class Cluster(Topology):
             ("fetch", *fetch_call(k, settings, pool_id, qs, "".join(flag_of[q] for q in qs)))
             for k, qs in groups.items()])
         status, jobs, empties, blocked, waits = 1, [], [], [], []
+        dropped: list[Any] = []
         for reply in replies:
             status = min(status, int(reply[0]))
             jobs += reply[1]
             empties += reply[2]
             blocked += reply[3]
             waits += reply[4]
-        return [status, jobs, empties, blocked, waits]
+            dropped += reply[5] if len(reply) > 5 else []
+        return [status, jobs, empties, blocked, waits, *([dropped] if dropped else [])]
 
     def send_fetch(self, conn: Any, pool_id: str, queues: list[str], flags: str,
                    lost: Callable[[], None]) -> None:

@@ -305,9 +305,23 @@
           { label: "State", render: function (b) {
             return b.stop_requested ? badge("stop requested", "warn") : b.stalled ? badge("stalled", "bad") : badge("running", "good"); } },
           { label: "", render: function (b) {
-            return action("Stop", function () { return api("/api/busy/stop", { method: "POST", body: { job_id: b.job_id } }); },
-              { disabled: b.stop_requested, name: "stop" }); } }
+            return h("span", null,
+              action("Stop", function () { return api("/api/busy/stop", { method: "POST", body: { job_id: b.job_id } }); },
+                { disabled: b.stop_requested, name: "stop" }), " ",
+              action("Cancel", function () { return api("/api/jobs/cancel", { method: "POST", body: { job_id: b.job_id } }); },
+                { danger: true, confirm: "Cancel this job? It stops at its next checkin and will not run again.", name: "cancel" })); } }
         ], d.items.map(function (b) { b.__key = b.job_id; return b; }), "No job is running.");
+      });
+    },
+
+    chords: function () {
+      return api("/api/chords").then(function (d) {
+        return table([
+          { label: "Chord (group id)", key: "group_id", cls: "mono" },
+          { label: "Header results", render: function (c) { return c.counted + " of " + (c.size === null ? "?" : c.size); } },
+          { label: "Applied", render: function (c) { return fmtDur(d.server_time - c.applied_at) + " ago"; } }
+        ], d.items.map(function (c) { c.__key = c.group_id; return c; }),
+        "No chord is waiting for its header (or the app's result backend is not celery-ext's).");
       });
     },
 
@@ -498,8 +512,11 @@
         cols.push({ label: "Last error", key: "error", cls: "err", title: function (j) { return j.error; } });
       }
       cols.push({ label: "", render: function (j) {
-        return action("Delete", function () { return api("/api/" + kind + "/delete", { method: "POST", body: { id: j.id } }); },
-          { danger: true, confirm: "Delete this job? It will not run.", name: "delete" });
+        return h("span", null,
+          action("Cancel", function () { return api("/api/jobs/cancel", { method: "POST", body: { job_id: j.task_id || j.id } }); },
+            { confirm: "Cancel this job? It moves to the dead set (reason revoked), and a job enqueued later with its id will not run either.", name: "cancel" }), " ",
+          action("Delete", function () { return api("/api/" + kind + "/delete", { method: "POST", body: { id: j.id } }); },
+            { danger: true, confirm: "Delete this job? It will not run.", name: "delete" }));
       } });
       var t = table(cols, d.items.map(function (j) { j.__key = j.id; return j; }),
         d.search ? "No job matches." : kind === "retry" ? "No job is waiting to be retried." : "No job is scheduled.");
