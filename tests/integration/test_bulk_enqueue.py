@@ -24,10 +24,11 @@ from celery_ext.options.priority import level as priority_level
 from celery_ext.producer.publish import Enqueuer
 from celery_ext.store import scripts
 from celery_ext.store.keys import Keys
+from celery_ext.testing.node import RedisServer
 from tests.apps import proj, proj_bulk
 from tests.faults.proxy import Proxy
-from tests.integration.test_publish_retry import replicated  # noqa: F401 (a fixture)
 from tests.helpers import wait_for
+from tests.integration.test_publish_retry import in_sync
 from tests.workers import WorkerProcess
 
 K = Keys("celery_ext")
@@ -242,8 +243,20 @@ def test_unique_until_finished_and_debounce_in_a_bulk(
     assert rec.lrange("runs:bdeb", 0, -1) == [b"3"]
 
 
+@pytest.fixture
+def replicated() -> Iterator[tuple[RedisServer, RedisServer]]:
+    """A primary and one replica in sync."""
+    with RedisServer(appendonly=False) as primary:
+        replica = RedisServer(appendonly=False,
+                              extra_args=["--replicaof", primary.host, str(primary.port),
+                                          "--repl-diskless-sync-delay", "0"])
+        with replica:
+            wait_for(lambda: in_sync(primary, replica), 15, "the replica to sync")
+            yield primary, replica
+
+
 def test_wait_replicas_waits_once_per_round_trip_of_a_bulk(
-        replicated: tuple[Any, Any]) -> None:
+        replicated: tuple[RedisServer, RedisServer]) -> None:
     """With ``wait_replicas=1`` each round trip of a bulk ends with one ``WAIT``: when
     ``apply_many`` returns, the replica has every job."""
     primary, replica = replicated
