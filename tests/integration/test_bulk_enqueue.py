@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,7 +28,7 @@ from celery_ext.testing.node import RedisServer
 from tests.apps import proj, proj_bulk
 from tests.faults.proxy import Proxy
 from tests.helpers import wait_for
-from tests.integration.test_publish_retry import in_sync
+from tests.integration import test_publish_retry as publish_retry
 from tests.workers import WorkerProcess
 
 K = Keys("celery_ext")
@@ -141,13 +141,8 @@ def test_publish_signals_fire_once_per_message_in_a_bulk(
     assert redis_client.zcard(K.scheduled) == 1
 
 
-@pytest.fixture
-def proxy(redis_server: Any, redis_client: redis.Redis) -> Iterator[Proxy]:
-    p = Proxy(("127.0.0.1", redis_server.port)).start()
-    try:
-        yield p
-    finally:
-        p.stop()
+#: A proxy in front of the session server (test_publish_retry's fixture).
+proxy = publish_retry.proxy
 
 
 def test_a_reply_lost_inside_a_round_trip_mid_bulk_loses_and_duplicates_nothing(
@@ -243,16 +238,8 @@ def test_unique_until_finished_and_debounce_in_a_bulk(
     assert rec.lrange("runs:bdeb", 0, -1) == [b"3"]
 
 
-@pytest.fixture
-def replicated() -> Iterator[tuple[RedisServer, RedisServer]]:
-    """A primary and one replica in sync."""
-    with RedisServer(appendonly=False) as primary:
-        replica = RedisServer(appendonly=False,
-                              extra_args=["--replicaof", primary.host, str(primary.port),
-                                          "--repl-diskless-sync-delay", "0"])
-        with replica:
-            wait_for(lambda: in_sync(primary, replica), 15, "the replica to sync")
-            yield primary, replica
+#: A primary and one replica in sync (test_publish_retry's fixture, used here too).
+replicated = publish_retry.replicated
 
 
 def test_wait_replicas_waits_once_per_round_trip_of_a_bulk(
