@@ -64,3 +64,44 @@ def test_a_router_that_needs_arguments_is_asked_with_none_and_a_raise_is_one_lin
         "celery_ext: task_routes raised IndexError for task per_tenant without arguments; "
         "its options and consumed queue are those of celery (and so for any other task it "
         "raises for)"]
+
+
+def test_the_router_is_asked_once_per_task_however_often_a_worker_start_asks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's start asks for every task's queue about ten times (weights, limits, rate
+    limits, fair limits, declared queues): with 10,000 job names each was 10,000 calls of
+    Celery's router. The answers are kept per app: one router call per task, and a task
+    whose own queue changes, or one bound since, is asked again."""
+    from celery_ext.options.fair import job_fair_limits
+    from celery_ext.options.limits import job_limits, shared_limits
+    from celery_ext.options.rate_limits import job_rate_limits
+    from celery_ext.worker.bootsteps import declare_job_queues, job_queues
+
+    app = make(None)
+    tasks = [app.task(name=f"many.{i}", shared=False)(body) for i in range(200)]
+    asked: list[str] = []
+    router = app.amqp.router
+    route = router.route
+
+    def counted(options: Any, name: str, *args: Any, **kw: Any) -> Any:
+        asked.append(name)
+        return route(options, name, *args, **kw)
+
+    monkeypatch.setattr(router, "route", counted)
+    for _ in range(3):  # what a worker's start asks, three times over
+        job_queues(app)
+        declare_job_queues(app)
+        job_limits(app)
+        shared_limits(app)
+        job_rate_limits(app)
+        job_fair_limits(app)
+    assert len(asked) == len(app.tasks)  # each task once, not once per question
+    assert sorted(asked) == sorted(app.tasks)
+    assert task_queues(app)["many.7"] == "many.7"
+
+    asked.clear()
+    tasks[7].queue = "elsewhere"  # its own queue changed: asked again, answer follows
+    app.task(name="many.new", shared=False)(body)  # bound since: asked
+    assert task_queues(app)["many.7"] == "elsewhere"
+    assert task_queues(app)["many.new"] == "many.new"
+    assert sorted(asked) == ["many.7", "many.new"]
