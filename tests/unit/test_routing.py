@@ -105,3 +105,62 @@ def test_the_router_is_asked_once_per_task_however_often_a_worker_start_asks(
     assert task_queues(app)["many.7"] == "elsewhere"
     assert task_queues(app)["many.new"] == "many.new"
     assert sorted(asked) == ["many.7", "many.new"]
+
+
+def test_binding_tasks_with_no_consumer_running_does_not_walk_the_consumers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery calls ``Task.on_bound`` for every task when an app is finalized: 20,000
+    calls at a worker's start with 10,000 job names. With no consumer of the process
+    running (every one of them, at a start), none iterates the weak set of consumers."""
+    import weakref
+
+    from celery_ext.worker import bootsteps
+
+    iterations = 0
+
+    class Counting(weakref.WeakSet):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            nonlocal iterations
+            iterations += 1
+            return super().__iter__()
+
+    monkeypatch.setattr(bootsteps, "_running_consumers", Counting())
+    app = make(None)
+    bootsteps.add_worker_parts(app)
+    for i in range(1_000):
+        app.task(name=f"bound.{i}", shared=False)(body)
+    app.finalize(auto=True)
+    assert iterations == 0
+
+
+def test_shared_limit_lines_without_any_limit_build_no_table_of_every_queue() -> None:
+    """The start-up lines about limited queues that other tasks share (``shared_limits``)
+    need only the queues some task limits: with 2,000 job names and no limit, it no
+    longer builds a table of every queue and its tasks (a dict per queue, sorted: a
+    second of a start with 10,000 job names). Counted in bytes allocated at the peak."""
+    import tracemalloc
+
+    from celery_ext.options.limits import shared_limits
+
+    n = 2_000
+    app = make(None)
+    for i in range(n):
+        app.task(name=f"unlimited.{i}", shared=False)(body)
+    limited = make(None)
+    for i in range(3):
+        limited.task(name=f"shared.{i}", queue="one", shared=False,
+                     max_concurrency=2 if i else None)(body)
+    task_queues(app)  # (the router's answers are kept: not what is counted here)
+    tracemalloc.start()
+    try:
+        task_queues(app)  # what it reads: the table of task -> queue (one dict)
+        table = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        assert shared_limits(app) == []
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < table + 20 * n  # bytes: a dict per queue alone is > 200 B each
+    lines = shared_limits(limited)  # a shared limited queue is still said, as before
+    assert len(lines) == 1 and "'one' has max_concurrency=2" in lines[0]
+    assert "shared.0 (max_concurrency=None)" in lines[0]
