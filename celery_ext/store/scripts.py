@@ -35,7 +35,7 @@ SCRIPT_NAMES = (
     "enqueue", "fetch", "ack", "requeue", "heartbeat", "deregister", "dead", "recover",
     "checkin", "busy", "schedule", "promote", "enqueue_unique", "unique_release", "dead_retry",
     "bind", "stats", "forget", "queue_info", "history", "search", "periodic_run",
-    "periodic_sync", "periodic_lease", "periodic_outcome", "purge", "job_index_trim",
+    "periodic_sync", "periodic_lease", "periodic_outcome", "purge", "job_index_trim", "declare",
 )
 
 
