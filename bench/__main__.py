@@ -170,18 +170,23 @@ def settings_text(meta: dict[str, Any]) -> str:
 
 
 def draw(out: Path, rows: list[Row], meta: dict[str, Any], save_chart: bool) -> None:
-    """Write OUT/chart.png (and bench/chart.png with ``save_chart``)."""
+    """Write OUT/chart.png (and bench/chart.png with ``save_chart``), and OUT/names.png
+    (bench/names.png) when the run has a job-name curve. A run without a stock side
+    (``--modes ours``) has no ratio to chart: bench/chart.png is left as it is."""
     title = (f"celery-ext vs stock Kombu redis:// (server {meta.get('server')}, "
              f"{meta.get('rounds')} rounds, {'quick' if meta.get('quick') else 'full'} sizes)")
     png = out / "chart.png"
-    if not chart(png, rows, title):
+    if not any(r.primary and r.stock for r in rows):
+        print("chart skipped: no stock side in this run", file=sys.stderr)
+    elif not chart(png, rows, title):
         print("chart skipped: matplotlib is not installed (pip install '.[bench]')",
               file=sys.stderr)
         return
-    print(f"chart: {png}")
-    if save_chart:
-        shutil.copyfile(png, REPO_ROOT / "bench" / "chart.png")
-        print(f"chart copied to {REPO_ROOT / 'bench' / 'chart.png'}")
+    else:
+        print(f"chart: {png}")
+        if save_chart:
+            shutil.copyfile(png, REPO_ROOT / "bench" / "chart.png")
+            print(f"chart copied to {REPO_ROOT / 'bench' / 'chart.png'}")
     curve = out / "names.png"
     if curve_chart(curve, rows, f"job-name curve, ours (server {meta.get('server')}, "
                                 f"{meta.get('rounds')} rounds, load "
