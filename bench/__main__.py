@@ -188,9 +188,10 @@ def draw(out: Path, rows: list[Row], meta: dict[str, Any], save_chart: bool) -> 
             shutil.copyfile(png, REPO_ROOT / "bench" / "chart.png")
             print(f"chart copied to {REPO_ROOT / 'bench' / 'chart.png'}")
     curve = out / "names.png"
+    load = [meta.get(k, [0.0])[0] for k in ("loadavg_before", "loadavg_after")]
     if curve_chart(curve, rows, f"job-name curve, ours (server {meta.get('server')}, "
-                                f"{meta.get('rounds')} rounds, load "
-                                f"{meta.get('loadavg_before', [0])[0]:.1f})"):
+                                f"{meta.get('rounds')} rounds, {meta.get('started', '')[:16]} "
+                                f"UTC, load average {load[0]:.1f} -> {load[1]:.1f})"):
         print(f"job-name curve: {curve}")
         if save_chart:
             shutil.copyfile(curve, REPO_ROOT / "bench" / "names.png")

@@ -179,7 +179,7 @@ def curve_chart(path: Path, rows: list[Row], title: str) -> bool:
                 ax.plot(xs, ys, marker="o", label=f"{pool}: {metric}" if relative else pool)
         if relative:
             ax.axhline(STEADY_SHARE_TARGET, color="grey", linestyle="--", linewidth=1)
-            ax.set_ylim(bottom=0)
+        ax.set_ylim(bottom=0)
         ax.set_xscale("log")
         ax.set_xlabel("job names (log scale)")
         ax.set_ylabel(ylabel)
