@@ -42,10 +42,10 @@ BUILTIN_PREFIX = "celery."
 _warned = False
 #: The app's attribute keeping what :func:`task_queues` answered: (the router and the
 #: default queue the answers came from, task name -> (task, its own ``queue``, job
-#: queue)). A worker asks for every task's queue about ten times at start (weights,
-#: limits, rate limits, fair limits, declared queues); with 10,000 job names each time
-#: was 10,000 calls of Celery's router, seconds of a start. An answer is kept while the
-#: task object, its own queue, the router (Celery builds it once per app, from
+#: queue)). A worker asks for every task's queue nine times at start (weights, limits,
+#: shared-limit lines, rate limits, fair limits, declared queues); with 10,000 job names
+#: each time was 10,000 calls of Celery's router, seconds of a start. An answer is kept
+#: while the task object, its own queue, the router (Celery builds it once per app, from
 #: ``task_routes`` at first use) and the default queue stay the same. (On the app, so
 #: it goes with the app.)
 ANSWERS_ATTR = "_celery_ext_task_queues"

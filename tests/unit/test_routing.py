@@ -68,7 +68,7 @@ def test_a_router_that_needs_arguments_is_asked_with_none_and_a_raise_is_one_lin
 
 def test_the_router_is_asked_once_per_task_however_often_a_worker_start_asks(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker's start asks for every task's queue about ten times (weights, limits, rate
+    """A worker's start asks for every task's queue nine times (weights, limits, rate
     limits, fair limits, declared queues): with 10,000 job names each was 10,000 calls of
     Celery's router. The answers are kept per app: one router call per task, and a task
     whose own queue changes, or one bound since, is asked again."""
