@@ -20,7 +20,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from bench.harness import REPO_ROOT, Bench, BenchError, stop_all
+from bench.harness import MODES, REPO_ROOT, Bench, BenchError, stop_all
+from bench.names import curve_chart
 from bench.report import (
     Row,
     chart,
@@ -51,6 +52,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--pools", default="", help=f"drain pools subset of {', '.join(POOLS)}")
     p.add_argument("--acks", default="", help=f"drain ack modes subset of {', '.join(ACKS)}")
     p.add_argument("--names", default="", help="many_queues job-name counts, e.g. 1,10,1000")
+    p.add_argument("--modes", default="",
+                   help="many_queues sides, e.g. ours (stock at 10,000 job names is minutes "
+                        "per drain)")
     p.add_argument("--one-name-queues", default="",
                    help="many_queues extras: one job name spread over N queues, e.g. 1000")
     p.add_argument("--jobs", type=int, default=None,
@@ -81,8 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = restrict(QUICK if args.quick else FULL, _csv(args.pools) or None,
                      _csv(args.acks) or None,
                      [int(x) for x in _csv(args.names)] or None,
-                     [int(x) for x in _csv(args.one_name_queues)] or None)
+                     [int(x) for x in _csv(args.one_name_queues)] or None,
+                     _csv(args.modes) or None)
     bad = [p for p in sizes.pools if p not in POOLS] + [a for a in sizes.acks if a not in ACKS]
+    bad += [m for m in sizes.many_modes if m not in MODES]
     if bad:
         print(f"unknown pools/ack modes {bad}", file=sys.stderr)
         return 2
@@ -164,18 +170,32 @@ def settings_text(meta: dict[str, Any]) -> str:
 
 
 def draw(out: Path, rows: list[Row], meta: dict[str, Any], save_chart: bool) -> None:
-    """Write OUT/chart.png (and bench/chart.png with ``save_chart``)."""
+    """Write OUT/chart.png (and bench/chart.png with ``save_chart``), and OUT/names.png
+    (bench/names.png) when the run has a job-name curve. A run without a stock side
+    (``--modes ours``) has no ratio to chart: bench/chart.png is left as it is."""
     title = (f"celery-ext vs stock Kombu redis:// (server {meta.get('server')}, "
              f"{meta.get('rounds')} rounds, {'quick' if meta.get('quick') else 'full'} sizes)")
     png = out / "chart.png"
-    if not chart(png, rows, title):
+    if not any(r.primary and r.stock for r in rows):
+        print("chart skipped: no stock side in this run", file=sys.stderr)
+    elif not chart(png, rows, title):
         print("chart skipped: matplotlib is not installed (pip install '.[bench]')",
               file=sys.stderr)
         return
-    print(f"chart: {png}")
-    if save_chart:
-        shutil.copyfile(png, REPO_ROOT / "bench" / "chart.png")
-        print(f"chart copied to {REPO_ROOT / 'bench' / 'chart.png'}")
+    else:
+        print(f"chart: {png}")
+        if save_chart:
+            shutil.copyfile(png, REPO_ROOT / "bench" / "chart.png")
+            print(f"chart copied to {REPO_ROOT / 'bench' / 'chart.png'}")
+    curve = out / "names.png"
+    load = [meta.get(k, [0.0])[0] for k in ("loadavg_before", "loadavg_after")]
+    if curve_chart(curve, rows, f"job-name curve, ours (server {meta.get('server')}, "
+                                f"{meta.get('rounds')} rounds, {meta.get('started', '')[:16]} "
+                                f"UTC, load average {load[0]:.1f} -> {load[1]:.1f})"):
+        print(f"job-name curve: {curve}")
+        if save_chart:
+            shutil.copyfile(curve, REPO_ROOT / "bench" / "names.png")
+            print(f"curve copied to {REPO_ROOT / 'bench' / 'names.png'}")
 
 
 def replot(out: Path, save_chart: bool) -> int:

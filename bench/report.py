@@ -234,14 +234,10 @@ def targets(rows: list[Row]) -> list[dict[str, Any]]:
         elif r.workload == "memory" and r.metric == "Redis bytes/job":
             check("memory per queued job: ours/stock <= 1.2", r.ratio,
                   r.ratio is not None and r.ratio <= 1.2)
-    many = [r for r in rows if r.workload == "many_queues" and r.ours
-            and r.config.split(",")[0].endswith("job names")]
-    if len(many) > 1:
-        base, top = many[0], many[-1]
-        assert base.ours_median is not None and top.ours_median is not None
-        v = top.ours_median / base.ours_median
-        check(f"many queues: ours {top.config.split(',')[0]} >= 0.9 x ours "
-              f"{base.config.split(',')[0]}", v, v >= 0.9)
+    from bench.names import curve_targets
+
+    for name, value, met in curve_targets(rows):
+        check(name, value, met)
     fair = [r for r in rows if r.workload == "fairness" and r.ours and r.expected]
     if fair:
         err = max(abs((r.ours_median or 0.0) - (r.expected or 0.0)) for r in fair)

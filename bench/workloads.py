@@ -26,6 +26,7 @@ from bench.harness import (
     median,
     percentile,
 )
+from bench.names import many_queues
 from bench.report import Row
 
 
@@ -67,6 +68,9 @@ class Sizes:
     load_share: float = 0.5
     many_jobs: int = 20_000
     names: tuple[int, ...] = (1, 10, 100, 1_000)
+    #: many_queues' pools (``--pools`` sets these and the drain's) and sides (``--modes``).
+    many_pools: tuple[str, ...] = ("prefork",)
+    many_modes: tuple[str, ...] = MODES
     #: many_queues extra configurations: one job name spread over this many queues.
     one_name_queues: tuple[int, ...] = ()
     idle_seconds: float = 30.0
@@ -363,60 +367,6 @@ def latency_under_load(bench: Bench, sizes: Sizes, rounds: int,
     return [p50, p99]
 
 
-def many_queues(bench: Bench, sizes: Sizes, rounds: int,
-                details: dict[str, Any]) -> list[Row]:
-    """4. The same jobs spread over 1..1,000 job names, each its own consumed queue
-    (and, with ``--one-name-queues N``, one job name spread over N queues: the cost of
-    the queues alone, without Celery's per-task-name cost).
-
-    Every configuration runs in every round (in alternating order, and stock/ours
-    alternating inside), so our N-name rate is compared with our 1-name rate measured
-    minutes apart, not a quarter of an hour: on a shared machine the drift between
-    them was as large as the difference looked for. Besides the ratio of medians,
-    ``results.json`` keeps each round's own ratio (paired) and the start-up times."""
-    n = sizes.many_jobs
-    configs = [(f"{k} job names", f"/{k}", {"names": k}) for k in sizes.names]
-    configs += [(f"1 job name over {q} queues", f"/1x{q}", {"queues": q})
-                for q in sizes.one_name_queues]
-    rows = {label: Row("many_queues", f"{label}, prefork -c 2", "jobs/s", True)
-            for label, _, _ in configs}
-    for label, tag, extra in configs:
-        log(f"[many_queues] {n} jobs over {label}")
-        fill(bench, n, tag=tag, **extra)
-    base = configs[0][0]
-    paired: dict[str, list[float]] = {label: [] for label in rows}
-    runs: dict[str, list[dict[str, float]]] = {label: [] for label in rows}
-    for rnd in range(rounds):
-        ours: dict[str, float] = {}
-        for label, tag, extra in (configs if rnd % 2 == 0 else configs[::-1]):
-            for mode in order(rnd):
-                res = drain_once(bench, mode, "prefork", 2, n, False, tag=tag, **extra)
-                rows[label].add(mode, res["jobs_per_s"])
-                log(f"  {label} round {rnd + 1} {mode}: {res['jobs_per_s']:.0f} jobs/s "
-                    f"(start-up {res['startup_s']:.2f} s, steady "
-                    f"{res['steady_jobs_per_s']:.0f})")
-                if mode == "ours":
-                    ours[label] = res["jobs_per_s"]
-                    runs[label].append({k: res[k] for k in (
-                        "jobs_per_s", "startup_s", "steady_jobs_per_s", "worker_cpu_us",
-                        "redis_cpu_us")})
-        if base in ours:
-            for label, rate in ours.items():
-                paired[label].append(rate / ours[base])
-    bench.drop_snapshots()
-    if rows[base].ours:
-        base_median = median(rows[base].ours)
-        details["many_queues"] = {
-            "ours_vs_ours_1_name": {r.config: median(r.ours) / base_median
-                                    for r in rows.values() if r.ours},
-            "ours_vs_ours_1_name_paired": {
-                rows[label].config: {"median": median(v), "rounds": v}
-                for label, v in paired.items() if v},
-            "ours_runs": {rows[label].config: v for label, v in runs.items()},
-        }
-    return list(rows.values())
-
-
 def idle(bench: Bench, sizes: Sizes, rounds: int, details: dict[str, Any]) -> list[Row]:
     """5. Commands one idle prefork pool sends (MONITOR) and causes (commandstats)."""
     secs = sizes.idle_seconds
@@ -555,8 +505,9 @@ def settings(name: str, sizes: Sizes) -> str:
                    f"{sizes.load_rate_jobs:,} queued jobs) by one producer that does not "
                    f"wait for them; {worker}",
         "many_queues": f"{sizes.many_jobs:,} jobs over {sizes.names} job names "
-                       f"(+ one name over {sizes.one_name_queues} queues), prefork -c 2, "
-                       f"acks early; {worker}",
+                       f"(+ one name over {sizes.one_name_queues} queues), "
+                       f"{[str(POOLS[p]) for p in sizes.many_pools]}, acks {sizes.acks[0]}, "
+                       f"sides {sizes.many_modes}; {worker}",
         "idle": f"{sizes.idle_seconds:g} s of one idle prefork -c 2 pool, acks early; {worker}",
         "memory": f"{sizes.memory_jobs:,} queued jobs; then prefork -c 2, acks early draining "
                   f"{sizes.rss_jobs:,}; {worker}",
@@ -567,14 +518,18 @@ def settings(name: str, sizes: Sizes) -> str:
 
 
 def restrict(sizes: Sizes, pools: Iterable[str] | None, acks: Iterable[str] | None,
-             names: Iterable[int] | None, one_name_queues: Iterable[int] | None = None) -> Sizes:
-    """Sizes limited to the given pools, ack modes and name counts (None = keep),
-    plus many_queues' one-name-over-N-queues configurations."""
+             names: Iterable[int] | None, one_name_queues: Iterable[int] | None = None,
+             modes: Iterable[str] | None = None) -> Sizes:
+    """Sizes limited to the given pools (the drain's and many_queues'), ack modes (the
+    first is many_queues'), name counts and many_queues' sides (None = keep), plus
+    many_queues' one-name-over-N-queues configurations."""
     out = sizes
     if one_name_queues:
         out = replace(out, one_name_queues=tuple(one_name_queues))
+    if modes:
+        out = replace(out, many_modes=tuple(modes))
     if pools:
-        out = replace(out, pools=tuple(pools))
+        out = replace(out, pools=tuple(pools), many_pools=tuple(pools))
     if acks:
         out = replace(out, acks=tuple(acks))
     if names:
@@ -588,7 +543,7 @@ def ab_drain(fills: dict[str, list[str]], jobs: int, rounds: int, pool: str,
     command (a ``python -m ...`` argv printing ``{"seconds": ...}``), snapshotted, then
     drained by one worker, labels alternating per round. The first label is the base;
     returns rates per label, medians and the paired feature/base ratios."""
-    from bench.harness import REPO_ROOT, Bench, median
+    from bench.harness import REPO_ROOT, Bench
 
     labels = tuple(fills)
     base, feature = labels

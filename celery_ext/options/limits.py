@@ -63,9 +63,15 @@ def shared_limits(app: Any, option: str = "max_concurrency") -> list[str]:
     built-in tasks not counted): the queue's limit is the smallest, and every job of
     the queue counts against it."""
     queues = task_queues(app)
+    # Only a queue some task declares a limit on can be shared: found first, so a worker
+    # of 10,000 job names without limits builds and sorts no table of every queue.
+    limited = {queues[name] for name, task in app.tasks.items()
+               if not is_builtin(name) and task_limit(task, option) is not None}
+    if not limited:
+        return []
     by_queue: dict[str, dict[str, int | None]] = {}
     for name, task in sorted(app.tasks.items()):
-        if not is_builtin(name):
+        if not is_builtin(name) and queues[name] in limited:
             by_queue.setdefault(queues[name], {})[name] = task_limit(task, option)
     lines = []
     for queue, tasks in sorted(by_queue.items()):

@@ -5,8 +5,8 @@ A job queue is more than Kombu's one list: a list per priority level (``options/
 priority.py``), and for fair keys a ring of active keys and a sub-queue per key
 (``options/fair.py``). Kombu's ``queue_declare``/``_size``/``_purge``/``_delete``/
 ``_has_queue`` see all of them. Declaring many queues at a worker's start takes one
-round trip (:meth:`JobQueues.predeclared`), and a binding is written even when Redis
-is at maxmemory, so a pool starts and drains a full Redis.
+round trip (:meth:`JobQueues.predeclared`: one script call on one node), and a binding
+is written even when Redis is at maxmemory, so a pool starts and drains a full Redis.
 """
 
 from __future__ import annotations
@@ -93,10 +93,11 @@ class JobQueues:
 
     @contextmanager
     def predeclared(self, queues: Iterable[Any]) -> Iterator[None]:
-        """Declare many queues in one round trip: a worker consuming 1,000 job queues
-        otherwise spends two round trips per queue at start (Kombu's ``queue_declare``
-        reads the size, ``queue_bind`` adds the binding). Inside the block, the
-        per-queue ``_size`` and ``_queue_bind`` of these queues use what this pipeline
+        """Declare many queues in one round trip (``Topology.declare``: one script call on
+        one node): a worker consuming 1,000 job queues otherwise spends two round trips
+        per queue at start (Kombu's ``queue_declare`` reads the size, ``queue_bind`` adds
+        the binding). Inside the block, the
+        per-queue ``_size`` and ``_queue_bind`` of these queues use what this call
         did; only plain queues on a direct exchange (no expiry or extra bindings)
         are handled here, the others go the usual way."""
         channel = self.channel
@@ -117,19 +118,15 @@ class JobQueues:
             names.append(q.name)
         if len(names) > 1:
             try:
-                with channel.conn_or_acquire() as client, \
-                        client.pipeline(transaction=False) as pipe:
-                    for name in names:
-                        for key in self.levels(name):
-                            pipe.llen(key)
-                    for exchange, members in binds.items():
-                        pipe.sadd(channel.keyprefix_queue % (exchange,), *members)
-                        pipe.sadd(channel.keyprefix_binding_permanent % (exchange,), *members)
-                    nlev = len(channel.settings.priority_steps)
-                    lens = pipe.execute()[:len(names) * nlev]
-                    sizes = [sum(lens[i:i + nlev]) for i in range(0, len(lens), nlev)]
+                with channel.conn_or_acquire() as client:
+                    sizes = channel.topology.declare(
+                        client, [self.levels(name) for name in names],
+                        [(channel.keyprefix_queue % (exchange,),
+                          channel.keyprefix_binding_permanent % (exchange,), members)
+                         for exchange, members in binds.items()])
             except redis.exceptions.ResponseError:
-                # e.g. out of memory: let the per-queue path report it on its queue.
+                # e.g. out of memory on a cluster (its pipeline's SADD; the script of one
+                # node writes at maxmemory): the per-queue path reports it on its queue.
                 logger.debug("celery_ext: batched queue declaration failed", exc_info=True)
             else:
                 self._predeclared_sizes = dict(zip(names, map(int, sizes), strict=True))

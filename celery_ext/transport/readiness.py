@@ -105,7 +105,7 @@ class ReadyQueues:
         """These queues' next jobs are due in so many seconds (the fetch reply's waits;
         the same reply's blocked list deactivated them)."""
         for name, wait in waits:
-            if name in self.sched.queues:
+            if self.sched.consumes(name):  # (not ``in queues``: a set of every queue)
                 self._throttled[name] = now + wait
 
     def next_due(self) -> float | None:

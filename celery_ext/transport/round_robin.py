@@ -4,7 +4,10 @@ Algorithm: smooth weighted round-robin (SWRR, as in nginx) over *weight classes*
 plain rotation inside a class. All active queues of weight ``w`` form one class of
 weight ``w * len(members)``; SWRR picks a class, the class hands out its members in
 turn. Cost per pick is O(number of distinct weights), not O(number of queues), so
-a pool consuming 1,000 job queues pays the same as one consuming ten.
+a pool consuming 1,000 job queues pays the same as one consuming ten; so is a queue's
+switch between active and inactive (O(1): a class's members are an ordered dict, where
+a deque's ``remove`` scanned them all: with 10,000 job names that emptied as they were
+drained, 7.5 % of a worker's main process).
 
 Guarantee while the set of non-empty queues is stable (W = total weight of the
 active queues): the pick sequence is periodic with period W, and *every* window of
@@ -21,7 +24,7 @@ worse: a queue that keeps emptying and refilling could starve the lighter ones.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
 
@@ -30,7 +33,8 @@ class _WeightClass:
 
     def __init__(self, weight: int) -> None:
         self.weight = weight
-        self.members: deque[str] = deque()
+        #: The active queues of this weight, the next to be picked first (values unused).
+        self.members: OrderedDict[str, None] = OrderedDict()
         self.current = 0
 
 
@@ -64,6 +68,10 @@ class WeightedRoundRobin:
 
     def weight(self, name: str) -> int:
         return self._weights.get(name, self.default_weight)
+
+    def consumes(self, name: str) -> bool:
+        """Whether ``name`` is one of the consumed queues (O(1), unlike ``queues``)."""
+        return name in self._weights
 
     def set_queues(self, weights: Mapping[str, int], activate: bool = True) -> None:
         """Replace the consumed queues; new ones start active (their emptiness is unknown)."""
@@ -104,7 +112,7 @@ class WeightedRoundRobin:
         cls = self._classes.get(weight)
         if cls is None:
             cls = self._classes[weight] = _WeightClass(weight)
-        cls.members.append(name)
+        cls.members[name] = None
         self._active.add(name)
         self._total += weight
         return True
@@ -118,7 +126,7 @@ class WeightedRoundRobin:
             return
         weight = self._weights[name]
         cls = self._classes[weight]
-        cls.members.remove(name)
+        del cls.members[name]
         self._active.discard(name)
         self._total -= weight
         if not cls.members:
@@ -141,8 +149,8 @@ class WeightedRoundRobin:
             assert best is not None
             best.current -= self._total
             members = best.members
-        name = members[0]
-        members.rotate(-1)
+        name = next(iter(members))
+        members.move_to_end(name)
         return name
 
     def take(self, n: int) -> list[str]:

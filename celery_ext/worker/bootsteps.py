@@ -169,7 +169,11 @@ _running_consumers: weakref.WeakSet[Any] = weakref.WeakSet()
 
 def task_bound(task: Any, app: Any) -> None:
     """``Task.on_bound`` of every task of an app with the worker parts: Celery calls it
-    when it binds a task. Only a task bound while a consumer of its app runs matters."""
+    when it binds a task. Only a task bound while a consumer of its app runs matters:
+    the others (every task of an app, when it is finalized) leave at once, without
+    iterating the weak set (20,000 binds at a start with 10,000 job names)."""
+    if not _running_consumers:
+        return
     for consumer in list(_running_consumers):
         if consumer.app is not app:
             continue

@@ -60,11 +60,16 @@ def test_bench_quick_writes_every_workload(tmp_path: Path) -> None:
     # Fairness: shares of the first N fetches add up to 100 %.
     shares = [r["ours"]["median"] for r in rows if r["workload"] == "fairness"]
     assert abs(sum(shares) - 100.0) < 1e-6
-    # many_queues: every configuration in every round, paired with the 1-name run.
+    # many_queues: every configuration in every round, paired with the 1-name run, on the
+    # pools --pools names; every metric of the curve (issue 36) paired too.
     many = data["details"]["many_queues"]["ours_vs_ours_1_name_paired"]
-    assert set(many) == {"1 job names, prefork -c 2", "10 job names, prefork -c 2",
-                         "1 job name over 10 queues, prefork -c 2"}
+    pool = "2 workers x solo -c 1, acks early"
+    assert set(many) == {f"1 job names, {pool}", f"10 job names, {pool}",
+                         f"1 job name over 10 queues, {pool}"}
     assert all(len(v["rounds"]) == 1 and v["median"] > 0 for v in many.values())
+    assert all(set(v["metrics"]) == {"jobs/s", "steady jobs/s", "start-up s",
+                                     "Redis CPU us/job", "worker CPU us/job"}
+               for v in many.values())
     assert (tmp_path / "table.md").is_file()
 
 

@@ -107,3 +107,45 @@ def test_stop_requests_are_taken_for_jobs_in_flight_only_and_lapse(
     obs.job_finished("job-4", "obs.long", "processed")  # its end removes its request
     assert not redis_client.exists(K.stop_requests)
     assert state.request_stop("job-4") is False  # ended: not in flight
+
+
+def test_jobs_start_and_end_while_a_flush_writes_the_counters(
+        redis_client: redis.Redis) -> None:
+    """A flush writes a field per job name that ran (thousands of names: tens of ms of
+    round trips); every job's start and end take the observer's lock, and they do not
+    wait for those writes (they waited once a second, every job slot of the worker at
+    once). Here the counters' write is held until the test lets it go: a job starts and
+    ends meanwhile, and its counts are written by the next flush, none lost."""
+    import threading
+
+    obs = Observer(redis_client, Settings(), "pool-obs")
+    for i in range(100):
+        obs.job_finished(f"before-{i}", f"job_{i:03d}", "processed")
+    writing, release = threading.Event(), threading.Event()
+    scripts = obs.scripts
+
+    def held(name: str, keys: list[str], args: list[object]) -> object:
+        if name == "stats" and keys[0] == K.stats:
+            writing.set()
+            assert release.wait(30)
+        return scripts(name, keys, args)
+
+    obs.scripts = held  # type: ignore[assignment]
+    flusher = threading.Thread(target=obs.flush, kwargs={"force_stats": True})
+    flusher.start()
+    try:
+        assert writing.wait(30)
+        during = threading.Thread(target=lambda: (
+            obs.job_started(_Task(), "during", (), {}),
+            obs.job_finished("during", "job_during", "processed")))
+        during.start()
+        during.join(30)
+        assert not during.is_alive()  # done while the flush's write is still held
+    finally:
+        release.set()
+        flusher.join(30)
+    obs.scripts = scripts  # type: ignore[assignment]
+    obs.flush(force_stats=True)
+    stats = {k.decode(): int(v) for k, v in redis_client.hgetall(K.stats).items()}
+    assert stats["processed"] == 101 and stats["processed:job_during"] == 1
+    obs.stop()

@@ -290,6 +290,39 @@ def _sequences_meeting(limits: dict[str, int], length: int) -> Sequence[str] | N
     return extend([], dict.fromkeys(names, 0))
 
 
+class Counted(str):
+    """A queue name that counts the comparisons made with it (``eq_calls``)."""
+
+    eq_calls = 0
+
+    def __eq__(self, other: object) -> bool:
+        Counted.eq_calls += 1
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def test_a_queue_switches_active_and_inactive_without_scanning_the_others() -> None:
+    """With 10,000 job names that empty as they drain, every fetch reply deactivates
+    some of them: a switch that looked through its class's members (a deque's
+    ``remove``) cost O(names), ~n**2 / 2 comparisons to empty them all. Names arrive as
+    new strings, equal and not identical (decoded from each fetch reply), as here."""
+    n = 2_000
+    sched = WeightedRoundRobin({f"q{i}": 1 + i % 3 for i in range(n)})
+    assert sched.take(3 * n)  # rotated: each class's order is not the insertion order
+    Counted.eq_calls = 0
+    for i in reversed(range(n)):
+        sched.deactivate(Counted(f"q{i}"))
+    for i in range(n):
+        sched.activate(Counted(f"q{i}"))
+    for i in range(n):
+        sched.deactivate(Counted(f"q{i}"))
+    assert not sched.has_active()
+    assert Counted.eq_calls <= 8 * 3 * n  # a few per switch (4 lookups), not per member
+    sched.activate_many(f"q{i}" for i in range(0, n, 7))
+    assert set(sched.take(n)) == {f"q{i}" for i in range(0, n, 7)}
+
+
 def test_literal_bound_total_over_weight_is_infeasible_for_7_5_1() -> None:
     """No scheduler at all can keep every queue's wait within W / w_i for weights 7, 5, 1.
 

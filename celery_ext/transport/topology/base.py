@@ -98,3 +98,22 @@ class Topology(ABC):
         """Before a read of the ready set: those of the consumed ``queues`` whose lists
         are seen to hold jobs, when it is time to look at the lists themselves."""
 
+    def declare(self, client: Any, lists: list[list[str]],
+                bindings: list[tuple[str, str, list[str]]]) -> list[int]:
+        """Many job queues declared at once (``JobQueues.predeclared``): each queue's size
+        (the lengths of its ``lists``, one per priority level, summed) and Kombu's binding
+        tables written (table, permanent set, members), in one round trip. Here a
+        pipeline, which a cluster client splits by slot; one node runs a script."""
+        with client.pipeline(transaction=False) as pipe:
+            for keys in lists:
+                for key in keys:
+                    pipe.llen(key)
+            for table, permanent, members in bindings:
+                pipe.sadd(table, *members)
+                pipe.sadd(permanent, *members)
+            replies = pipe.execute()
+        sizes, at = [], 0
+        for keys in lists:
+            sizes.append(sum(int(n) for n in replies[at:at + len(keys)]))
+            at += len(keys)
+        return sizes

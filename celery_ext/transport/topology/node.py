@@ -99,3 +99,13 @@ class OneNode(Topology):
         """The ready set is written by the same scripts as the lists: nothing to check."""
         return []
 
+    def declare(self, client: Any, lists: list[list[str]],
+                bindings: list[tuple[str, str, list[str]]]) -> list[int]:
+        """One ``declare.lua`` call: one reply instead of a pipeline's one per command
+        (60,000 of them for 10,000 job names of four priority levels)."""
+        keys = [key for levels in lists for key in levels]
+        args: list[Any] = [len(lists[0]) if lists else 1, len(lists)]
+        for table, permanent, members in bindings:
+            keys += [table, permanent]
+            args += [len(members), *members]
+        return [int(n) for n in self.channel.scripts("declare", keys, args, client=client)]
