@@ -15,6 +15,7 @@ from kombu.transport import TRANSPORT_ALIASES
 
 from celery_ext.config import OUR_SCHEMES, SCHEME, TLS_SCHEME, unreadable_scheme
 from celery_ext.install import install
+from celery_ext.producer.bulk import apply_many, bulk
 from celery_ext.worker.cursor import Interrupted
 from celery_ext.worker.observer import checkin
 
@@ -44,5 +45,5 @@ def _unreadable_scheme() -> str:
 
 TRANSPORT_ALIASES.setdefault("", _unreadable_scheme)
 
-__all__ = ["SCHEME", "TLS_SCHEME", "TRANSPORT", "Interrupted", "__version__", "checkin",
-           "install"]
+__all__ = ["SCHEME", "TLS_SCHEME", "TRANSPORT", "Interrupted", "__version__", "apply_many",
+           "bulk", "checkin", "install"]

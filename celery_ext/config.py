@@ -86,6 +86,16 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 #: again. Celery's default publish retry policy gives up well within it. Costs one
 #: key (about 100 bytes) per job enqueued in that time; 0 = off (at-least-once).
 DEFAULT_PUBLISH_IDEMPOTENCY_TTL = 120.0
+#: Jobs written per round trip by a bulk publish (``celery_ext.bulk``, ``apply_many``, a
+#: group under ``install(app)``, Kombu's ``Producer.batch()``): each round trip is one
+#: pipeline of that many script calls, so no reply grows with the bulk and Redis runs
+#: other clients' commands between any two jobs' scripts.
+BULK_PIPELINE_SIZE = 1000
+#: A bulk's retry policy when the app's says nothing (Celery's defaults): a round trip
+#: that failed is sent again, and each job's publish marker makes it a no-op for the
+#: jobs its first attempt wrote.
+BULK_RETRY_POLICY: dict[str, float] = {"max_retries": 3, "interval_start": 0.0,
+                                       "interval_step": 0.2, "interval_max": 0.2}
 #: Seconds between two queue-size samples of the history (taken by the leading
 #: requeuer; the plots keep the last sample of each minute and hour).
 DEFAULT_HISTORY_SAMPLE_INTERVAL = 60.0

@@ -13,6 +13,7 @@ from kombu.utils.objects import cached_property
 
 from celery_ext.options.checks import refuse_bad_options
 from celery_ext.options.unique import patch_send_task
+from celery_ext.producer.bulk import batch_groups, task_apply_many
 from celery_ext.producer.publish import Producer, Producers
 from celery_ext.worker.bootsteps import JobQueues, add_worker_parts, declare_job_queues
 
@@ -119,7 +120,9 @@ def install(app: Celery, *, route_by_name: bool = True) -> Celery:
       heartbeat, reaper and requeuer come with the transport in either mode;
     - keeps countdown/eta jobs and retries in Redis (scheduled and retry sets) and
       failed, expired, unknown and undecodable jobs in the dead set; adds the task
-      options ``unique``, ``max_concurrency`` and ``backoff`` (see docs/sets.md).
+      options ``unique``, ``max_concurrency`` and ``backoff`` (see docs/sets.md);
+    - publishes a group's jobs in bulk, and adds ``task.apply_many(args_list)``
+      (see docs/bulk.md).
 
     Returns ``app`` so it can be used inline. Safe to call more than once.
     """
@@ -149,6 +152,9 @@ def install(app: Celery, *, route_by_name: bool = True) -> Celery:
     # Every task of the app gets the counting Request class and a checkin() method
     # (as in drop-in mode), and the consumer steps of the sets and the dead set.
     app.Task.Request = "celery_ext.worker.request:Request"
+    # Groups publish in bulk, and tasks have apply_many (producer/bulk.py).
+    app.Task.apply_many = task_apply_many
+    batch_groups()
     add_worker_parts(app)
     # ...and tasks with the same settings share one Request class (1,000 job names, 1 class).
     if app.Task.Strategy == CELERY_DEFAULT_STRATEGY:

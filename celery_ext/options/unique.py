@@ -87,6 +87,18 @@ class UniqueRequest:
     #: Set by the transport: the task id of the job that is pending now (ours or
     #: the one that held the lock).
     holder: str | None = None
+    #: The ``AsyncResult`` ``send_task`` returned before the job was written (a bulk
+    #: writes it later): :meth:`settle` points it at the pending job.
+    result: Any = None
+
+    def settle(self, holder: str) -> None:
+        """The write's answer: ``holder`` is the task id of the job pending now. A
+        result already handed out (in a bulk) is pointed at it."""
+        self.holder = holder
+        if self.result is not None and self.result.id != holder:
+            logger.debug("celery_ext: %s is already pending as %s; not enqueued again",
+                         one_line(self.name), one_line(holder))
+            self.result.id = holder
 
 
 _pending: ContextVar[UniqueRequest | None] = ContextVar("celery_ext_unique", default=None)
@@ -219,7 +231,10 @@ def patch_send_task(app: Any) -> None:
             result = original(name, args, kwargs, *rest, **options)
         finally:
             _pending.reset(token)
-        if req.holder is not None and req.holder != result.id:
+        if req.holder is None:  # written later, by a bulk: it settles the result then
+            req.result = result
+            return result
+        if req.holder != result.id:
             logger.debug("celery_ext: %s is already pending as %s; not enqueued again",
                          one_line(name), one_line(req.holder))
             pending = (options.get("result_cls") or app.AsyncResult)(req.holder)

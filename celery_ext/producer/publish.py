@@ -8,12 +8,16 @@ to :meth:`Enqueuer.put`, which does, in this order:
 2. takes the message's publish id (below) and encodes the payload without it,
    refusing it with ``PayloadTooLarge`` over ``max_payload_bytes`` before anything
    is written;
-3. writes it with one script: a job due later (countdown, eta, retry backoff) goes
-   to the scheduled or retry set (``schedule``), a unique job is pushed only if no
-   identical job is pending (``enqueue_unique``, or ``schedule`` with its lock),
-   any other job is pushed to its job queue (``enqueue``). Inside a Kombu publish
-   batch (``Producer.batch()``) plain and scheduled jobs are added to the batch's
-   pipeline instead; unique jobs are written at once (the caller needs the holder).
+3. builds the one script call that writes it (:class:`~celery_ext.producer.bulk.Write`):
+   a job due later (countdown, eta, retry backoff) goes to the scheduled or retry set
+   (``schedule``), a unique job is pushed only if no identical job is pending
+   (``enqueue_unique``, or ``schedule`` with its lock), any other job is pushed to its
+   job queue (``enqueue``);
+4. writes it with :meth:`Enqueuer.write`, the one way jobs are written, or adds it to
+   the bulk under way (``producer/bulk.py``: ``celery_ext.bulk``, ``apply_many``, a
+   group under ``install(app)``, Kombu's ``Producer.batch()``), which writes its jobs
+   with the same method, ``BULK_PIPELINE_SIZE`` per round trip. A single publish is a
+   bulk of one.
 
 ``BrokerOutOfMemory`` (Redis at ``maxmemory``) is raised by ``Channel.basic_publish``
 around all of it, so Kombu's publish retry does not loop on a full Redis.
@@ -31,8 +35,8 @@ queue (``{ns}:published:<marker>``), and the script writes the job only if that 
 is absent, setting it for ``publish_idempotency_ttl``. A publish that succeeded drops
 its id (:meth:`Enqueuer.published`): only a failed one is retried. A retry within that time
 writes nothing; a retry after it (or with the setting 0) writes the job again.
-Jobs added to a publish batch's pipeline carry no marker: Kombu does not retry a
-batch (a failed flush raises ``BatchPublishError``, "delivery is uncertain").
+Every job of a bulk carries its marker too: a bulk's round trip that failed is sent
+again under its retry policy, and the jobs the first attempt wrote are no-ops.
 
 Surviving a failover
 --------------------
@@ -46,8 +50,8 @@ requeue, promote, dead-letter) takes a job from one record to another in one scr
 a failover that loses such a move leaves the job in the record it came from, from
 where the pool's reconcile or the reaper runs it again. Waiting there would cost a
 round trip on the hot path to turn a possible duplicate into none, which is not the
-promise (delivery is at-least-once). Jobs added to a publish batch are covered when
-the batch is flushed (one ``WAIT`` for the whole batch).
+promise (delivery is at-least-once). A bulk's round trip ends with one ``WAIT`` for all
+its jobs.
 
 A retried publish (above) may find its marker: the first attempt's script ran and the
 connection broke before ``WAIT`` answered. ``WAIT`` counts the replicas that have this
@@ -78,21 +82,20 @@ exchange may deliver to several queues.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, suppress
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 import redis
 from kombu import messaging, pools
-from kombu.exceptions import BatchPublishError
 from kombu.resource import Resource
-from kombu.transport.redis import PublishBatch
 from kombu.utils.functional import ChannelPromise
 from kombu.utils.json import dumps
 from redis.exceptions import NoScriptError
@@ -103,8 +106,9 @@ from celery_ext.options.fair import message_fair_key, place_last
 from celery_ext.options.priority import level as priority_level
 from celery_ext.options.priority import message_priority
 from celery_ext.options.unique import UNTIL_FINISHED, UniqueRequest, lock_value, take_pending
+from celery_ext.producer.bulk import Bulk, Write, current_bulk
 from celery_ext.producer.periodic_run import PeriodicRun, current_run, run_marker, write_run_apart
-from celery_ext.producer.scheduled import eta_delay_ms, retries_of, schedule, schedule_args
+from celery_ext.producer.scheduled import eta_delay_ms, retries_of, schedule_args
 from celery_ext.store import scripts as _scripts
 from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import STAT_UNIQUE_HITS, Keys
@@ -133,6 +137,11 @@ def publish_marker(publish_id: str, queue: str) -> str:
 
 #: What :meth:`PublishConnection.call` returns when it did not get a reply.
 NOT_SENT = object()
+
+
+def pack_command(*parts: str | int) -> bytes:
+    """A short command in the Redis protocol (``WAIT n ms``)."""
+    return hiredis.pack_command(parts)  # type: ignore[arg-type]
 
 
 def pack_evalsha(sha: str, keys: list[str], args: list[Any]) -> bytes:
@@ -164,28 +173,27 @@ class PublishConnection:
         self._conn: Any = None
         self._pid = 0
 
-    def call(self, script: str, keys: list[str], args: list[Any]) -> Any:
-        """EVALSHA ``script`` on the kept connection and return its reply, or
-        :data:`NOT_SENT` when the connection is busy in another thread or the call
-        failed on it (connection error, NOSCRIPT): the caller then uses its client,
-        which has redis-py's retries and script loading. An error reply of the script
-        itself (out of memory, ...) is raised: the client would raise the same."""
+    def send(self, commands: list[bytes]) -> Any:
+        """Send the packed ``commands`` on the kept connection in one write and return
+        their replies, an error reply (NOSCRIPT, out of memory, ...) as its exception in
+        place; or :data:`NOT_SENT` when the connection is busy in another thread or failed
+        (the caller then sends them through its client, with redis-py's retries)."""
         if not self._lock.acquire(blocking=False):
             return NOT_SENT
         try:
             conn = self._connection()
             try:
-                conn.send_packed_command(
-                    [pack_evalsha(_scripts.sha(script), keys, args)],
-                    check_health=False)
-                return conn.read_response()
-            except redis.exceptions.NoScriptError:
-                return NOT_SENT
-            except redis.exceptions.ResponseError:
-                raise
+                conn.send_packed_command([b"".join(commands)], check_health=False)
+                replies: list[Any] = []
+                for _ in commands:
+                    try:
+                        replies.append(conn.read_response())
+                    except redis.exceptions.ResponseError as exc:
+                        replies.append(exc)  # the reply was read whole: read on
+                return replies
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
                 with suppress(Exception):
-                    conn.disconnect()  # its reply may still come: never read it later
+                    conn.disconnect()  # its replies may still come: never read them later
                 return NOT_SENT
         finally:
             self._lock.release()
@@ -229,14 +237,15 @@ class Enqueuer:
         #: Cluster: when each job queue was last added to the home registry.
         self._registered: dict[str, float] = {}
 
-    def put(self, queue: str, message: dict[str, Any], batch: Any = None) -> None:
-        """Write one job to ``queue`` (or to ``batch``, a Kombu ``PublishBatch``)."""
+    def put(self, queue: str, message: dict[str, Any], batch: Bulk | None = None) -> None:
+        """Write one job to ``queue``, or add its write to ``batch`` (Kombu's publish
+        batch) or to the bulk this thread publishes into (:mod:`.bulk`)."""
         delay = eta_delay_ms(message)
         uniq = take_pending(message)
         run = current_run()
         props = message.get("properties")
         if not isinstance(props, dict):  # not a Kombu message: written as it is
-            self._write(queue, message, delay, uniq, None, batch)
+            self._send(self._command(queue, message, delay, uniq, None), batch)
             return
         # Enqueued when due: queue latency counts from then.
         enqueued_at = time.time() + self._clock_offset + (delay or 0) / 1000
@@ -255,12 +264,10 @@ class Enqueuer:
                 self._write_run(queue, message, run, uniq, delay)
                 return
             marker = None
-            # A job added to a batch's pipeline is never retried by Kombu (a failed
-            # flush raises BatchPublishError): no marker, no memory spent on one.
-            if marker_ttl_ms and (batch is None or uniq is not None or once):
+            if marker_ttl_ms:
                 marker = (self.keys.of(queue).published(publish_marker(publish_id, queue)),
                           marker_ttl_ms)
-            self._write(queue, message, delay, uniq, marker, batch)
+            self._send(self._command(queue, message, delay, uniq, marker), batch)
         except NotReplicated as exc:
             raise NotReplicated(f"job {job_name(message, queue)} was enqueued", exc.wanted,
                                 exc.acked, self.settings.wait_timeout_ms) from None
@@ -279,10 +286,20 @@ class Enqueuer:
             props.pop(PUBLISH_ONCE, None)
             props.pop(PUBLISH_ONCE_TTL, None)
 
-    def _write(self, queue: str, message: dict[str, Any], delay: int | None,
-               uniq: UniqueRequest | None, marker: tuple[str, int] | None,
-               batch: Any) -> None:
-        max_payload = self.settings.max_payload_bytes
+    def _send(self, write: Write, batch: Bulk | None) -> None:
+        """Write now (a single publish: a bulk of one) or add to the bulk under way. On a
+        cluster every job is written at once (a pipeline there is split per slot)."""
+        bulk = batch if batch is not None else current_bulk()
+        if bulk is not None and not self.keys.cluster:
+            bulk.add(self, write)
+        else:
+            self.write([write])
+
+    def _command(self, queue: str, message: dict[str, Any], delay: int | None,
+                 uniq: UniqueRequest | None, marker: tuple[str, int] | None) -> Write:
+        """The one script call that writes this job: ``schedule`` for a job due later
+        (a unique one with its lock), ``enqueue_unique`` for a unique job, else
+        ``enqueue``; a payload over ``max_payload_bytes`` raises before anything is sent."""
         marker_keys, marker_args = ([marker[0]], [marker[1]]) if marker else ([], [])
         copy = self.keys.of(queue)
         index = self._index_keys if copy is self.keys else index_keys(copy)
@@ -291,37 +308,38 @@ class Enqueuer:
         if uniq is not None and uniq.debounce is not None and retries_of(message) == 0:
             # Debounced: it waits its debounce time (or its countdown, if longer).
             delay = max(delay or 0, int(uniq.debounce * 1000))
-        if delay is not None and uniq is None:
-            keys, args = schedule_args(copy, queue, message, delay,
-                                       max_payload=max_payload, marker=marker,
-                                       index_ttl_ms=self._index_ttl)
-            self._run("schedule", keys, args, batch)
-            self._scheduled(queue, batch)
-        elif delay is not None:
-            assert uniq is not None
-            with self._acquire() as client:
-                _, uniq.holder = schedule(self._call, copy, queue, message, delay,
-                                          client, lock=self._lock(uniq, message, copy),
-                                          max_payload=max_payload, marker=marker,
-                                          index_ttl_ms=self._index_ttl)
-            self._count_unique_hit(uniq, message, copy)
-            self._scheduled(queue, None)
-        elif uniq is not None:
+        if delay is not None:
+            keys, args = schedule_args(
+                copy, queue, message, delay,
+                lock=self._lock(uniq, message, copy) if uniq is not None else None,
+                max_payload=self.settings.max_payload_bytes, marker=marker,
+                index_ttl_ms=self._index_ttl)
+            return Write("schedule", keys, args,
+                         functools.partial(self._stored, queue, message, uniq, copy, 2))
+        if uniq is not None:
             lock_key, value, ttl_ms, force = self._lock(uniq, message, copy)
-            _, holder = self._run(
+            return Write(
                 "enqueue_unique",
                 [lock_key, *self._queue_keys(queue, message), *index, *marker_keys],
-                [*self._queue_args(queue, message), self._index_ttl, value, ttl_ms,
-                 force, *marker_args],
-                None)
-            uniq.holder = holder.decode() if isinstance(holder, bytes) else str(holder)
-            self._count_unique_hit(uniq, message, copy)
-            self._pushed(queue, 1, None)
+                [*self._queue_args(queue, message), self._index_ttl, value, ttl_ms, force,
+                 *marker_args],
+                functools.partial(self._stored, queue, message, uniq, copy, 1))
+        return Write("enqueue", [*self._queue_keys(queue, message), *index, *marker_keys],
+                     [*self._queue_args(queue, message), self._index_ttl, *marker_args],
+                     functools.partial(self._pushed, queue) if self.keys.cluster else None)
+
+    def _stored(self, queue: str, message: dict[str, Any], uniq: UniqueRequest | None,
+                copy: Keys, holder_at: int, reply: Any) -> None:
+        """After a ``schedule`` (holder at 2) or ``enqueue_unique`` (at 1) reply: the
+        cluster's hints, and a unique job's holder (the pending job's task id)."""
+        if holder_at == 2:
+            self._scheduled(queue)
         else:
-            n = self._run("enqueue", [*self._queue_keys(queue, message), *index, *marker_keys],
-                          [*self._queue_args(queue, message), self._index_ttl, *marker_args],
-                          batch)
-            self._pushed(queue, n, batch)
+            self._pushed(queue, 1)
+        if uniq is not None:
+            holder = reply[holder_at]
+            uniq.settle(holder.decode() if isinstance(holder, bytes) else str(holder))
+            self._count_unique_hit(uniq, message, copy)
 
     def _register(self, queue: str) -> None:
         """Cluster: add ``queue`` to the home registry of job queues before its first
@@ -334,26 +352,20 @@ class Enqueuer:
             client.sadd(self.keys.queues, queue)
         self._registered[queue] = now
 
-    def _scheduled(self, queue: str, batch: Any) -> None:
+    def _scheduled(self, queue: str) -> None:
         """Cluster: a job was written to the scheduled or retry set of its queue's copy;
         add the queue to the home registry after it, whatever the cache says: a reader
         may have forgotten the queue since (``store/copies.forget_queues``), and the
         requeuer finds due jobs only in the copies of known queues."""
         if not self.keys.cluster:
             return
-        if batch is not None:
-            batch.add("sadd", self.keys.queues, queue)
-            return
         with self._acquire() as client:
             client.sadd(self.keys.queues, queue)
 
-    def _pushed(self, queue: str, n: Any, batch: Any) -> None:
-        """Cluster: a push that found its list empty (``n`` == 1, or unknown) adds the
-        queue to the home hint of ready queues, after the push (see docs/cluster.md)."""
-        if not self.keys.cluster or (n is not None and n != 1 and batch is None):
-            return
-        if batch is not None:
-            batch.add("sadd", self.keys.ready, queue)
+    def _pushed(self, queue: str, n: Any) -> None:
+        """Cluster: a push that found its list empty (``n`` == 1) adds the queue to the
+        home hint of ready queues, after the push (see docs/cluster.md)."""
+        if not self.keys.cluster or n != 1:
             return
         with self._acquire() as client:
             client.sadd(self.keys.ready, queue)
@@ -365,13 +377,14 @@ class Enqueuer:
         if uniq.holder != str(message["headers"].get("id")):
             with self._acquire() as client:
                 client.hincrby(copy.stats, STAT_UNIQUE_HITS, 1)
+
     def _write_run(self, queue: str, message: dict[str, Any], run: PeriodicRun,
                    uniq: UniqueRequest | None, delay: int | None) -> None:
         """Push a periodic job's run with ``periodic_run``, which checks and moves its
         entry's next due time in the same call (see ``periodic_run.py``); on a cluster,
         and for a run with a countdown or eta (``delay`` ms: it waits in the scheduled
         set, as any job due later), in two steps made exactly once by a run record
-        (``periodic_run.write_run_apart``). Each write waits for ``wait_replicas``."""
+        (``periodic_run.write_run_apart``). Each write goes through :meth:`write`."""
         if self.keys.cluster or delay is not None:
             copy = self.keys.of(queue)
             marker = (copy.published(run_marker(run)), max(1, self._marker_ttl_ms))
@@ -388,17 +401,18 @@ class Enqueuer:
                     marker=marker, index_ttl_ms=self._index_ttl))
             with self._acquire() as client:
                 run.outcome = write_run_apart(
-                    lambda script, keys, args: self._call(script, keys, args, client),
+                    lambda script, keys, args: self.write([Write(script, keys, args)])[0],
                     client, self.keys, queue, push, run)
         else:
-            with self._acquire() as client:
-                run.outcome = int(self._call(
-                    "periodic_run",
-                    [self.keys.periodic_entry(run.entry), *self._queue_keys(queue, message),
-                     *self._index_keys],
-                    [*run.script_args(), *self._queue_args(queue, message), "",
-                     self._index_ttl],
-                    client))
+            def ran(reply: Any) -> None:
+                run.outcome = int(reply)
+
+            self.write([Write(
+                "periodic_run",
+                [self.keys.periodic_entry(run.entry), *self._queue_keys(queue, message),
+                 *self._index_keys],
+                [*run.script_args(), *self._queue_args(queue, message), "", self._index_ttl],
+                ran)])
         if uniq is not None:
             uniq.holder = run.job_id  # the entry, not the unique lock, keeps it single
 
@@ -433,74 +447,78 @@ class Enqueuer:
         return (copy.unique(uniq.digest), value, ttl_ms,
                 "1" if retry else "d" if uniq.debounce is not None else "0")
 
-    def _run(self, script: str, keys: list[str], args: list[Any], batch: Any) -> Any:
-        if batch is not None:
-            batch.add("evalsha", _scripts.sha(script), len(keys), *keys, *args)
-            return None
-        if self._line is not None and not self.settings.wait_replicas:  # WAIT: see _call
-            reply = self._line.call(script, keys, args)
-            if reply is not NOT_SENT:
-                return reply
-        with self._acquire() as client:
-            return self._call(script, keys, args, client=client)
+    def write(self, writes: Sequence[Write]) -> list[Any]:
+        """The one way jobs are written: one round trip for ``writes`` (a single publish
+        is a list of one), then each write's ``done`` with its script's reply.
 
-    def _call(self, script: str, keys: list[str], args: list[Any], client: Any) -> Any:
-        """Run one write script; with ``wait_replicas``, followed by ``WAIT`` on the same
-        connection in one round trip (see "Surviving a failover")."""
+        The round trip is the writes' EVALSHAs, followed by ``WAIT`` when
+        ``wait_replicas`` is set (the producer's only ``WAIT``: see "Surviving a
+        failover"), sent in one buffer on the kept connection (:class:`PublishConnection`),
+        or as a pipeline of the channel's client when that one is busy or failed. Writes
+        whose script the server did not know (it restarted) are sent again once it is
+        loaded. A connection error is raised to the caller (Kombu's publish retry for a
+        single publish, the bulk's retry policy for a bulk), which sends the same writes
+        again: each job's publish marker makes what landed a no-op."""
         wanted = self.settings.wait_replicas
-        if not wanted:
-            return self._scripts(script, keys, args, client=client)
-        timeout_ms = self.settings.wait_timeout_ms
+        replies: list[Any] = [None] * len(writes)
+        todo = list(range(len(writes)))
         for attempt in (1, 2):
-            with client.pipeline(transaction=False) as pipe:
-                pipe.evalsha(_scripts.sha(script), len(keys), *keys, *args)
+            out = self._round_trip([writes[i] for i in todo])
+            acked: Any = out.pop() if wanted else 0
+            unknown: list[int] = []
+            for i, reply in zip(todo, out, strict=True):
+                if isinstance(reply, NoScriptError) and attempt == 1:
+                    unknown.append(i)
+                elif isinstance(reply, Exception):
+                    raise reply
+                else:
+                    replies[i] = reply
+            if isinstance(acked, Exception):
+                raise acked
+            if wanted and int(acked) < wanted:
+                raise NotReplicated("the job was enqueued" if len(writes) == 1
+                                    else f"{len(writes)} jobs were enqueued",
+                                    wanted, int(acked), self.settings.wait_timeout_ms)
+            if not unknown:
+                break
+            with self._acquire() as client:
+                for name in {writes[i].script for i in unknown}:
+                    client.script_load(_scripts.source(name))  # the server restarted
+            todo = unknown
+        for w, reply in zip(writes, replies, strict=True):
+            if w.done is not None:
+                w.done(reply)
+        return replies
+
+    def _round_trip(self, writes: Sequence[Write]) -> list[Any]:
+        """The replies of the writes' scripts (and of ``WAIT``), errors in place."""
+        wanted, timeout_ms = self.settings.wait_replicas, self.settings.wait_timeout_ms
+        if self._line is not None:
+            commands = [pack_evalsha(_scripts.sha(w.script), w.keys, w.args) for w in writes]
+            if wanted:
+                commands.append(pack_command("WAIT", wanted, timeout_ms))
+            replies = self._line.send(commands)
+            if replies is not NOT_SENT:
+                return cast("list[Any]", replies)
+        if self.keys.cluster:  # no EVALSHA in a cluster pipeline (and no bulk, no WAIT)
+            with self._acquire() as client:
+                return [self._one(client, w) for w in writes]
+        with self._acquire() as client, client.pipeline(transaction=False) as pipe:
+            for w in writes:
+                pipe.evalsha(_scripts.sha(w.script), len(w.keys), *w.keys, *w.args)
+            if wanted:
                 pipe.wait(wanted, timeout_ms)
-                try:
-                    result, acked = pipe.execute()
-                except NoScriptError:
-                    if attempt == 2:
-                        raise
-                    client.script_load(_scripts.source(script))  # the server restarted
-                    continue
-            if int(acked) < wanted:
-                raise NotReplicated("the job was enqueued", wanted, int(acked), timeout_ms)
-            return result
-        raise AssertionError("unreachable")
+            return cast("list[Any]", pipe.execute(raise_on_error=False))
 
-    def load_batch_scripts(self) -> None:
-        """EVALSHA inside a pipeline cannot recover from NOSCRIPT: load what a batch sends."""
-        with self._acquire() as client:
-            client.script_load(_scripts.source("enqueue"))
-            client.script_load(_scripts.source("schedule"))
-
-
-class ReplicatedPublishBatch(PublishBatch):
-    """Kombu's publish batch (``Producer.batch()``), whose flush ends with one ``WAIT``
-    for ``wait_replicas`` on the pipeline's connection: the jobs of a flush are on the
-    replicas when it returns, or it raises ``NotReplicated`` (they are on the primary)."""
-
-    _buffered: int
-
-    def flush(self) -> None:
-        self._check_usable()
-        if not self._buffered:
-            return
-        settings = self.channel.settings
-        self.pipeline.wait(settings.wait_replicas, settings.wait_timeout_ms)
+    def _one(self, client: Any, w: Write) -> Any:
+        """One script call through the client (redis-py's NOSCRIPT handling), its error
+        reply in place."""
         try:
-            *_, acked = self.pipeline.execute()
-        except BaseException as exc:
-            self._failed = exc
-            self._buffered = 0
-            self.pipeline.reset()
-            if isinstance(exc, Exception):  # as Kombu's flush
-                raise BatchPublishError(
-                    "Redis publish batch failed; delivery is uncertain") from exc
-            raise
-        self._buffered = 0
-        if int(acked) < settings.wait_replicas:
-            raise NotReplicated(f"a publish batch of up to {self.max_size} jobs was enqueued",
-                                settings.wait_replicas, int(acked), settings.wait_timeout_ms)
+            return self._scripts(w.script, w.keys, w.args, client=client)
+        except redis.exceptions.ResponseError as exc:
+            return exc
+
+
 class Producer(messaging.Producer):
     """Kombu's producer, without the per-publish declaration round of binding copies.
 

@@ -47,8 +47,9 @@ from celery_ext.config import TLS_SCHEME, TLS_SENTINEL_SCHEME, Settings
 from celery_ext.errors import CLUSTER_ERRORS, BrokerOutOfMemory, job_name
 from celery_ext.options.fair import connect as connect_fair_keys
 from celery_ext.options.weights import weight_of
+from celery_ext.producer.bulk import Bulk
 from celery_ext.producer.control import MAILBOX_SUFFIX, record_control
-from celery_ext.producer.publish import Enqueuer, ReplicatedPublishBatch
+from celery_ext.producer.publish import Enqueuer
 from celery_ext.store import connections
 from celery_ext.store import scripts as _scripts
 from celery_ext.store.clock import now_s
@@ -177,10 +178,8 @@ class Channel(kredis.Channel):
         self.enqueuer.put(queue, message, kwargs.pop("_publish_batch", None))
 
     def create_publish_batch(self, max_size: int) -> Any:
-        batch = (ReplicatedPublishBatch(self, max_size) if self.settings.wait_replicas
-                 else super().create_publish_batch(max_size))
-        self.enqueuer.load_batch_scripts()
-        return batch
+        """Kombu's ``Producer.batch()``: a bulk (``producer/bulk.py``) of this channel."""
+        return Bulk(max_size, channel=self)
 
     # -- fanout (events, remote control): Kombu's channels, under the prefix ---------------
     def _get_publish_topic(self, exchange: str, routing_key: str) -> str:

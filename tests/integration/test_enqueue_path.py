@@ -60,7 +60,7 @@ def test_a_busy_or_broken_kept_connection_falls_back_to_the_client(
         # Another thread holds it: this publish goes through the channel's client.
         assert line._lock.acquire()
         try:
-            assert line.call("enqueue", [], []) is NOT_SENT
+            assert line.send([]) is NOT_SENT
             producer.publish({"n": 2}, routing_key="fallback_q", retry=True)
         finally:
             line._lock.release()

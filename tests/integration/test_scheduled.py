@@ -188,11 +188,13 @@ def test_countdown_longer_than_visibility_timeout_runs_once(
     """Stock Celery redelivers an ETA job after visibility_timeout; here it is not in
     flight until due, and in-flight jobs have no timeout at all."""
     start_workers(worker_factory, 2, pool=pool, env=mode.env(TEST_VISIBILITY_TIMEOUT="1"))
-    mode.send(app.timed, "vt", countdown=3)
-    # It waits in Redis, not in a worker's memory (stock Celery: inspect().scheduled()).
+    job = mode.send(app.timed, "vt", countdown=3)
+    # It waits in Redis, not in a worker's memory (stock Celery: inspect().scheduled()),
+    # and each worker's `inspect scheduled` answers from Redis: both list the one job.
     assert Client(redis_client).counts()["scheduled"] == 1
     held = mode.app.control.inspect(timeout=1).scheduled() or {}
-    assert len(held) == 2 and not any(held.values()), held
+    assert len(held) == 2, held
+    assert all([j["request"]["id"] for j in jobs] == [job.id] for jobs in held.values()), held
     wait_for(lambda: rec.llen("runs:vt"), 10, "the countdown job")
     time.sleep(2.5)
     assert rec.llen("runs:vt") == 1
