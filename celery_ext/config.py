@@ -193,6 +193,10 @@ RESULT_POLL_INTERVAL = 0.5
 #: many seconds before it subscribes again, re-reading its pending results meanwhile: an
 #: attempt on a node that just died can block for seconds in redis-py's retries.
 RESULT_RESUBSCRIBE_AFTER = 2.0
+#: A result backend shared by threads on a cluster listens on one subscription per shard
+#: its threads' channels live on; it waits on each in turn this many seconds at a time,
+#: so a wake-up on any shard is read within about this times the number of shards.
+RESULT_SHARD_READ_SLICE = 0.01
 #: Longest a chord's counting keys live past their last header result (seconds), when
 #: neither ``result_chord_expires`` nor ``result_expires`` says otherwise.
 DEFAULT_CHORD_EXPIRES = 24 * 3600

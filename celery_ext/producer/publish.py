@@ -119,6 +119,13 @@ REGISTRY_REFRESH = 60.0
 #: Message property holding the publish id while Kombu may retry the publish; removed
 #: from the payload before it is written.
 PUBLISH_ID = "celery_ext_publish_id"
+#: Message property naming a publish that must happen once however often it is repeated
+#: (a chord's body, published again when the header job that published it runs again):
+#: the publish id is derived from it and the job's task id, and its marker lives
+#: :data:`PUBLISH_ONCE_TTL` seconds. Removed from the payload before it is written.
+PUBLISH_ONCE = "celery_ext_publish_once"
+#: Message property: seconds the marker of a :data:`PUBLISH_ONCE` publish lives.
+PUBLISH_ONCE_TTL = "celery_ext_publish_once_ttl"
 
 
 def publish_marker(publish_id: str, queue: str) -> str:
@@ -244,21 +251,30 @@ class Enqueuer:
         enqueued_at = time.time() + self._clock_offset + (delay or 0) / 1000
         props.setdefault("enqueued_at", round(enqueued_at, 3))
         place_last(props)  # after enqueued_at: the scripts look for it at the end
+        once, once_ttl = props.pop(PUBLISH_ONCE, None), props.pop(PUBLISH_ONCE_TTL, None)
         publish_id = str(props.pop(PUBLISH_ID, None) or secrets.token_hex(16))
+        marker_ttl_ms = self._marker_ttl_ms
+        if once:  # the same publish from any process, any time within once_ttl: one job
+            headers = message.get("headers")
+            task_id = headers.get("id") if isinstance(headers, dict) else None
+            publish_id = f"{once}:{task_id or ''}"
+            marker_ttl_ms = max(marker_ttl_ms, int(float(once_ttl or 0) * 1000))
         try:
             if run is not None:  # a periodic job's run: exactly once per due time
                 self._write_run(queue, message, run, uniq, delay)
                 return
             marker = None
-            if self._marker_ttl_ms:
+            if marker_ttl_ms:
                 marker = (self.keys.of(queue).published(publish_marker(publish_id, queue)),
-                          self._marker_ttl_ms)
+                          marker_ttl_ms)
             self._send(self._command(queue, message, delay, uniq, marker), batch)
         except NotReplicated as exc:
             raise NotReplicated(f"job {job_name(message, queue)} was enqueued", exc.wanted,
                                 exc.acked, self.settings.wait_timeout_ms) from None
         finally:
             props[PUBLISH_ID] = publish_id  # for Kombu's next attempt of this publish
+            if once:
+                props[PUBLISH_ONCE], props[PUBLISH_ONCE_TTL] = once, once_ttl
 
     @staticmethod
     def published(message: Any) -> None:
@@ -267,6 +283,8 @@ class Enqueuer:
         props = message.get("properties") if isinstance(message, dict) else None
         if isinstance(props, dict):
             props.pop(PUBLISH_ID, None)
+            props.pop(PUBLISH_ONCE, None)
+            props.pop(PUBLISH_ONCE_TTL, None)
 
     def _send(self, write: Write, batch: Bulk | None) -> None:
         """Write now (a single publish: a bulk of one) or add to the bulk under way. On a

@@ -10,10 +10,13 @@ so the count is one atomic step on one node as on a cluster, without ``chord_unl
 - A header job run twice (its pool died after it stored its result, before the ack, and
   the job ran again elsewhere) counts once: the set of counted task ids decides.
 - Exactly one caller is told to publish the body. If that caller's process dies before
-  the body went out, its job is run again (the transport redelivers a dead pool's jobs)
-  and the script tells the same task id again; ``chord_done.lua`` then settles the chord.
-  The one window left is between the body's publish and ``chord_done``: a pool killed
-  there publishes the body a second time when its job runs again.
+  ``chord_done.lua`` settled the chord, its job is run again (the transport redelivers a
+  dead pool's jobs) and the script tells the same task id again, which publishes the
+  body again. That publish carries the chord's identity (``PUBLISH_ONCE``: the group id
+  and when the chord was applied, with the body's task id): the enqueue script finds the
+  first publish's marker, kept for the chord's expiry, and writes nothing. So the body is
+  enqueued once even when its publisher died between the publish and ``chord_done``;
+  a frozen chord applied again is a new apply, whose body is published anew.
 - A header job that failed, was revoked, or ended in the dead set makes the chord fail
   through the body's error callbacks (Celery's ``chord_error_from_stack``) with the
   reason, once every header job was counted, as Celery does.
@@ -33,6 +36,7 @@ from celery.utils.functional import _regen
 from celery.utils.log import get_logger
 
 from celery_ext.config import DEFAULT_CHORD_EXPIRES
+from celery_ext.producer.publish import PUBLISH_ONCE, PUBLISH_ONCE_TTL
 from celery_ext.store.scripts import source
 
 logger = get_logger(__name__)
@@ -119,8 +123,11 @@ class ChordCounting:
             self.chord_error_from_stack(
                 callback, ChordError(f"Join error: {exc!r}"))
             return
+        applied = self.client.hget(self.keys.chord(gid), "applied_at")
+        once = {PUBLISH_ONCE: f"chord:{gid}:{int(applied or 0)}",
+                PUBLISH_ONCE_TTL: self._chord_ttl}
         try:
-            self.app.amqp._retry_publish(callback.delay, values)
+            self.app.amqp._retry_publish(callback.apply_async, (values,), **once)
         except Exception as exc:  # any publish error fails the chord, as in Celery
             logger.exception("Chord %r: publishing its body failed", gid)
             self._settle(gid, "failed", f"Callback error: {exc!r}")

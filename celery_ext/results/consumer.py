@@ -22,7 +22,10 @@ shard that owns that tag, where the client subscribed with SSUBSCRIBE.
 
 Celery keeps one backend per thread (``app.backend`` is thread-local), so a consumer is
 used by its thread, and by the garbage collector's ``cancel_for`` (``AsyncResult.__del__``),
-which only edits a set and never blocks.
+which only edits a set and never blocks. A backend shared by threads
+(``result_backend_thread_safe``) subscribes every waiting thread's channel: on one node on
+its one connection; on a cluster on one connection per shard those channels live on
+(SSUBSCRIBE takes channels of one shard), read in turn.
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ from celery.backends.asynchronous import BaseResultConsumer
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 
-from celery_ext.config import RESULT_POLL_INTERVAL, RESULT_RESUBSCRIBE_AFTER
+from celery_ext.config import (
+    RESULT_POLL_INTERVAL,
+    RESULT_RESUBSCRIBE_AFTER,
+    RESULT_SHARD_READ_SLICE,
+)
 
 
 class WakeupConsumer(BaseResultConsumer):
@@ -46,8 +53,8 @@ class WakeupConsumer(BaseResultConsumer):
         super().__init__(*args, **kwargs)
         self._pending: set[str] = set()
         self._channels: set[str] = set()
-        self._pubsub: Any = None
-        self._sharded = False
+        #: The subscriptions: one node's under "", a cluster's one per shard (node name).
+        self._pubsubs: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._last_poll = 0.0
         #: After a broken subscription: no new one before this (monotonic) time.
@@ -68,22 +75,20 @@ class WakeupConsumer(BaseResultConsumer):
         """Subscribe to the wake-up channel of ``oid`` (the ``reply_to`` of the tasks this
         thread sends), before reading the results it waits for, so none falls between.
         A backend shared by threads (``result_backend_thread_safe``) adds each thread's
-        channel to its one connection; on a cluster, where channels of other slots live on
-        other nodes, it keeps the first, and the other threads' results come by the poll."""
+        channel: to its one connection, on a cluster to the connection of the channel's
+        shard."""
         channel = self.backend.keys.wake_channel(oid)
         if channel in self._channels:
             return
         with self._lock:
-            if self._channels and self._sharded:
-                return
             self._channels.add(channel)
-            if self._pubsub is None:
+            if not self._pubsubs:
                 self._subscribe()
-            else:
-                try:
-                    self._pubsub.subscribe(channel)
-                except self.backend.connection_errors:
-                    self._close()
+                return
+            try:
+                self._add(channel)
+            except (RedisClusterException, *self.backend.connection_errors):
+                self._broken()  # polling carries on; a later drain subscribes again
 
     def stop(self) -> None:
         with self._lock:
@@ -91,7 +96,7 @@ class WakeupConsumer(BaseResultConsumer):
 
     def on_after_fork(self) -> None:
         self._lock = threading.Lock()
-        self._pubsub = None  # the parent's socket: left to the parent
+        self._pubsubs = {}  # the parent's sockets: left to the parent
         self._pending.clear()
 
     def on_wait_for_pending(self, result: Any, timeout: float | None = None,
@@ -131,54 +136,70 @@ class WakeupConsumer(BaseResultConsumer):
         if not self._channels or time.monotonic() < self._subscribe_after:
             return
         try:
-            if isinstance(client, RedisCluster):
-                if self._subscribe_after:  # it broke before: the shard may have moved
-                    client.nodes_manager.initialize()  # (the slot map, read again)
-                channel = next(iter(self._channels))
-                node = client.get_node_from_key(channel)
-                pubsub = client.get_redis_connection(node).pubsub(ignore_subscribe_messages=True)
-                pubsub.ssubscribe(channel)
-                self._sharded = True
-            else:
-                pubsub = client.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(*self._channels)
-                self._sharded = False
+            if isinstance(client, RedisCluster) and self._subscribe_after:
+                # It broke before: the shards may have moved (the slot map, read again).
+                client.nodes_manager.initialize()
+            for channel in self._channels:
+                self._add(channel)
         except (RedisClusterException, *self.backend.connection_errors):
             self._broken()  # polling carries on; a later drain subscribes again
+
+    def _add(self, channel: str) -> None:
+        """Subscribe ``channel`` on the connection of its node (made on first use)."""
+        client = self.backend.client
+        if not isinstance(client, RedisCluster):
+            pubsub = self._pubsubs.get("")
+            if pubsub is None:
+                pubsub = self._pubsubs[""] = client.pubsub(ignore_subscribe_messages=True)
+            pubsub.subscribe(channel)
             return
-        self._pubsub = pubsub
+        node = client.get_node_from_key(channel)
+        pubsub = self._pubsubs.get(node.name)
+        if pubsub is None:
+            pubsub = client.get_redis_connection(node).pubsub(ignore_subscribe_messages=True)
+            self._pubsubs[node.name] = pubsub
+        pubsub.ssubscribe(channel)
 
     def _broken(self) -> None:
         self._close()
         self._subscribe_after = time.monotonic() + RESULT_RESUBSCRIBE_AFTER
 
     def _close(self) -> None:
-        if self._pubsub is not None:
+        for pubsub in self._pubsubs.values():
             try:
-                self._pubsub.close()
+                pubsub.close()
             except Exception:  # a broken socket is closed all the same
                 pass
-            self._pubsub = None
+        self._pubsubs = {}
 
     def _read(self, wait: float) -> bool:
         """Read wake-ups for up to ``wait`` seconds; True when one arrived."""
-        pubsub = self._pubsub
-        if pubsub is None:
+        if not self._pubsubs:
             self._subscribe()
-            if self._pubsub is None:
+            if not self._pubsubs:
                 time.sleep(wait)
             return False
+        pubsubs = list(self._pubsubs.values())
+        # One subscription: wait on it. Several (a shared backend's threads on several
+        # shards): wait on each in turn a slice at a time.
+        step = wait if len(pubsubs) == 1 else RESULT_SHARD_READ_SLICE
         got = False
         deadline = time.monotonic() + wait
         try:
             while True:
-                left = deadline - time.monotonic()
-                message = pubsub.get_message(timeout=max(left, 0) if not got else 0)
-                if message is None:
+                for pubsub in pubsubs:
+                    left = deadline - time.monotonic()
+                    while True:
+                        timeout = min(max(left, 0), step) if not got else 0
+                        message = pubsub.get_message(timeout=timeout)
+                        if message is None:
+                            break
+                        if message.get("type") in ("message", "smessage"):
+                            got = True
+                            self.on_state_change(
+                                self.backend.decode_result(message["data"]), message)
+                if got or time.monotonic() >= deadline:
                     return got
-                if message.get("type") in ("message", "smessage"):
-                    got = True
-                    self.on_state_change(self.backend.decode_result(message["data"]), message)
         except self.backend.connection_errors:
             # A cut or a failover: read what the cut may have hidden, and subscribe again
             # (maybe on another node) once the dust settled.

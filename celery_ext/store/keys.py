@@ -110,7 +110,9 @@ Layout (``ns`` = namespace)::
                                      Kombu's retry of that publish writes nothing. <id>: one
                                      per publish call and job queue (``producer.publish_marker``);
                                      on a cluster also "periodic:<run's job id>", one per
-                                     periodic entry and due time (``periodic_run.run_marker``)
+                                     periodic entry and due time (``periodic_run.run_marker``);
+                                     a chord's body: one per chord apply and body task, kept
+                                     for the chord expiry (``PUBLISH_ONCE``)
     {ns}:history:m:<minute>  hash    job counts, runtime histograms ("*", "n:<job name>") and a
                                      queue-size sample ("q") of one minute (ms // 60000);
                                      expires 24 h after it (see history.py)

@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
+from celery._state import get_current_task
 
 import celery_ext
 
@@ -134,6 +135,27 @@ def _die_after_first_run(sender: Any = None, task_id: str = "", **kwargs: Any) -
         return
     i = kwargs["args"][0]
     if recorder().incr(f"postrun:{i}") == 1:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+@app.task(bind=True)
+def part_dies_after_body(self: Any, i: int) -> int:
+    """A chord's (only) header job whose first run kills its whole worker pool right after it
+    published the chord's body, before the chord was marked done (see
+    ``_die_after_body_publish``)."""
+    recorder().incr(f"part_runs:{i}")
+    return i
+
+
+@signals.after_task_publish.connect
+def _die_after_body_publish(sender: Any = None, **kwargs: Any) -> None:
+    # The body went out from on_chord_part_return, which chord_done.lua follows: a pool
+    # killed here leaves the chord claimed and not settled, so the header job runs again
+    # and publishes the body again.
+    task = get_current_task()
+    if task is None or task.name != part_dies_after_body.name:
+        return
+    if recorder().incr(f"body_published:{task.request.id}") == 1:
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
 

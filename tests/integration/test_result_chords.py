@@ -82,6 +82,26 @@ def test_header_job_run_twice_counts_once(
     assert int(rec.get("body_calls") or 0) == 1
 
 
+def test_body_published_then_pool_killed_runs_the_body_once(
+        results: Results, app_for: Callable[..., WorkerProcess], rec: redis.Redis) -> None:
+    """A chord's header job's pool is SIGKILLed right after it published the chord's body,
+    before the chord was marked done: the job runs again on the other pool and publishes
+    the body again, which the enqueue script finds already written. The body runs once."""
+    for _ in range(2):
+        app_for(env=FAST_REAP, concurrency=1)
+    p = proj_results
+    res = chord([p.part_dies_after_body.s(2)])(p.total.s())
+    assert res.get(timeout=60) == 2
+    wait_for(lambda: results.client.hget(results.keys.chord(res.parent.id), "state") == b"sent",
+             60, "the header job's second run to settle the chord")
+    assert int(rec.get("part_runs:2") or 0) == 2 and rec.get(
+        f"body_published:{res.parent.results[0].id}") == b"2"
+    # One worker is left, running one job at a time in queue order: a second body, pushed
+    # before the chord was settled, runs before this job's result comes back.
+    assert p.add.delay(1, 1).get(timeout=60) == 2
+    assert int(rec.get("body_calls") or 0) == 1
+
+
 def test_header_job_in_the_dead_set_fails_the_chord(
         results: Results, app_for: Callable[..., WorkerProcess], rec: redis.Redis) -> None:
     """A header job that kills its pool on every run goes to the dead set as a poison

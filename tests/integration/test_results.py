@@ -155,6 +155,52 @@ def test_wakeup_delivers_without_polling(results: Results, rec: redis.Redis,
     assert res.get(timeout=20) == 7
 
 
+def test_a_shared_backend_subscribes_every_waiting_thread(
+        results: Results, rec: redis.Redis, app_for: Callable[..., WorkerProcess],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend shared by threads (``result_backend_thread_safe``) listens on every waiting
+    thread's channel, on a cluster on the shard of each: with the re-read turned off, every
+    thread's result arrives by its wake-up."""
+    import threading
+
+    from celery_ext.results.consumer import WakeupConsumer
+
+    app_for()
+    app = proj_results.app
+    monkeypatch.setattr(WakeupConsumer, "_poll", lambda self: None)
+    monkeypatch.setitem(app.conf, "result_backend_thread_safe", True)
+    monkeypatch.setattr(app, "_backend_cache", None)  # restored: per-thread backends again
+    backend = app._get_backend()
+    app._backend = backend  # thread-safe: one backend, shared by every thread
+    hold = f"hold:{uuid.uuid4().hex}"
+    rec.set(hold, 1)
+    got: dict[int, Any] = {}
+    oids: list[str] = []
+
+    def wait_on(i: int) -> None:
+        oids.append(app.thread_oid)
+        got[i] = proj_results.part.delay(i, hold).get(timeout=30)
+
+    threads = [threading.Thread(target=wait_on, args=(i,)) for i in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(oids) == 8 and sorted(_our_channels(results)) == sorted(
+            results.keys.wake_channel(o) for o in oids), 30,
+            "every waiting thread's channel subscribed")
+        if results.cluster:  # 8 random channels on 3 masters: on more than one
+            shards = {results.client.get_node_from_key(results.keys.wake_channel(o)).name
+                      for o in oids}
+            assert len(shards) > 1, "every channel fell on one shard: run again"
+        rec.delete(hold)
+        for t in threads:
+            t.join(40)
+        assert got == {i: i for i in range(8)}
+    finally:
+        rec.delete(hold)
+        backend.result_consumer.stop()
+
+
 def test_a_cluster_master_failover_while_a_client_waits(
         results: Results, app_for: Callable[..., WorkerProcess], rec: redis.Redis,
         request: pytest.FixtureRequest) -> None:
