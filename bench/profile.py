@@ -82,7 +82,7 @@ def parse_stacks(path: Path, main_pid: int) -> dict[str, dict[str, Counter[str]]
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("job body (the task's code: one INCRBY)", ("bench/app.py",)),
     ("bench.floor's strategy (--floor 1 or 2)", ("strategy.<locals>.", "kept_strategy.",
-                                                 "_acker", "_Running.")),
+                                                 "_acker", "RunningJob.")),
     ("acks", ("Request.acknowledge", "Consumer.call_soon_ack", "WorkerPool.flush_acks",
               "AckBatcher.", "WorkerPool._write_ack_batch", "WorkerPool.ack", "AckSender.",
               "Message.ack", "Channel.basic_ack", "QoS.ack", "on_loop_tick")),

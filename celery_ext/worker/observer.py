@@ -40,13 +40,12 @@ from celery_ext.text import one_line
 from celery_ext.worker import cursor as cursors
 from celery_ext.worker.heartbeater import owning_pool_id
 from celery_ext.worker.outage import Outage
+from celery_ext.worker.running_job import RunningJob, slot_id
 
 logger = logging.getLogger("celery_ext.worker.observer")
 
 #: A job writes its checkin to Redis at most this often (seconds), however often it calls.
 CHECKIN_MIN_INTERVAL = 1.0
-#: Characters of repr(args)/repr(kwargs) kept in a busy worker's record.
-ARGS_PREVIEW_CHARS = 200
 #: A job's busy record is written only once it has run this long (seconds): short
 #: jobs cost no round trip from the executing process, while the long jobs the busy
 #: view is for still show (a record per job costs more than a short job itself).
@@ -67,26 +66,6 @@ _observers: dict[int, Observer] = {}
 _observers_lock = threading.Lock()
 
 
-#: This process's pid, as text (``os.getpid`` is a system call; a job asks twice).
-_pid = str(os.getpid())
-
-
-def slot_id() -> str:
-    """This execution slot: the process, plus the thread for the threads pool (the
-    greenlet under gevent). By ident, not ``current_thread()``: under gevent that makes
-    a thread object for each job's greenlet."""
-    ident = threading.get_ident()
-    if ident == threading.main_thread().ident:
-        return _pid
-    return f"{_pid}-{ident}"
-
-
-def preview(args: Any, kwargs: Any) -> str:
-    text = ", ".join([*(repr(a) for a in (args or ())),
-                      *(f"{k}={v!r}" for k, v in (kwargs or {}).items())])
-    return text if len(text) <= ARGS_PREVIEW_CHARS else text[:ARGS_PREVIEW_CHARS - 1] + "…"
-
-
 class _CheckinState:
     __slots__ = ("answer", "last_write", "pending")
 
@@ -94,38 +73,6 @@ class _CheckinState:
         self.last_write = 0.0
         self.answer = False
         self.pending: dict[str, Any] | None = None
-
-
-class _Running:
-    """A job running in this process. Its busy record is written only if it runs past
-    ``BUSY_RECORD_DELAY``, which most jobs never do, so the start keeps references (the
-    task, its arguments) and the record is made only then: the arguments are previewed
-    as they are at that moment."""
-
-    __slots__ = ("args", "job_id", "kwargs", "slot", "started", "task", "written")
-
-    def __init__(self, job_id: str, task: Any, args: Any, kwargs: Any, slot: str) -> None:
-        self.job_id = job_id
-        self.task = task
-        self.args = args
-        self.kwargs = kwargs
-        self.slot = slot
-        self.started = time.monotonic()
-        self.written = False
-
-    @property
-    def record(self) -> str:
-        try:
-            args = preview(self.args, self.kwargs)
-        except Exception as exc:  # the job's own __repr__, or a thread changing them
-            args = f"<arguments not shown: {type(exc).__name__}>"
-        return json.dumps({
-            "job_id": self.job_id,
-            "job_name": self.task.name,
-            "args": args,
-            "stall_after": getattr(self.task, "stall_after", None),
-            "pid": int(_pid),
-        }, default=repr, separators=(",", ":"))
 
 
 class Observer:
@@ -143,10 +90,10 @@ class Observer:
         self.scripts = Scripts(client)
         self.history = HistoryWriter(client, settings)  # per-minute counts, with the stats
         self._checkins: dict[str, _CheckinState] = {}
-        self._running: dict[str, _Running] = {}
+        self._running: dict[str, RunningJob] = {}
         #: The running jobs whose busy record is not written yet, oldest first (in start
         #: order): ``flush`` looks at the oldest only, not at every job running.
-        self._unwritten: dict[str, _Running] = {}
+        self._unwritten: dict[str, RunningJob] = {}
         self._stats: dict[str, int] = {}
         self._runtime: dict[str, int] = {}  # {ns}:runtime fields, written with the stats
         self._lock = threading.Lock()
@@ -195,7 +142,7 @@ class Observer:
                      [slot, mode, job_id, record, "", "", elapsed_ms], client=client)
 
     def _write_busy(self, ends: list[tuple[str, str, float]],
-                    starts: list[tuple[_Running, int]]) -> None:
+                    starts: list[tuple[RunningJob, int]]) -> None:
         """Clear the records of ``ends``, then write those of ``starts`` (a slot's next
         job starts after its last one ended): one round trip for all, pipelined, on one
         node; one call each on a cluster, whose pipelines do not send scripts."""
@@ -211,7 +158,7 @@ class Observer:
             pipe.execute()
 
     def job_started(self, task: Any, job_id: str, args: Any, kwargs: Any) -> None:
-        running = _Running(job_id, task, args, kwargs, slot_id())
+        running = RunningJob(job_id, task, args, kwargs, slot_id())
         with self._lock:
             self._running[job_id] = running
             self._unwritten[job_id] = running
@@ -271,7 +218,7 @@ class Observer:
         now = time.monotonic()
         wait = 1e9
         with self._lock:
-            starts: list[tuple[_Running, int]] = []
+            starts: list[tuple[RunningJob, int]] = []
             for running in self._unwritten.values():
                 age = now - running.started
                 if age < BUSY_RECORD_DELAY:  # (and every later one)
@@ -568,10 +515,9 @@ def _on_failure(sender: Any = None, task_id: str | None = None, exception: Any =
 def _forget_observers_after_fork() -> None:
     """A child forked from a process that built an observer (the main process, after a
     lost job) builds its own: the parent's lock and thread are not its."""
-    global _observers_lock, _pid
+    global _observers_lock
     _observers.clear()
     _observers_lock = threading.Lock()
-    _pid = str(os.getpid())
 
 
 os.register_at_fork(after_in_child=_forget_observers_after_fork)
