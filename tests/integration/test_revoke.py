@@ -54,9 +54,13 @@ def test_revoke_with_no_worker_up_holds_for_a_worker_started_later(
     assert redis_client.zcard(K.scheduled) == 1
     mode.app.control.revoke(queued.id)
     later.revoke()
-    # The countdown job left the scheduled set at once, into the dead set.
+    # Both left at once, into the dead set: the countdown job the scheduled set, the
+    # queued one its job queue (the 1,000 stay); the index says so, no worker up.
     assert redis_client.zcard(K.scheduled) == 0
-    assert set(dead_reasons(redis_client)) == {later.id}
+    assert set(dead_reasons(redis_client)) == {queued.id, later.id}
+    assert redis_client.llen(K.queue(mode.queue(proj.record))) == 1000
+    status = Client(redis_client).job(queued.id)
+    assert (status["state"], status["dead_id"] is not None) == ("dead", True)
     mode.send(proj.record, "control")  # (behind the 1,000 and the revoked one)
     worker_factory(APP, env=mode.env()).start()
     wait_for(lambda: recorded(rec, "runs", "control"), 60, "the job sent after the revoke")
@@ -69,11 +73,8 @@ def test_revoke_with_no_worker_up_holds_for_a_worker_started_later(
     for meta in dead.values():
         assert meta["reason"] == "revoked" and meta["via"] == "celery control revoke"
         assert ":" in meta["by"] and meta["revoked_at"] > 0
-    # The index says where they are: dead, revoked; the worker that dropped the queued
-    # one marked its result as Celery does.
     client = Client(redis_client)
     assert client.job(queued.id)["state"] == "dead"
-    assert queued.state == "REVOKED"
 
 
 def test_a_job_enqueued_after_its_revoke_does_not_run(
@@ -411,3 +412,49 @@ def test_a_dropped_revoked_job_is_announced_with_a_task_revoked_event(
     worker_factory(APP, extra_args=["-E"]).start()
     listener.join(40)
     assert [e["uuid"] for e in seen] == [job.id]
+
+
+@pytest.mark.parametrize("task", ["held", "started"])
+def test_a_unique_job_revoked_while_queued_releases_its_lock(
+        task: str, broker_url: str, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """A unique job (until_finished, until_started) revoked while queued, no worker up,
+    leaves its job queue for the dead set with its lock: an identical job enqueued right
+    after is accepted (not the revoked one's id back, as while the lock held), and a
+    worker started later runs it and not the revoked one."""
+    proj.configure(broker_url)
+    from tests.apps import proj_unique
+
+    send = {"held": lambda: proj_unique.held.delay("u"),
+            "started": lambda: proj_unique.started.delay("u")}[task]
+    first = send()
+    assert send().id == first.id  # (the lock holds)
+    proj_unique.app.control.revoke(first.id)
+    assert not list(redis_client.scan_iter(match=K.unique("*")))
+    second = send()
+    assert second.id != first.id
+    assert set(dead_reasons(redis_client)) == {first.id}
+    worker_factory("tests.apps.proj_unique").start()
+    wait_for(lambda: recorded(rec, "runs", "u"), 30, "the second job")
+    time.sleep(0.5)
+    assert len(recorded(rec, "runs", "u")) == 1
+
+
+def test_a_revoked_unique_job_dropped_at_its_fetch_releases_its_lock(
+        broker_url: str, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """A unique job enqueued after the revoke of its id (nothing to find at the revoke)
+    is dropped by the fetch that pops it, and that fetch
+    releases its until_finished lock: the next identical job is accepted and runs."""
+    proj.configure(broker_url)
+    from tests.apps import proj_unique
+
+    proj_unique.app.control.revoke("unique-later")
+    first = proj_unique.held.apply_async(("f",), task_id="unique-later")
+    assert proj_unique.held.delay("f").id == first.id  # (the lock holds)
+    worker_factory("tests.apps.proj_unique").start()
+    wait_for(lambda: first.id in dead_reasons(redis_client), 30, "the revoked job dropped")
+    assert not list(redis_client.scan_iter(match=K.unique("*")))
+    second = proj_unique.held.delay("f")
+    assert second.id != first.id
+    wait_for(lambda: recorded(rec, "runs", "f"), 30, "the second job")
