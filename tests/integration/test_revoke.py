@@ -458,3 +458,45 @@ def test_a_revoked_unique_job_dropped_at_its_fetch_releases_its_lock(
     second = proj_unique.held.delay("f")
     assert second.id != first.id
     wait_for(lambda: recorded(rec, "runs", "f"), 30, "the second job")
+
+
+def test_a_revoke_holds_in_a_job_queue_first_seen_after_it_on_a_cluster(
+        cluster: Any, redis_server: Any, worker_factory: Factory) -> None:
+    """On a 3-master cluster: a revoke made while no job queue is known (nothing
+    enqueued, no pool), then a job enqueued with the revoked id in a new job queue, and
+    another beside it. A worker started later joins that queue's copy, gets the revokes
+    there, and runs only the other job; the revoked one is in that copy's dead set."""
+    import uuid
+
+    from celery_ext.store.connections import cluster_client, cluster_config
+    from tests.apps import proj_cluster
+    from tests.integration.test_cluster_workers import producer, runs
+
+    namespace = "rn" + uuid.uuid4().hex[:8]
+    record_url = redis_server.url(db=3)
+    rec = redis.Redis.from_url(record_url)
+    rec.flushdb()
+    url = cluster.url()
+    app = producer(url, namespace, install=True)
+    revoked_id = "revoked-" + uuid.uuid4().hex
+    app.control.revoke(revoked_id)
+    name = f"{proj_cluster.__name__}.job3"
+    app.send_task(name, (0,), task_id=revoked_id)
+    app.send_task(name, (1,))
+    env = {"CELERY_EXT_NAMESPACE": namespace, "CELERY_EXT_RECORD_URL": record_url}
+    worker_factory(proj_cluster.__name__, broker_url=url, pool="threads", concurrency=2,
+                   env=env).start(timeout=60)
+    wait_for(lambda: int(rec.get("done") or 0) >= 1, 60, "the job not revoked")
+    config = cluster_config([url], {"cluster": True})
+    assert config is not None
+    rc = cluster_client(config, {"socket_timeout": 5.0})
+    try:
+        dead = Keys(namespace, cluster=True).of(name).dead_jobs
+        wait_for(lambda: rc.hlen(dead) == 1, 30, "the revoked job in its copy's dead set")
+        meta, _q, payload = rc.hvals(dead)[0].decode().split("\n", 2)
+        assert json.loads(meta)["reason"] == "revoked"
+        assert json.loads(payload)["headers"]["id"] == revoked_id
+        assert [min(n, 1) for n in runs(rec, "job3", 2)] == [0, 1]
+    finally:
+        rc.close()
+        rec.close()
