@@ -47,7 +47,7 @@ from typing import Any, TypedDict
 
 from kombu.utils.encoding import bytes_to_str
 
-from celery_ext.config import Settings
+from celery_ext.config import REVOKE_SCAN_MAX, Settings
 from celery_ext.store.clock import now_ms
 from celery_ext.store.copies import copies, per_copy, run_scripts
 from celery_ext.store.job_index import index_ttl_ms
@@ -100,7 +100,8 @@ def revoke(client: Any, scripts: Scripts, settings: Settings, task_ids: Iterable
         return ("revoke", [copy.revoked, copy.revoked_by, copy.job_index, copy.job_index_done,
                            copy.dead, copy.dead_jobs, copy.scheduled, copy.retry,
                            copy.scheduled_jobs, copy.redelivery],
-                [*args, copy.queue(""), copy.unique(""), copy.cursor_prefix, *ids])
+                [*args, copy.queue(""), copy.unique(""), copy.cursor_prefix,
+                 REVOKE_SCAN_MAX, *ids])
 
     # The home copy first, then the known job queues read: a pool that joins a queue's
     # copy registers the queue before it copies the home's revokes (copy_revokes), so

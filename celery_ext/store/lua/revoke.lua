@@ -4,10 +4,11 @@
 -- flight is reported, for a stop request when the revoke terminates.
 -- A queued job is found in the list of the priority level its index entry names: that
 -- list is read from its oldest end (the fetch's) in chunks of SCAN_CHUNK until the job
--- is there, then LREM takes it out from that end. O(jobs ahead of it in that list),
--- the price of accounting for it at the revoke (docs/revoke.md, "What it costs"); a
--- keyed job (a fair key's sub-queue, not named by the index) or one not found (popped
--- meanwhile) is left to the fetch that pops it (fetch.lua drops a revoked id).
+-- is there, then LREM takes it out from that end. O(jobs ahead of it in that list), at
+-- most ARGV[10] of them: the price of accounting for it at the revoke (docs/revoke.md,
+-- "What it costs"). A job further back, a keyed job (a fair key's sub-queue, not named
+-- by the index) or one not found (popped meanwhile) is left to the fetch that pops it
+-- (fetch.lua drops a revoked id).
 -- KEYS[1]  revoked ids zset             {ns}:revoked (include/revoked.lua)
 -- KEYS[2]  revokes' meta hash           {ns}:revoked_by
 -- KEYS[3]  job index hash               {ns}:jobs
@@ -29,11 +30,13 @@
 -- ARGV[7]  job queue key prefix         {ns}:queue: (a level list: keys.py)
 -- ARGV[8]  unique lock key prefix       {ns}:unique: (include/unique.lua)
 -- ARGV[9]  cursor key prefix            {ns}:cursor: (include/cursor.lua)
--- ARGV[10..] task ids
+-- ARGV[10] most jobs of a level list read to find one queued job (REVOKE_SCAN_MAX)
+-- ARGV[11..] task ids
 -- Both revoked keys expire ARGV[2] ms after this revoke, when every id in them has lapsed.
 -- Returns {moved, inflight, queued}: moved = {task id, "queued", "scheduled" or
 -- "retry", ...} of the jobs moved to the dead set; inflight, queued = task ids the
--- index says are in flight, or queued but not found in their level list, in this copy.
+-- index says are in flight, or queued but not found within ARGV[10] jobs of the
+-- fetch's end of their level list, in this copy.
 -- @include clock
 -- @include job_index
 -- @include dead_set
@@ -49,7 +52,7 @@ local sets = {scheduled = KEYS[7], retry = KEYS[8]}
 local moved, inflight, queued = {}, {}, {}
 -- The payload of task `id`'s job in the list `list`, oldest first, or nil.
 local function find_queued(list, id)
-  local n = redis.call('LLEN', list)
+  local n = math.min(redis.call('LLEN', list), tonumber(ARGV[10]))
   for stop = -1, -n, -SCAN_CHUNK do
     local chunk = redis.call('LRANGE', list, math.max(stop - SCAN_CHUNK + 1, -n), stop)
     for j = #chunk, 1, -1 do
@@ -70,7 +73,7 @@ local function to_dead(id, ref, rec, queue)
   unique_release_job(ARGV[8], payload, id)
   cursor_drop(ARGV[9], payload, nil)
 end
-for i = 10, #ARGV do
+for i = 11, #ARGV do
   local id = ARGV[i]
   redis.call('ZADD', KEYS[1], lapses, id)
   redis.call('HSET', KEYS[2], id, meta)
