@@ -61,6 +61,10 @@ def test_revoke_with_no_worker_up_holds_for_a_worker_started_later(
     assert redis_client.llen(K.queue(mode.queue(proj.record))) == 1000
     status = Client(redis_client).job(queued.id)
     assert (status["state"], status["dead_id"] is not None) == ("dead", True)
+    # No worker will receive them to mark their results: the process that sent the
+    # revoke did, in its app's backend (an installed app's; a drop-in app's stay PENDING).
+    expected = "PENDING" if mode.dropin else "REVOKED"
+    assert (queued.state, later.state) == (expected, expected)
     mode.send(proj.record, "control")  # (behind the 1,000 and the revoked one)
     worker_factory(APP, env=mode.env()).start()
     wait_for(lambda: recorded(rec, "runs", "control"), 60, "the job sent after the revoke")
