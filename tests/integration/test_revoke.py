@@ -61,6 +61,7 @@ def test_revoke_with_no_worker_up_holds_for_a_worker_started_later(
     assert redis_client.llen(K.queue(mode.queue(proj.record))) == 1000
     status = Client(redis_client).job(queued.id)
     assert (status["state"], status["dead_id"] is not None) == ("dead", True)
+    assert (status["error"] or "").startswith("revoked by ")
     # No worker will receive them to mark their results: the process that sent the
     # revoke did, in its app's backend (an installed app's; a drop-in app's stay PENDING).
     expected = "PENDING" if mode.dropin else "REVOKED"
@@ -194,8 +195,8 @@ def test_cancel_from_the_cli_and_the_client(
         worker_factory: Factory) -> None:
     """``celery ext cancel ID`` of a countdown job removes it now and says so;
     ``celery ext revoked`` lists it with who cancelled it; ``Client.cancel`` and
-    ``celery control revoke`` of queued jobs with no worker up: the worker started later
-    runs neither."""
+    ``celery control revoke`` of queued jobs with no worker up take them out of their
+    job queue: the worker started later runs neither."""
     from tests.helpers import celery_cli
 
     mode = Mode("install", broker_url)
@@ -208,7 +209,7 @@ def test_cancel_from_the_cli_and_the_client(
     listing = celery_cli("-A", APP, "ext", "revoked", broker_url=broker_url)
     assert later.id in listing.stdout and "cancel" in listing.stdout
     outcome = Client(redis_client).cancel(queued.id, by="ops")
-    assert outcome["queued"] == [queued.id]
+    assert outcome["removed"] == {queued.id: "queued"}  # (out of its job queue, now)
     # Celery's own command line, with no worker to answer it (it says so), holds too.
     by_cli = mode.send(proj.record, "by-cli")
     celery_cli("-A", APP, "control", "revoke", by_cli.id, broker_url=broker_url)
@@ -387,12 +388,15 @@ def test_a_dropped_revoked_job_is_announced_with_a_task_revoked_event(
         broker_url: str, redis_client: redis.Redis, worker_factory: Factory) -> None:
     """A worker that sends events (``-E``) announces a job its fetch dropped as revoked
     with Celery's ``task-revoked`` event, as Celery does for a revoked job it receives
-    (Flower's task list shows it revoked)."""
+    (Flower's task list shows it revoked). The job is enqueued after the revoke of its
+    id: a job queued at the revoke leaves its queue then, and no fetch sees it."""
     import threading
+    import uuid
 
     mode = Mode("install", broker_url)
-    job = mode.send(proj.record, "queued")
-    mode.app.control.revoke(job.id)
+    task_id = str(uuid.uuid4())
+    mode.app.control.revoke(task_id)
+    job = mode.send(proj.record, "queued", task_id=task_id)
     seen: list[dict[str, Any]] = []
     deadline = time.monotonic() + 40
 
@@ -504,3 +508,17 @@ def test_a_revoke_holds_in_a_job_queue_first_seen_after_it_on_a_cluster(
     finally:
         rc.close()
         rec.close()
+
+
+def test_a_job_revoked_while_queued_with_a_cursor_leaves_no_cursor(
+        broker_url: str, redis_client: redis.Redis) -> None:
+    """A resumable job back in its queue with its cursor (as the reaper returns a job of
+    a dead pool: the cursor stays in its copy, written by its last checkin; here the
+    cursor is written as that checkin writes it) loses the cursor with the revoke that
+    moves it to the dead set, in the same script: retried later, it starts over."""
+    mode = Mode("install", broker_url)
+    job = mode.send(proj.record, "resumable")
+    redis_client.set(K.cursor(job.id), "some-tag\n{\"page\": 3}")
+    mode.app.control.revoke(job.id)
+    assert set(dead_reasons(redis_client)) == {job.id}
+    assert not redis_client.exists(K.cursor(job.id))
