@@ -82,13 +82,16 @@ class AMQP(CeleryAMQP):
         same limit: its producers keep their connection between uses
         (:class:`celery_ext.producer.publish.Producers`), so they must not hold connections
         of Kombu's process-wide pool, which other apps on the same URL share. Celery
-        resets it after a fork."""
+        resets it after a fork. Its connections know the app (``Producers.celery_app``):
+        Celery's revoke broadcast goes through this pool, and the channel marks the
+        results of the jobs the revoke removes in the app's backend."""
         pool = self.__dict__.get("_producer_pool")  # (Celery's attribute, None after a fork)
         if pool is None:
             limit = self.app.pool.limit
             pool = self.__dict__["_producer_pool"] = Producers(
                 self.app.connection_for_write().Pool(limit=limit), limit=limit,
                 Producer=Producer)
+            pool.celery_app = self.app
         return pool
 
     publisher_pool = producer_pool

@@ -125,8 +125,9 @@ class Client:
 
     def cancel(self, job_id: str, by: str | None = None) -> RevokeOutcome:
         """Cancel a job by its id, wherever it is, as Celery's ``revoke(terminate=True)``
-        does here: queued, it is dropped by the fetch that pops it; scheduled or in the
-        retry set, it moves to the dead set now (reason ``revoked``); in flight, its next
+        does here: queued, scheduled or in the retry set, it moves to the dead set now
+        (reason ``revoked``; a queued job deep in a long queue or under a fair key when
+        its fetch pops it); in flight, its next
         checkin says stop; enqueued later with this id, it does not run either (for
         ``revoked_ttl``). ``by``: who, for the record (default this host and pid). Built
         with :meth:`from_app`, the job's result says ``REVOKED`` too, as Celery's revoke

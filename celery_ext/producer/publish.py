@@ -559,6 +559,18 @@ class Producers(pools.ProducerPool):
     Kombu's pool gives them at every acquire.
     """
 
+    #: The Celery app whose pool this is (``install.AMQP.producer_pool``), set on every
+    #: connection the pool takes (``celery_app``): the pool and its connection pool are
+    #: the app's own, so the channel of a revoke it publishes finds the app whose result
+    #: backend to mark (``Channel._put_fanout``).
+    celery_app: Any = None
+
+    def _acquire_connection(self) -> Any:
+        conn = super()._acquire_connection()
+        if self.celery_app is not None:
+            conn.celery_app = self.celery_app
+        return conn
+
     def prepare(self, p: Any) -> Any:
         channel = getattr(p, "_channel", None)
         if channel is not None and not isinstance(channel, ChannelPromise) and (

@@ -14,14 +14,18 @@ copy of the layout:
   (``fetch.lua``): a job with a revoked id, enqueued before or after the revoke,
   promoted from the scheduled or retry set, or returned by a reaper, goes to the dead
   set with reason ``revoked`` instead of running;
-* a job the job index finds in the scheduled or retry set moves to the dead set at once;
+* a job the job index finds queued, scheduled or retrying moves to the dead set at
+  once, its unique lock released and its cursor dropped (a queued one is looked for in
+  its priority level's list: ``revoke.lua`` says the cost);
 * a job in flight is reported: with ``terminate``, it gets a stop request (its next
   checkin answers "stop"; Celery's own terminate reaches its worker through the
   broadcast).
 
 On a cluster a fetch touches its job queue's copy only, so the id is written to every
 copy (``copies``: the home copy and every known job queue's), one script per copy, in
-one pipeline per master. A job queue first seen after the revoke has no copy of it.
+one pipeline per master, the home copy first. A job queue first seen after the revoke
+gets the home's revokes when a pool joins its copy, before its first fetch there
+(:func:`copy_revokes`).
 
 A person who retries a revoked job from the dead set lifts its revoke first (:func:`lift`),
 so the retried job runs.
@@ -38,12 +42,12 @@ import contextlib
 import json
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, TypedDict
 
 from kombu.utils.encoding import bytes_to_str
 
-from celery_ext.config import Settings
+from celery_ext.config import REVOKE_SCAN_MAX, Settings
 from celery_ext.store.clock import now_ms
 from celery_ext.store.copies import copies, per_copy, run_scripts
 from celery_ext.store.job_index import index_ttl_ms
@@ -55,9 +59,11 @@ from celery_ext.store.stop_requests import request_stop
 class RevokeOutcome(TypedDict):
     """What one revoke did, by task id."""
 
-    #: Moved from the scheduled or retry set to the dead set: id -> "scheduled" / "retry".
+    #: Moved to the dead set: id -> "queued" (out of its job queue), "scheduled" or
+    #: "retry".
     removed: dict[str, str]
-    #: Queued now: dropped, to the dead set, by the fetch that pops it.
+    #: Queued now but not found in the list its index entry names (a fair key's
+    #: sub-queue): dropped, to the dead set, by the fetch that pops it.
     queued: list[str]
     #: In flight now (reserved or running).
     inflight: list[str]
@@ -88,13 +94,23 @@ def revoke(client: Any, scripts: Scripts, settings: Settings, task_ids: Iterable
     meta = json.dumps({"reason": "revoked", "error": f"revoked by {by} ({via})", "by": by,
                        "via": via, "terminate": bool(terminate)}, separators=(",", ":"))
     args = [meta, int(settings.revoked_ttl * 1000), settings.revoked_max,
-            settings.dead_max_size, int(settings.dead_max_age * 1000), index_ttl_ms(settings),
-            *ids]
-    calls = [("revoke", [copy.revoked, copy.revoked_by, copy.job_index, copy.job_index_done,
-                         copy.dead, copy.dead_jobs, copy.scheduled, copy.retry,
-                         copy.scheduled_jobs], args)
-             for copy in copies(client, keys)]
-    for moved, inflight, queued in run_scripts(client, scripts, calls):
+            settings.dead_max_size, int(settings.dead_max_age * 1000), index_ttl_ms(settings)]
+
+    def call(copy: Keys) -> tuple[str, list[str], list[Any]]:
+        return ("revoke", [copy.revoked, copy.revoked_by, copy.job_index, copy.job_index_done,
+                           copy.dead, copy.dead_jobs, copy.scheduled, copy.retry,
+                           copy.scheduled_jobs, copy.redelivery],
+                [*args, copy.queue(""), copy.unique(""), copy.cursor_prefix,
+                 REVOKE_SCAN_MAX, *ids])
+
+    # The home copy first, then the known job queues read: a pool that joins a queue's
+    # copy registers the queue before it copies the home's revokes (copy_revokes), so
+    # the copy gets this revoke from one side or the other.
+    replies = run_scripts(client, scripts, [call(keys.home)])
+    if keys.cluster:
+        replies += run_scripts(client, scripts, [call(copy) for copy in copies(client, keys)
+                                                 if copy != keys.home])
+    for moved, inflight, queued in replies:
         moved = [bytes_to_str(m) for m in moved]
         outcome["removed"].update(zip(moved[::2], moved[1::2], strict=True))
         outcome["inflight"] += [bytes_to_str(i) for i in inflight]
@@ -102,6 +118,32 @@ def revoke(client: Any, scripts: Scripts, settings: Settings, task_ids: Iterable
     if terminate:
         outcome["stop_requested"] = [i for i in ids if request_stop(client, settings, i)]
     return outcome
+
+
+def copy_revokes(client: Any, keys: Keys, targets: Sequence[Keys]) -> int:
+    """Cluster: write the home copy's revokes into the copies ``targets`` of job queues a
+    pool joins now, before its first fetch there. A revoke is written to the copies of the
+    job queues known at the time; a queue first seen later (a job enqueued with a revoked
+    id, then a pool for its queue) would otherwise have none. Called after the queues
+    are in the home registry (see :func:`revoke`). Costs one read of the home's revokes
+    and, when there are any, one pipeline writing up to ``revoked_max`` ids per copy.
+    Returns how many ids were copied to each."""
+    home = keys.home
+    with client.pipeline(transaction=False) as pipe:
+        pipe.zrange(home.revoked, 0, -1, withscores=True)
+        pipe.hgetall(home.revoked_by)
+        pairs, metas = pipe.execute()
+    if not pairs:
+        return 0
+    lapses = {i: int(score) for i, score in pairs}
+    last = max(lapses.values())
+    targets = [t for t in targets if t != home]
+    per_copy(client, targets, lambda pipe, copy: (
+        pipe.zadd(copy.revoked, lapses, gt=True),
+        pipe.hset(copy.revoked_by, mapping=metas) if metas else None,
+        # (the keys go when their last revoke lapses, as revoke.lua's PEXPIRE)
+        pipe.pexpireat(copy.revoked, last), pipe.pexpireat(copy.revoked_by, last)))
+    return len(lapses)
 
 
 def revoked(client: Any, keys: Keys) -> list[RevokedId]:

@@ -61,6 +61,7 @@ from celery_ext.transport.readiness import ReadyQueues
 from celery_ext.transport.topology import refuse_unsupported, topology_for
 from celery_ext.transport.wakeup import MultiChannelPoller, Wakeups
 from celery_ext.worker import periodic_leader
+from celery_ext.worker.control import mark_revoked
 from celery_ext.worker.heartbeater import current_pool_id
 from celery_ext.worker.worker_pool import WorkerPool, on_loop_close, on_loop_tick, pool_for
 
@@ -190,8 +191,14 @@ class Channel(kredis.Channel):
         # so it holds for the workers that are not up to hear it. (Events: nothing more.)
         if exchange.endswith(MAILBOX_SUFFIX):
             with self.conn_or_acquire() as client:
-                record_control(exchange, message, self.decode_body, client, self._scripts,
-                               self.settings)
+                outcome = record_control(exchange, message, self.decode_body, client,
+                                         self._scripts, self.settings)
+            # The jobs the revoke moved to the dead set reach no worker to mark their
+            # results: this process does, in its app's backend (the connections of an
+            # installed app's producer pool know it; a drop-in app's do not).
+            app = getattr(self.connection.client, "celery_app", None)
+            if outcome and outcome["removed"] and app is not None:
+                mark_revoked(sorted(outcome["removed"]), app.backend)
         super()._put_fanout(exchange, message, routing_key, **kwargs)
 
     def _handle_message(self, client: Any, r: Any) -> dict[str, Any]:

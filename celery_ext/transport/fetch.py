@@ -60,7 +60,8 @@ def fetch_call(keys: Keys, settings: Settings, pool_id: str, queues: list[str],
     (no-ack) per queue."""
     return (keys.fetch(pool_id, queues, settings.priority_steps),
             [pool_id, flags, *queues, settings.max_payload_bytes, int(settings.job_index),
-             settings.dead_max_size, int(settings.dead_max_age * 1000)])
+             settings.dead_max_size, int(settings.dead_max_age * 1000), keys.unique(""),
+             keys.cursor_prefix])
 
 
 def envelope_json(payload: bytes | str) -> Any:

@@ -24,6 +24,7 @@ from celery_ext.store.copies import run_scripts
 from celery_ext.store.dead_set import notify_dead
 from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import STAT_POISON_PILLS, STAT_RECOVERED, Keys
+from celery_ext.store.revoked import copy_revokes
 from celery_ext.store.scripts import Scripts
 
 logger = logging.getLogger("celery_ext.worker.inflight")
@@ -120,6 +121,9 @@ class InflightRecord:
         queues = [k.copy_queue for k in new if k.copy_queue is not None]
         if queues:
             self.client.sadd(self.keys.home.queues, *queues)
+        # Then the live revokes into the new copies: a queue first seen after a revoke
+        # has no copy of it, and its fetches read only its copy (store/revoked.py).
+        copy_revokes(self.client, self.keys, new)
         self._joined.update(new)
 
     def forget_joins(self) -> None:

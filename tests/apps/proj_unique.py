@@ -38,6 +38,12 @@ def held_retry(self: Any, key: str) -> None:
     recorder().rpush(f"done:{key}", str(self.request.retries))
 
 
+@app.task(unique=True, unique_key=lambda key: key)
+def started(key: str) -> None:
+    """Locked from its enqueue until it starts (until_started)."""
+    recorder().rpush(f"runs:{key}", "s")
+
+
 @app.task(acks_late=True, unique="until_finished", unique_key=lambda key: key)
 def held_fails(key: str) -> None:
     """Fails 1 s after it starts, without retries: it goes to the dead set, and its

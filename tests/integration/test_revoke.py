@@ -54,9 +54,18 @@ def test_revoke_with_no_worker_up_holds_for_a_worker_started_later(
     assert redis_client.zcard(K.scheduled) == 1
     mode.app.control.revoke(queued.id)
     later.revoke()
-    # The countdown job left the scheduled set at once, into the dead set.
+    # Both left at once, into the dead set: the countdown job the scheduled set, the
+    # queued one its job queue (the 1,000 stay); the index says so, no worker up.
     assert redis_client.zcard(K.scheduled) == 0
-    assert set(dead_reasons(redis_client)) == {later.id}
+    assert set(dead_reasons(redis_client)) == {queued.id, later.id}
+    assert redis_client.llen(K.queue(mode.queue(proj.record))) == 1000
+    status = Client(redis_client).job(queued.id)
+    assert (status["state"], status["dead_id"] is not None) == ("dead", True)
+    assert (status["error"] or "").startswith("revoked by ")
+    # No worker will receive them to mark their results: the process that sent the
+    # revoke did, in its app's backend (an installed app's; a drop-in app's stay PENDING).
+    expected = "PENDING" if mode.dropin else "REVOKED"
+    assert (queued.state, later.state) == (expected, expected)
     mode.send(proj.record, "control")  # (behind the 1,000 and the revoked one)
     worker_factory(APP, env=mode.env()).start()
     wait_for(lambda: recorded(rec, "runs", "control"), 60, "the job sent after the revoke")
@@ -69,11 +78,8 @@ def test_revoke_with_no_worker_up_holds_for_a_worker_started_later(
     for meta in dead.values():
         assert meta["reason"] == "revoked" and meta["via"] == "celery control revoke"
         assert ":" in meta["by"] and meta["revoked_at"] > 0
-    # The index says where they are: dead, revoked; the worker that dropped the queued
-    # one marked its result as Celery does.
     client = Client(redis_client)
     assert client.job(queued.id)["state"] == "dead"
-    assert queued.state == "REVOKED"
 
 
 def test_a_job_enqueued_after_its_revoke_does_not_run(
@@ -189,8 +195,8 @@ def test_cancel_from_the_cli_and_the_client(
         worker_factory: Factory) -> None:
     """``celery ext cancel ID`` of a countdown job removes it now and says so;
     ``celery ext revoked`` lists it with who cancelled it; ``Client.cancel`` and
-    ``celery control revoke`` of queued jobs with no worker up: the worker started later
-    runs neither."""
+    ``celery control revoke`` of queued jobs with no worker up take them out of their
+    job queue: the worker started later runs neither."""
     from tests.helpers import celery_cli
 
     mode = Mode("install", broker_url)
@@ -203,7 +209,7 @@ def test_cancel_from_the_cli_and_the_client(
     listing = celery_cli("-A", APP, "ext", "revoked", broker_url=broker_url)
     assert later.id in listing.stdout and "cancel" in listing.stdout
     outcome = Client(redis_client).cancel(queued.id, by="ops")
-    assert outcome["queued"] == [queued.id]
+    assert outcome["removed"] == {queued.id: "queued"}  # (out of its job queue, now)
     # Celery's own command line, with no worker to answer it (it says so), holds too.
     by_cli = mode.send(proj.record, "by-cli")
     celery_cli("-A", APP, "control", "revoke", by_cli.id, broker_url=broker_url)
@@ -382,12 +388,15 @@ def test_a_dropped_revoked_job_is_announced_with_a_task_revoked_event(
         broker_url: str, redis_client: redis.Redis, worker_factory: Factory) -> None:
     """A worker that sends events (``-E``) announces a job its fetch dropped as revoked
     with Celery's ``task-revoked`` event, as Celery does for a revoked job it receives
-    (Flower's task list shows it revoked)."""
+    (Flower's task list shows it revoked). The job is enqueued after the revoke of its
+    id: a job queued at the revoke leaves its queue then, and no fetch sees it."""
     import threading
+    import uuid
 
     mode = Mode("install", broker_url)
-    job = mode.send(proj.record, "queued")
-    mode.app.control.revoke(job.id)
+    task_id = str(uuid.uuid4())
+    mode.app.control.revoke(task_id)
+    job = mode.send(proj.record, "queued", task_id=task_id)
     seen: list[dict[str, Any]] = []
     deadline = time.monotonic() + 40
 
@@ -411,3 +420,105 @@ def test_a_dropped_revoked_job_is_announced_with_a_task_revoked_event(
     worker_factory(APP, extra_args=["-E"]).start()
     listener.join(40)
     assert [e["uuid"] for e in seen] == [job.id]
+
+
+@pytest.mark.parametrize("task", ["held", "started"])
+def test_a_unique_job_revoked_while_queued_releases_its_lock(
+        task: str, broker_url: str, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """A unique job (until_finished, until_started) revoked while queued, no worker up,
+    leaves its job queue for the dead set with its lock: an identical job enqueued right
+    after is accepted (not the revoked one's id back, as while the lock held), and a
+    worker started later runs it and not the revoked one."""
+    proj.configure(broker_url)
+    from tests.apps import proj_unique
+
+    send = {"held": lambda: proj_unique.held.delay("u"),
+            "started": lambda: proj_unique.started.delay("u")}[task]
+    first = send()
+    assert send().id == first.id  # (the lock holds)
+    proj_unique.app.control.revoke(first.id)
+    assert not list(redis_client.scan_iter(match=K.unique("*")))
+    second = send()
+    assert second.id != first.id
+    assert set(dead_reasons(redis_client)) == {first.id}
+    worker_factory("tests.apps.proj_unique").start()
+    wait_for(lambda: recorded(rec, "runs", "u"), 30, "the second job")
+    time.sleep(0.5)
+    assert len(recorded(rec, "runs", "u")) == 1
+
+
+def test_a_revoked_unique_job_dropped_at_its_fetch_releases_its_lock(
+        broker_url: str, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """A unique job enqueued after the revoke of its id (nothing to find at the revoke)
+    is dropped by the fetch that pops it, and that fetch
+    releases its until_finished lock: the next identical job is accepted and runs."""
+    proj.configure(broker_url)
+    from tests.apps import proj_unique
+
+    proj_unique.app.control.revoke("unique-later")
+    first = proj_unique.held.apply_async(("f",), task_id="unique-later")
+    assert proj_unique.held.delay("f").id == first.id  # (the lock holds)
+    worker_factory("tests.apps.proj_unique").start()
+    wait_for(lambda: first.id in dead_reasons(redis_client), 30, "the revoked job dropped")
+    assert not list(redis_client.scan_iter(match=K.unique("*")))
+    second = proj_unique.held.delay("f")
+    assert second.id != first.id
+    wait_for(lambda: recorded(rec, "runs", "f"), 30, "the second job")
+
+
+def test_a_revoke_holds_in_a_job_queue_first_seen_after_it_on_a_cluster(
+        cluster: Any, redis_server: Any, worker_factory: Factory) -> None:
+    """On a 3-master cluster: a revoke made while no job queue is known (nothing
+    enqueued, no pool), then a job enqueued with the revoked id in a new job queue, and
+    another beside it. A worker started later joins that queue's copy, gets the revokes
+    there, and runs only the other job; the revoked one is in that copy's dead set."""
+    import uuid
+
+    from celery_ext.store.connections import cluster_client, cluster_config
+    from tests.apps import proj_cluster
+    from tests.integration.test_cluster_workers import producer, runs
+
+    namespace = "rn" + uuid.uuid4().hex[:8]
+    record_url = redis_server.url(db=3)
+    rec = redis.Redis.from_url(record_url)
+    rec.flushdb()
+    url = cluster.url()
+    app = producer(url, namespace, install=True)
+    revoked_id = "revoked-" + uuid.uuid4().hex
+    app.control.revoke(revoked_id)
+    name = f"{proj_cluster.__name__}.job3"
+    app.send_task(name, (0,), task_id=revoked_id)
+    app.send_task(name, (1,))
+    env = {"CELERY_EXT_NAMESPACE": namespace, "CELERY_EXT_RECORD_URL": record_url}
+    worker_factory(proj_cluster.__name__, broker_url=url, pool="threads", concurrency=2,
+                   env=env).start(timeout=60)
+    wait_for(lambda: int(rec.get("done") or 0) >= 1, 60, "the job not revoked")
+    config = cluster_config([url], {"cluster": True})
+    assert config is not None
+    rc = cluster_client(config, {"socket_timeout": 5.0})
+    try:
+        dead = Keys(namespace, cluster=True).of(name).dead_jobs
+        wait_for(lambda: rc.hlen(dead) == 1, 30, "the revoked job in its copy's dead set")
+        meta, _q, payload = rc.hvals(dead)[0].decode().split("\n", 2)
+        assert json.loads(meta)["reason"] == "revoked"
+        assert json.loads(payload)["headers"]["id"] == revoked_id
+        assert [min(n, 1) for n in runs(rec, "job3", 2)] == [0, 1]
+    finally:
+        rc.close()
+        rec.close()
+
+
+def test_a_job_revoked_while_queued_with_a_cursor_leaves_no_cursor(
+        broker_url: str, redis_client: redis.Redis) -> None:
+    """A resumable job back in its queue with its cursor (as the reaper returns a job of
+    a dead pool: the cursor stays in its copy, written by its last checkin; here the
+    cursor is written as that checkin writes it) loses the cursor with the revoke that
+    moves it to the dead set, in the same script: retried later, it starts over."""
+    mode = Mode("install", broker_url)
+    job = mode.send(proj.record, "resumable")
+    redis_client.set(K.cursor(job.id), "some-tag\n{\"page\": 3}")
+    mode.app.control.revoke(job.id)
+    assert set(dead_reasons(redis_client)) == {job.id}
+    assert not redis_client.exists(K.cursor(job.id))

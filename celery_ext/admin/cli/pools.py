@@ -72,10 +72,13 @@ def stop(client: ClientGetter, job_id: str) -> Output:
 @click.argument("job_id")
 def cancel(client: ClientGetter, job_id: str) -> Output:
     """Cancel a job by id, wherever it is: queued, scheduled or retrying, it never runs
-    (it goes to the dead set, reason revoked); running, its next checkin returns True;
+    (it goes to the dead set, reason revoked: at once, or a queued job deep in a long
+    queue when its fetch pops it); running, its next checkin returns True;
     enqueued later with this id, it does not run either (for revoked_ttl)."""
     outcome = client().cancel(job_id)
-    if job_id in outcome["removed"]:
+    if outcome["removed"].get(job_id) == "queued":
+        where = "removed from its job queue to the dead set"
+    elif job_id in outcome["removed"]:
         where = f"removed from the {outcome['removed'][job_id]} set to the dead set"
     elif job_id in outcome["queued"]:
         where = "queued: the fetch that pops it moves it to the dead set"

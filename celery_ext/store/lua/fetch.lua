@@ -31,10 +31,14 @@
 --          from the payload's last bytes)
 -- ARGV[5 + n] (optional) max dead jobs kept (default 10000)
 -- ARGV[6 + n] (optional) max age of dead jobs, ms (default: no age rule)
+-- ARGV[7 + n] (optional) unique lock key prefix {ns}:unique:, ARGV[8 + n] (optional)
+--          cursor key prefix {ns}:cursor: (include/unique.lua, include/cursor.lua): a
+--          job dropped as revoked releases the lock it holds and loses its cursor
 -- A popped job whose task id is revoked (KEYS[13], while its revoke holds) is not
 -- delivered nor recorded in flight: it goes to the dead set, reason "revoked", with the
 -- revoke's meta (who, when), and its index entry says dead. One ZSCORE per job while
 -- any id is revoked, nothing more when none is. The candidate yields no job this call.
+-- Its unique lock (either mode, if it holds it) and its cursor go with it.
 -- Delivery tag: read from the payload's last bytes (include/delivery_tag.lua); a job
 -- without one (another client's layout) gets "untagged-<sha1 ...>", the same on every
 -- fetch, so its recovery count holds across requeues; a duplicate gets a "~<n>"
@@ -79,10 +83,13 @@ local max_payload = tonumber(ARGV[3 + ncand] or 0) or 0
 local indexed = ARGV[4 + ncand] == '1'
 local dead_max = tonumber(ARGV[5 + ncand] or '') or 10000
 local dead_age = tonumber(ARGV[6 + ncand] or '')
+local unique_prefix, cursor_prefix = ARGV[7 + ncand], ARGV[8 + ncand]
 -- @include clock
 -- @include job_index
 -- @include revoked
 -- @include dead_set
+-- @include unique
+-- @include cursor
 
 -- @include delivery_tag
 -- Per queue name, the first level (1 = the first) that may hold jobs: the levels
@@ -209,6 +216,8 @@ for i = 1, ncand do
         local did = dead_add(KEYS[15], KEYS[16], rtag, rmeta .. '\n' .. qname .. '\n' .. payload)
         if indexed then jix_set(KEYS[12], tid, 'dead', qname, did, 'revoked') end
         dead_trim(KEYS[15], KEYS[16], KEYS[12], indexed and 1 or 0, dead_max, dead_age)
+        unique_release_job(unique_prefix, payload, tid)
+        cursor_drop(cursor_prefix, payload, nil)
         dropped[#dropped + 1] = tid
       else
         local tag = tag_of(payload)

@@ -25,3 +25,21 @@ local function unique_release_tags(locks, tags)
   end
   return n
 end
+-- Delete the unique lock a job's message names (its "celery_ext_unique" header, either
+-- mode), under `prefix` ({ns}:unique: of the job's copy; "" = none given), if the job's
+-- task id `id` holds it: a revoked job never reaches the ack or the start that would
+-- release it. A revoke covers every message of its task id, so the task id part of
+-- the value decides. Returns 1 if deleted, else 0.
+local UNIQUE_FIELD = '"celery_ext_unique": "'
+local function unique_release_job(prefix, payload, id)
+  if not prefix or prefix == '' or not id then return 0 end
+  local _, e = string.find(payload, UNIQUE_FIELD, 1, true)
+  local digest = e and string.match(payload, '^[^"\\]+', e + 1)
+  if not digest then return 0 end
+  local lock = prefix .. digest
+  local value = redis.call('GET', lock)
+  if value and unique_holder(value) == id then
+    return redis.call('DEL', lock)
+  end
+  return 0
+end
