@@ -157,3 +157,4 @@ class JobStatus(TypedDict):
     level: int | None  # queued: its priority level in that queue
     pool: str | None  # reserved / running / finished: the worker pool (by the job index)
     indexed: bool  # found in the job index (else searched for in the sets)
+    cursor: Any  # a resumable job's cursor (decoded JSON), None when it keeps none

@@ -5,7 +5,8 @@ the same scripts that move the job, so it says queued (which queue, which priori
 level), in flight (which pool; ``running`` when that pool's busy records show it, else
 ``reserved``), scheduled, retrying, dead, or done (when, which pool); the result backend
 adds the outcome of a done job (``finished`` without a backend), the checkin record the
-progress. A job is ``queued`` only when its entry says so.
+progress, the cursor record (:mod:`celery_ext.worker.cursor`, in the job queue's copy) a
+resumable job's position. A job is ``queued`` only when its entry says so.
 
 A job without an entry (enqueued before the index existed, or ``job_index=False``) is
 searched for as follows. Its state is spread over several records: the result backend knows finished
@@ -103,12 +104,24 @@ def _payload_task_name(payload: str) -> str | None:
     return str(value) if value is not None else None
 
 
+def _cursor_value(raw: bytes | str | None) -> Any:
+    """The JSON value of a ``"<owner tag>\n<cursor json>"`` cursor record; None when the
+    job keeps none (or the record is unreadable: a status never fails on it)."""
+    if not raw:
+        return None
+    _owner, _, body = bytes_to_str(raw).partition("\n")
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
 def new_status(job_id: str, state: str = "queued", **fields: Any) -> JobStatus:
     status = JobStatus(
         job_id=job_id, state=state, done=state in FINAL_STATES, job_name=None,
         progress=None, message=None, checkin_at=None, started_at=None, due_at=None,
         finished_at=None, result=None, error=None, dead_id=None, stop_requested=False,
-        queue=None, level=None, pool=None, indexed=False)
+        queue=None, level=None, pool=None, indexed=False, cursor=None)
     status.update(fields)  # type: ignore[typeddict-item]
     return status
 
@@ -142,7 +155,9 @@ class JobLookup:
             pipe.hget(k.checkins, job_id)
             pipe.zscore(k.stop_requests, job_id)
             pipe.hget(k.job_index, job_id)
-            checkin, stop, raw_entry = pipe.execute()
+            if not k.cluster:
+                pipe.get(k.cursor(job_id))
+            checkin, stop, raw_entry, *cursor = pipe.execute()
         status = new_status(job_id, stop_requested=stop is not None and requested(
             stop, now_ms(self.client)))
         if checkin:
@@ -160,6 +175,10 @@ class JobLookup:
         status["job_name"] = meta.get("name")
         status["finished_at"] = _timestamp(meta.get("date_done"))
         entry = parse_entry(raw_entry) if not k.cluster else lookup(self.client, k, job_id)
+        if k.cluster and entry is not None:
+            # On a cluster the cursor lives in the job queue's copy, which the entry names.
+            cursor = [self.client.get(k.of(entry["queue"]).cursor(job_id))]
+        status["cursor"] = _cursor_value(cursor[0] if cursor else None)
         if entry is not None and entry["state"] == "queued" and entry["ref"].isdigit() \
                 and not self.client.llen(k.of(entry["queue"]).queue_level(entry["queue"],
                                                                           int(entry["ref"]))):

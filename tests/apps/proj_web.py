@@ -82,3 +82,14 @@ def flaky(self: Any, key: str, countdown: float = 60.0) -> str:
     if _flag(key):
         return "ok"
     raise self.retry(exc=RuntimeError(f"{key} not ready"), countdown=countdown)
+
+
+@app.task(bind=True)
+def keeps_cursor(self: Any, key: str, cursor: Any) -> str:
+    """A resumable job: checks in with ``cursor``, then waits until Redis key ``key``
+    exists on db 2 (checking in, so a status read meanwhile sees it running)."""
+    self.checkin(message="waiting", cursor=cursor)
+    deadline = time.monotonic() + 60
+    while not _flag(key) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return "done"

@@ -3,6 +3,7 @@ job to stop, cancelling a job by id (and the revoked ids), and a reaper pass."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -10,6 +11,7 @@ import click
 
 from celery_ext.admin.cli.command import ClientGetter, Output, Table, command
 from celery_ext.admin.cli.render import age, cell, when
+from celery_ext.text import one_line
 
 
 def pool_table(items: list[Any]) -> Table:
@@ -114,13 +116,17 @@ def job(client: ClientGetter, job_id: str) -> Output:
         return Output(None, error=f"unknown job id {job_id}: no queue, set, pool or "
                                   "result backend knows it")
     return Output(st, [f"{key:15} {_value(key, value)}" for key, value in st.items()
-                       if value not in (None, False, "")])
+                       if value not in (None, False, "")
+                       or (key == "cursor" and value is not None)])
 
 
 def _value(key: str, value: object) -> str:
-    """A status field as the other commands show it: times (``*_at``) in local time."""
+    """A status field as the other commands show it: times (``*_at``) in local time; the
+    cursor as the JSON the job kept (a cursor ``"7"`` is not the cursor ``7``)."""
     if key.endswith("_at") and isinstance(value, int | float):
         return when(value)
+    if key == "cursor":
+        return one_line(json.dumps(value, default=str), 200)
     return cell(value, 200)
 
 

@@ -64,10 +64,12 @@
     this.bar = node("div", { height: "100%", width: "0%", background: COLORS.running, transition: "width .3s" });
     track.appendChild(this.bar);
     this.line = node("div", { fontSize: "13px", color: "#3b4453", minHeight: "1.2em", wordBreak: "break-word" });
+    this.cursorLine = node("div", { fontSize: "12px", color: "#3b4453", fontFamily: "ui-monospace, monospace", marginTop: "4px", wordBreak: "break-all", display: "none" });
     this.idLine = node("div", { fontSize: "11px", color: "#6b7483", fontFamily: "ui-monospace, monospace", marginTop: "4px" }, this.jobId);
     box.appendChild(top);
     box.appendChild(track);
     box.appendChild(this.line);
+    box.appendChild(this.cursorLine);
     box.appendChild(this.idLine);
     this.el.replaceChildren(box);
     this.box = box;
@@ -99,6 +101,11 @@
       text = "in " + st.queue + (st.level ? " (priority level " + st.level + ")" : "");
     } else if ((st.state === "reserved" || st.state === "finished") && st.pool) text = "pool " + st.pool;
     this.line.textContent = text;
+    // A resumable job's cursor: where its next run goes on from (gone once it finishes).
+    var hasCursor = st.cursor !== null && st.cursor !== undefined;
+    var cursor = hasCursor ? JSON.stringify(st.cursor) : "";
+    this.cursorLine.textContent = hasCursor ? "cursor " + (cursor.length > 200 ? cursor.slice(0, 199) + "…" : cursor) : "";
+    this.cursorLine.style.display = hasCursor ? "" : "none";
     if (this.opts.onUpdate) { try { this.opts.onUpdate(st); } catch (e) { /* the page's bug */ } }
   };
 
