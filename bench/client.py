@@ -158,28 +158,28 @@ def layers(batches: int, size: int) -> dict[str, dict[str, float]]:
         floor_put(self, str(routing_key), message)
 
     variants: dict[str, dict[str, object]] = {
-        "full": {}, "celery_only": {"send": no_publish}, "no_transport": {"put": no_put},
+        "full": {}, "celery_only": {"send_task": no_publish}, "no_transport": {"put": no_put},
         "floor": {"put": floor_put}, "direct_floor": {"publish": direct_publish}}
     if bench_app.MODE == "ours":
         from celery_ext.producer import publish as producer
 
-        def constant(self: object, script: str, keys: object, args: object) -> int:
-            return 1
+        def constant(self: object, commands: list[bytes]) -> list[int]:
+            return [1] * len(commands)  # every script call "written", nothing sent
 
-        variants["no_round_trip"] = {"call": constant}
-        call = producer.PublishConnection.call
+        variants["no_round_trip"] = {"send": constant}
+        send = producer.PublishConnection.send
     cpu_best = dict.fromkeys(variants, float("inf"))
     wall_best = dict.fromkeys(variants, float("inf"))
     try:
         for _ in range(batches):
             for name, replace in variants.items():
-                amqp.__dict__["send_task_message"] = replace.get("send", sender)
+                amqp.__dict__["send_task_message"] = replace.get("send_task", sender)
                 channel_cls._put = replace.get("put", put)  # type: ignore[method-assign]
                 messaging.Producer.publish = replace.get(  # type: ignore[method-assign]
                     "publish", publish)
                 if bench_app.MODE == "ours":
-                    producer.PublishConnection.call = replace.get(  # type: ignore
-                        "call", call)
+                    producer.PublishConnection.send = replace.get(  # type: ignore
+                        "send", send)
                 cpu, wall = time.process_time(), time.perf_counter()
                 for _ in range(size):
                     task.apply_async()
@@ -190,7 +190,7 @@ def layers(batches: int, size: int) -> dict[str, dict[str, float]]:
         channel_cls._put = put  # type: ignore[method-assign]
         messaging.Producer.publish = publish  # type: ignore[method-assign]
         if bench_app.MODE == "ours":
-            producer.PublishConnection.call = call  # type: ignore[method-assign]
+            producer.PublishConnection.send = send  # type: ignore[method-assign]
         line.disconnect()
     return {"cpu_us": cpu_best, "wall_us": wall_best}
 
