@@ -92,12 +92,17 @@ def test_stop_runs_every_step_when_one_raises(pool: WorkerPool, redis_client: re
     else:
         setattr(owner, name, boom)
     pool.ack(["a", "b"])  # written, replies unread
-    pool.stop()
-    assert not _registered(redis_client, pool.pool_id)
-    assert not redis_client.exists(K.inflight(pool.pool_id))
-    # The acked jobs are done; the three others wait at the front of their queue.
-    assert sorted(redis_client.lrange(K.queue("q"), 0, -1)) == [b"{}", b"{}", b"{}"]
-    assert int(redis_client.hget(K.running, "q") or 0) <= 0
+    try:
+        pool.stop()
+        assert not _registered(redis_client, pool.pool_id)
+        assert not redis_client.exists(K.inflight(pool.pool_id))
+        # The acked jobs are done; the three others wait at the front of their queue.
+        assert sorted(redis_client.lrange(K.queue("q"), 0, -1)) == [b"{}", b"{}", b"{}"]
+        assert int(redis_client.hget(K.running, "q") or 0) <= 0
+    finally:
+        if step in ("requeuer", "reaper"):  # its thread still runs: stop it for real
+            delattr(owner, name)
+            owner.stop()
 
 
 def test_reconcile_with_ack_replies_unread_applies_them_and_returns_the_rest(
