@@ -22,6 +22,7 @@ from celery_ext.client import Client
 from celery_ext.config import DEFAULT_PRIORITY_STEPS
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
+from celery_ext.testing.server import RedisServer
 from tests.apps import proj
 from tests.helpers import only_pool, push, wait_for
 from tests.workers import READY_PATTERN, WorkerProcess
@@ -132,11 +133,17 @@ def _bytes_out(client: redis.Redis) -> int:
     return sum(int(c["tot-net-out"]) for c in client.client_list() if "O" not in c["flags"])
 
 
-def test_an_oversized_job_at_fetch_is_dead_with_its_reason_and_not_shipped(
-        broker_url: str, redis_client: redis.Redis) -> None:
+def test_an_oversized_job_at_fetch_is_dead_with_its_reason_and_not_shipped() -> None:
     """A 200 kB job in a queue of a consumer whose limit is 100 kB: the fetch leaves its
     bytes in Redis (the reply carries only its size), the job goes to the dead set,
-    reason ``too_large``, payload kept byte for byte, and the next job is delivered."""
+    reason ``too_large``, payload kept byte for byte, and the next job is delivered. On a
+    server of its own: the bytes it sends are counted, and no other test's client may
+    be sent any meanwhile."""
+    with RedisServer() as server:
+        _oversized_fetch(server.url(scheme="celery-ext"), server.client())
+
+
+def _oversized_fetch(broker_url: str, redis_client: redis.Redis) -> None:
     big = message("big-1", 200_000)
     push(redis_client, QUEUE, big)
     push(redis_client, QUEUE, message("small-1", 100))
