@@ -45,7 +45,10 @@ def test_inspect_scheduled_lists_the_scheduled_and_retry_sets(
         mode: Mode, redis_client: redis.Redis, worker_factory: Factory) -> None:
     (worker,) = start_workers(worker_factory, 1, app="tests.apps.proj", env=mode.env())
     eta, at_eta, retry = _send_three(mode, redis_client)
-    replies = mode.app.control.inspect(timeout=5).scheduled()
+    # A connection of its own: a pooled one may have been dropped by the server in an
+    # earlier test of this process, and its first write fails (not retried).
+    with mode.app.connection_for_write() as conn:
+        replies = mode.app.control.inspect(timeout=5, connection=conn).scheduled()
     entries = replies[node_name(worker)]
     assert [e["request"]["id"] for e in entries] == [retry.id, at_eta.id]
     entry = entries[1]
