@@ -149,6 +149,30 @@ class ProbingConnection(redis.Connection):
         #: When the connection last sent a request or read a reply: silence counts
         #: from there (the replies of a long pipeline each restart it).
         self._heard_at = 0.0
+        #: ``check_health`` is connecting again (the connect's own checks do not).
+        self._reconnecting = False
+
+    def check_health(self) -> None:
+        """A connection the server closed while it was idle (a restart, the server's
+        ``timeout``, CLIENT KILL) is found by the health check's PING, before the request
+        it precedes is sent: connect again instead of failing that request. Only the PING
+        is repeated, and it changes nothing; a check that times out (a server that does
+        not answer) still raises, and so does a failed connect (the checks it runs are
+        plain ones)."""
+        if self._reconnecting:
+            super().check_health()
+            return
+        try:
+            super().check_health()
+        except redis.TimeoutError:
+            raise
+        except redis.ConnectionError:
+            self.disconnect()
+            self._reconnecting = True
+            try:
+                self.connect()
+            finally:
+                self._reconnecting = False
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         super().send_packed_command(command, check_health=check_health)

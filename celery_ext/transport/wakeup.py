@@ -251,6 +251,7 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
             if any(q not in fanout for q in channel._active_queues):
                 self._register_WAKE(channel)
                 if channel.qos.can_consume():
+                    self._check_idle_fetch_connection(channel)
                     self._register_BRPOP(channel)
                 else:
                     starved = True
@@ -259,6 +260,19 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
         if self._in_get:
             self._watch_pipe()
             self.wake_pipe.armed = starved
+
+    def _check_idle_fetch_connection(self, channel: Channel) -> None:
+        """Before a fetch is sent on an idle connection, its health check (when due)
+        finds a connection the server closed meanwhile (a restart, the server's
+        ``timeout``, CLIENT KILL) and connects again (``ProbingConnection.check_health``):
+        the poller then watches the new socket, so the fetch's reply is heard."""
+        conn = getattr(channel.client, "connection", None)
+        if channel._in_poll or conn is None or conn._sock is None:
+            return
+        conn.check_health()
+        ident = (channel, channel.client, "BRPOP")
+        if ident in self._chan_to_sock and self._chan_to_sock[ident] is not conn._sock:
+            self._register(*ident)
 
     def _watch_pipe(self) -> None:
         """Make sure this poll watches the wake-up pipe (credit freed, worker stopping)."""

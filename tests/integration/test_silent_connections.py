@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from kombu import Connection
 
 from celery_ext.config import DEFAULT_PROBE_TIMEOUT, DEFAULT_REPLY_PROBE_AFTER, Settings
 from celery_ext.store.connections import watch_replies
@@ -155,3 +156,26 @@ def test_connections_keep_alive(proxy: Proxy) -> None:
     finally:
         pool.release(conn)
         pool.disconnect()
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_by_the_health_check(
+        server: RedisServer) -> None:
+    """The server drops an idle consumer's connections (a restart, its ``timeout``,
+    CLIENT KILL): the next wait for a message, past the health check's interval, finds
+    its fetch connection closed at the check's PING, connects again and delivers, instead
+    of failing the caller (``inspect()`` raised "Broken pipe" on such a connection). The
+    PING never reached the server, so sending it again is safe; the request after it was
+    not sent at all."""
+    url = server.url(scheme="celery-ext")
+    with Connection(url, transport_options={"health_check_interval": 1}) as conn:
+        queue = conn.SimpleQueue("idle-closed")
+        queue.put({"n": 1})
+        assert queue.get(timeout=5).payload == {"n": 1}
+        with server.client() as admin:
+            assert admin.client_kill_filter(_type="normal", skipme=True) >= 1
+        time.sleep(1.5)  # past the health check's interval
+        queue.put({"n": 2})
+        message = queue.get(timeout=5)
+        assert message.payload == {"n": 2}
+        message.ack()
+        queue.close()
