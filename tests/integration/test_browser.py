@@ -106,6 +106,16 @@ def test_dashboard_in_a_browser(browser: Any, broker_url: str, redis_client: red
         ui.shot("dead-after-retry")
         ui.assert_clean()
 
+        # A revoke lists its id, who made it and when it lapses.
+        revoked_job = proj_web.echo.apply_async(("to-revoke",), countdown=300)
+        proj_web.app.control.revoke(revoked_job.id)
+        wait_for(lambda: [r["task_id"] for r in client.revoked()] == [revoked_job.id],
+                 what="the revoke recorded")
+        page = ui.open("/revoked", "revoked")
+        revoked_row = page.locator(f'tr[data-row="{revoked_job.id}"]')
+        assert "(celery control revoke)" in revoked_row.inner_text()
+        ui.assert_clean()
+
         # The job observer widget follows a job to the end.
         job = proj_web.progress.delay(8, 0.4)
         page = ui.open(f"/demo?job={job.id}")
@@ -120,6 +130,6 @@ def test_dashboard_in_a_browser(browser: Any, broker_url: str, redis_client: red
         ui.context.close()
         assert {p.name for p in shots.iterdir()} >= {
             "overview.png", "queues.png", "pools.png", "busy.png", "scheduled.png",
-            "retry.png", "dead.png", "dead-job.png", "widget-done.png"}
+            "retry.png", "dead.png", "dead-job.png", "revoked.png", "widget-done.png"}
     finally:
         stop_all([web])

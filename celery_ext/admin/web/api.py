@@ -332,7 +332,14 @@ async def cancel(request: Request) -> JSONResponse:
 
 
 async def revoked(request: Request) -> JSONResponse:
-    return JSONResponse({"items": await run_in_threadpool(_client(request).revoked)})
+    """The revokes that hold now (the Revoked page), with the Redis clock's time, from
+    which the page counts down to each one's lapse."""
+    client = _client(request)
+
+    def read() -> dict[str, Any]:
+        return {"items": client.revoked(), "server_time": client.server_time()}
+
+    return JSONResponse(await run_in_threadpool(read))
 
 
 async def scheduled_delete(request: Request) -> JSONResponse:

@@ -28,6 +28,7 @@ PAGES = (
     ("scheduled", "/scheduled", "Scheduled"),
     ("retry", "/retry", "Retry"),
     ("dead", "/dead", "Dead"),
+    ("revoked", "/revoked", "Revoked"),
     ("periodic", "/periodic", "Periodic"),
 )
 #: Pages with a template of their own (the others use page.html).

@@ -325,6 +325,19 @@
       });
     },
 
+    revoked: function () {
+      return api("/api/revoked").then(function (d) {
+        return table([
+          { label: "Task id", render: function (r) { return h("a", { href: ROOT + "/demo?job=" + encodeURIComponent(r.task_id), cls: "mono", text: r.task_id }); } },
+          { label: "Revoked by", render: function (r) { return (r.meta.by || "?") + (r.meta.via ? " (" + r.meta.via + ")" : ""); }, cls: "mono" },
+          { label: "Terminate", render: function (r) { return r.meta.terminate ? badge("stop at checkin", "warn") : "—"; } },
+          { label: "Lapses in", cls: "nowrap", render: function (r) { return fmtDur(r.lapses_at - d.server_time); },
+            title: function (r) { return fmtTime(r.lapses_at); } }
+        ], d.items.map(function (r) { r.__key = r.task_id; return r; }),
+        "No revoke holds now.");
+      });
+    },
+
     scheduled: function () { return setPage("scheduled"); },
     retry: function () { return setPage("retry"); },
 
