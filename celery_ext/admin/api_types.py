@@ -137,6 +137,13 @@ class SearchPage(TypedDict):
 
 
 # -- one job (celery_ext.admin.job_status) -----------------------------------------------------
+class UniqueLock(TypedDict):
+    key: str  # the lock's key: the job's name and the hash of its unique arguments
+    held: bool  # this job holds the lock now (else another job or nobody does)
+    holder: str | None  # the task id that holds it now, None when nobody does
+    ttl: float | None  # seconds until the lock's safety-net TTL ends it
+
+
 class JobStatus(TypedDict):
     job_id: str
     # queued, scheduled, retrying, reserved, running, succeeded, failed, dead, revoked, finished
@@ -158,3 +165,6 @@ class JobStatus(TypedDict):
     pool: str | None  # reserved / running / finished: the worker pool (by the job index)
     indexed: bool  # found in the job index (else searched for in the sets)
     cursor: Any  # a resumable job's cursor (decoded JSON), None when it keeps none
+    # A unique job's lock, where its message is kept in a record (scheduled, retrying,
+    # reserved or running, dead): None for a job that is not unique or not found there
+    unique_lock: UniqueLock | None

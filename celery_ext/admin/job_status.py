@@ -33,8 +33,9 @@ from typing import Any
 import redis
 from kombu.utils.encoding import bytes_to_str
 
-from celery_ext.admin.api_types import JobStatus
+from celery_ext.admin.api_types import JobStatus, UniqueLock
 from celery_ext.config import Settings
+from celery_ext.options.unique import lock_of
 from celery_ext.store.clock import now_ms
 from celery_ext.store.copies import copies
 from celery_ext.store.dead_set import split_record
@@ -121,7 +122,8 @@ def new_status(job_id: str, state: str = "queued", **fields: Any) -> JobStatus:
         job_id=job_id, state=state, done=state in FINAL_STATES, job_name=None,
         progress=None, message=None, checkin_at=None, started_at=None, due_at=None,
         finished_at=None, result=None, error=None, dead_id=None, stop_requested=False,
-        queue=None, level=None, pool=None, indexed=False, cursor=None)
+        queue=None, level=None, pool=None, indexed=False, cursor=None,
+        unique_lock=None)
     status.update(fields)  # type: ignore[typeddict-item]
     return status
 
@@ -237,24 +239,30 @@ class JobLookup:
             status.update({"state": "retrying" if where == "retry" else "scheduled",
                            "finished_at": None, "due_at": due / 1000 if due is not None
                            else None})
-            record = self._record(self.keys.of(entry["queue"]).scheduled_jobs, entry["ref"])
+            record, payload = self._record(self.keys.of(entry["queue"]).scheduled_jobs,
+                                           entry["ref"])
             status["job_name"] = status["job_name"] or record.get("name")
+            status["unique_lock"] = self._unique_lock(entry["queue"], payload)
             error = _error_text(meta.get("result")) if state == "RETRY" else record.get("error")
             status["error"] = _cut(str(error)) if error else None
         elif where == "dead":
             status.update({"state": "dead", "done": True, "dead_id": entry["ref"],
                            "finished_at": at})
-            record = self._record(self.keys.of(entry["queue"]).dead_jobs, entry["ref"])
+            record, payload = self._record(self.keys.of(entry["queue"]).dead_jobs, entry["ref"])
             status["job_name"] = status["job_name"] or record.get("name")
+            status["unique_lock"] = self._unique_lock(entry["queue"], payload)
             status["error"] = _cut(str(record.get("error") or record.get("reason")
                                        or "")) or None
         elif where == "inflight" or not final:
             # Done while no outcome is known: acked when it started (acks_late off).
             status.update({"pool": entry["detail"] or None, "finished_at": None})
-            if where == "inflight" and not status["job_name"]:
+            if where == "inflight":
                 raw = self.client.hget(self.keys.of(entry["queue"]).inflight(entry["detail"]),
                                        entry["ref"])
-                status["job_name"] = _payload_task_name(bytes_to_str(raw)) if raw else None
+                # ("<queue>\n<payload>")
+                payload = bytes_to_str(raw).partition("\n")[2] if raw else ""
+                status["job_name"] = status["job_name"] or _payload_task_name(payload)
+                status["unique_lock"] = self._unique_lock(entry["queue"], payload)
             if not final and self._find_busy(status, [entry["detail"]]):
                 return status
             if where == "inflight" and not final:
@@ -276,17 +284,35 @@ class JobLookup:
                                "error": _error_text(meta.get("result"))})
         return status
 
-    def _record(self, records: str, record_id: str) -> dict[str, Any]:
+    def _record(self, records: str, record_id: str) -> tuple[dict[str, Any], str]:
         """The meta of a ``"<meta json>\n<queue>\n<payload>"`` record, with its job
-        name (the meta's, else the payload's); {} when gone or unreadable."""
+        name (the meta's, else the payload's), and its payload; ({}, "") when gone or
+        unreadable."""
         raw = self.client.hget(records, record_id)
         try:
             meta, _queue, payload = split_record(raw) if raw else ({}, "", "")
         except ValueError:
-            return {}
+            return {}, ""
         if not meta.get("name"):
             meta["name"] = _payload_task_name(payload)
-        return meta
+        return meta, payload
+
+    def _unique_lock(self, queue: str, payload: str) -> UniqueLock | None:
+        """The lock of a unique job whose message is ``payload`` (its key travels in
+        the message's headers), in its job queue's copy: who holds it now and for how
+        much longer. None when the message is not a unique job's."""
+        found = lock_of(payload) if payload else None
+        if found is None:
+            return None
+        digest, task_id = found
+        with self.client.pipeline(transaction=False) as pipe:
+            key = self.keys.of(queue).unique(digest)
+            pipe.get(key)
+            pipe.pttl(key)
+            value, ttl_ms = pipe.execute()
+        holder = bytes_to_str(value).partition("\n")[0] if value else None
+        return UniqueLock(key=digest, held=holder == task_id, holder=holder,
+                          ttl=ttl_ms / 1000 if value and ttl_ms > 0 else None)
 
     # -- the places a job can be -------------------------------------------------------------
     def _find_busy(self, status: JobStatus, pools: list[str] | None = None) -> bool:

@@ -27,6 +27,7 @@ from tests.apps import proj
 from tests.helpers import Factory, recorded, start_workers, wait_for
 from tests.integration.test_cluster_workers import records as records  # the fixture
 from tests.integration.test_unique_limits import FAST_REAPER
+from tests.webutil import run_cli
 from tests.workers import WorkerProcess
 
 K = Keys("celery_ext")
@@ -247,3 +248,29 @@ def test_unique_modes_on_a_cluster(
             == [0] * 99 + [1]
     finally:
         rc.close()
+
+
+def test_a_jobs_status_shows_its_unique_lock(
+        app: Any, broker_url: str, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """``Client.job`` (the CLI's ``ext job``, the API's ``/api/jobs/<id>``) shows a unique
+    job's lock while its message is in a record: scheduled, then in flight while it
+    runs (held by this job, with the TTL left), and none once it finished."""
+    client = celery_ext.client.Client.for_app(app.app)
+    later = app.held.apply_async(("shown", 1.5), countdown=1.0)
+    lock = client.job(later.id)["unique_lock"]
+    assert lock is not None and lock["held"] and lock["holder"] == later.id, lock
+    assert lock["ttl"] is not None and lock["ttl"] > 0
+    shown = run_cli(broker_url, "job", later.id)
+    (line,) = [ln for ln in shown.stdout.splitlines() if ln.startswith("unique_lock ")]
+    assert "held by this job" in line and " s left (tests.apps.proj_unique.held:" in line
+    start_workers(worker_factory, 1, app=APP, pool="threads", concurrency=2)
+    wait_for(lambda: recorded(rec, "start", "shown"), 20, "the job to start")
+    status = client.job(later.id)
+    assert status["state"] in ("running", "reserved"), status
+    assert status["unique_lock"] is not None and status["unique_lock"]["held"], status
+    wait_for(lambda: recorded(rec, "runs", "shown"), 20, "the job to finish")
+    # Its result is stored before its ack (acks_late), which releases the lock.
+    wait_for(lambda: client.job(later.id)["unique_lock"] is None, 10, "the lock gone")
+    assert client.job(later.id)["done"] and not locks(redis_client)
+    assert client.job(str(uuid.uuid4()))["unique_lock"] is None

@@ -127,6 +127,11 @@ def _value(key: str, value: object) -> str:
         return when(value)
     if key == "cursor":
         return one_line(json.dumps(value, default=str), 200)
+    if key == "unique_lock" and isinstance(value, dict):
+        holder = "held by this job" if value["held"] else \
+            f"held by {value['holder']}" if value["holder"] else "free"
+        left = f", {value['ttl']:.0f} s left" if value["ttl"] is not None else ""
+        return f"{holder}{left} ({cell(value['key'], 120)})"
     return cell(value, 200)
 
 
