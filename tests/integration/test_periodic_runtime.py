@@ -127,6 +127,8 @@ def test_api_and_cli_refuse_bad_input_with_400_and_exit_2(
         assert items["api"]["source"] == "runtime" and items["api"]["schedule"] == "every 60s"
         record = json.loads(redis_client.hget(K.periodic_runtime, "api") or "")
         assert record["options"] == {"queue": "q1"} and record["args"] == ["api"]
+        job_id = tc.post("/api/periodic/run", json={"name": "api"}, headers=token).json()["job_id"]
+        assert entry(client, "api")["last_job_id"] == job_id  # run-now of a runtime entry
         assert tc.delete("/api/periodic/entries/api").status_code == 403
         assert tc.delete("/api/periodic/entries/api", headers=token).json() == \
             {"name": "api", "removed": True}
@@ -366,3 +368,24 @@ def test_a_pool_whose_app_has_no_beat_schedule_runs_runtime_entries(
     Client.for_app(proj.app).set_periodic("plain", proj.record.name, every=1, args=["plain"])
     wait_for(lambda: rec.llen("runs:plain") >= 3, 30, "three runs")
     assert entry(Client(redis_client), "plain")["runs"] >= 3
+
+
+def test_runtime_entries_on_a_cluster(app: Any, cluster_url: str) -> None:
+    """On a cluster the runtime records, the index and the entries' state share the home
+    slot: set and remove are one MULTI there, and the leader's sync reads the records in
+    its script."""
+    import uuid
+
+    cc = Client.from_url(cluster_url, cluster=True, namespace=f"rt_{uuid.uuid4().hex[:8]}")
+    try:
+        assert cc.set_periodic("tick", TASK, every=60, args=["tick"]) is True
+        leader = Periodic(app, cc.client, cc.settings, entries={})
+        leader.run_due()  # nothing due for a minute: records the entry only
+        state = cc.client.hgetall(cc.keys.periodic_entry("tick"))
+        assert state[b"source"] == b"runtime" and int(state[b"next_due"]) > now_ms(cc.client)
+        assert [e["source"] for e in cc.periodic()] == ["runtime"]
+        assert cc.remove_periodic("tick") is True
+        assert cc.periodic() == [] and not cc.client.exists(cc.keys.periodic_runtime)
+        assert cc.client.hget(cc.keys.periodic_entry("tick"), "spec") == b""
+    finally:
+        cc.client.close()
