@@ -242,6 +242,40 @@ def test_a_leader_that_read_the_old_entry_does_not_write_it_back(
     assert not _queued(redis_client)
 
 
+def test_a_run_planned_before_a_removal_is_not_written_after_it(
+        app: Any, redis_server: Any, redis_client: redis.Redis) -> None:
+    """A leader stalled between planning a due run and writing it while the entry is
+    removed: its write finds the entry's spec gone (``next_due`` alone still matches)
+    and pushes nothing."""
+    client = Client(redis_client)
+    client.set_periodic("tick", TASK, every=1, args=["tick"])
+    leader = Periodic(app, redis_server.client(), Settings(periodic_grace=10.0))
+    leader.run_due()
+    redis_client.hset(K.periodic_entry("tick"), "next_due", now_ms(redis_client) - 10)
+    stall, go = threading.Event(), threading.Event()
+
+    class Stalls:
+        """The leader's publisher: it stops before its first write."""
+
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def apply_async(self, *args: Any, **kw: Any) -> Any:
+            stall.set()
+            assert go.wait(10)
+            return self.real.apply_async(*args, **kw)
+
+    leader.scheduler = Stalls(leader.scheduler)  # type: ignore[assignment]
+    thread = threading.Thread(target=leader.run_due)
+    thread.start()
+    assert stall.wait(10)
+    assert client.remove_periodic("tick") is True
+    go.set()
+    thread.join(10)
+    assert not _queued(redis_client)
+    assert int(redis_client.hget(K.periodic_entry("tick"), "runs") or 0) == 0
+
+
 def test_racing_leaders_on_a_changed_entry_run_each_due_time_once(
         app: Any, redis_server: Any, redis_client: redis.Redis) -> None:
     """Four leaders pass over one entry at once, again and again, while its interval
