@@ -82,6 +82,21 @@ def _json_value(name: str, field: str, value: Any) -> None:
         raise InvalidPeriodicEntry(name, f"{field} must be JSON: {exc}") from None
 
 
+def _unknown_task(app: Any, task: str) -> str | None:
+    """Why ``task`` is not one of ``app``'s, or None when it is. The modules a worker of
+    the app imports (``imports``, ``include``, autodiscovery) are imported first, so the
+    registry holds what the app's workers hold."""
+    try:
+        app.loader.import_default_modules()
+    except Exception as exc:
+        if task not in app.tasks:
+            return (f"unknown task {task!r} (importing the app's task modules failed: "
+                    f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+    if task not in app.tasks:
+        return f"unknown task {task!r} (not registered in the app {app.main!r})"
+    return None
+
+
 def check_entry(name: Any, task: Any, every: Any = None, crontab: Any = None,
                 args: Any = (), kwargs: Any = None, options: Any = None,
                 app: Any = None) -> dict[str, Any]:
@@ -97,9 +112,9 @@ def check_entry(name: Any, task: Any, every: Any = None, crontab: Any = None,
     if not isinstance(task, str) or not TASK_NAME.match(task):
         raise InvalidPeriodicEntry(name, f"task must be a task name like 'proj.tasks.add', "
                                          f"got {task!r}")
-    if app is not None and task not in app.tasks:
-        raise InvalidPeriodicEntry(name, f"unknown task {task!r} (not registered in the app "
-                                         f"{app.main!r})")
+    unknown = _unknown_task(app, task) if app is not None else None
+    if unknown:
+        raise InvalidPeriodicEntry(name, unknown)
     if (every is None) == (crontab is None):
         raise InvalidPeriodicEntry(name, "give exactly one schedule: every (seconds) or "
                                          "crontab ('m h dom mon dow')")
