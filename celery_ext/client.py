@@ -3,6 +3,6 @@
 The code lives in :mod:`celery_ext.admin.client`, with the rest of the operator side.
 """
 
-from celery_ext.admin.client import Client
+from celery_ext.admin.client import Client, InvalidPeriodicEntry
 
-__all__ = ["Client"]
+__all__ = ["Client", "InvalidPeriodicEntry"]

@@ -99,9 +99,9 @@ BULK_RETRY_POLICY: dict[str, float] = {"max_retries": 3, "interval_start": 0.0,
 #: Seconds between two queue-size samples of the history (taken by the leading
 #: requeuer; the plots keep the last sample of each minute and hour).
 DEFAULT_HISTORY_SAMPLE_INTERVAL = 60.0
-#: Whether worker pools run the app's ``beat_schedule`` (the pool holding the periodic
-#: lease enqueues each due run; see ``worker/periodic_leader.py``). Only matters when
-#: there is one.
+#: Whether worker pools run the app's ``beat_schedule`` and the periodic entries set at
+#: runtime (the pool holding the periodic lease enqueues each due run; see
+#: ``worker/periodic_leader.py``).
 DEFAULT_PERIODIC = True
 #: A periodic due time later than this many seconds is *missed*, as is one that a later
 #: due time of its entry overtook (a leader failover, every pool down).

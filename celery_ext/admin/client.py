@@ -44,7 +44,14 @@ from celery_ext.admin.api_types import (
 from celery_ext.admin.job_sets import JobSets
 from celery_ext.admin.job_status import JobLookup
 from celery_ext.admin.overview import State
-from celery_ext.admin.periodic_entries import PeriodicEntry, entry_rows, run_now, set_paused
+from celery_ext.admin.periodic_entries import (
+    PeriodicEntry,
+    entry_rows,
+    remove_entry,
+    run_now,
+    set_entry,
+    set_paused,
+)
 from celery_ext.admin.search import Filters, SetSearch, parse_cursor, search_sets
 from celery_ext.config import Settings
 from celery_ext.options.rate_limits import format_rate, interval_us
@@ -55,11 +62,12 @@ from celery_ext.store.history import HistoryReader
 from celery_ext.store.keys import Keys
 from celery_ext.store.memory import eviction_warning
 from celery_ext.store.revoked import RevokedId, RevokeOutcome, revoke, revoked, sender
+from celery_ext.store.runtime_schedules import InvalidPeriodicEntry
 from celery_ext.store.scripts import Scripts
 from celery_ext.worker.control import mark_revoked
 from celery_ext.worker.reaper import Reaper, ReapResult
 
-__all__ = ["Client", "DeadJob", "Page", "ScheduledJob", "SetCounts"]
+__all__ = ["Client", "DeadJob", "InvalidPeriodicEntry", "Page", "ScheduledJob", "SetCounts"]
 
 
 class Client:
@@ -338,8 +346,28 @@ class Client:
 
     # -- periodic jobs (admin/periodic_entries.py) -----------------------------------
     def periodic(self) -> list[PeriodicEntry]:
-        """Every periodic job entry: schedule, next and last run, last outcome, paused."""
+        """Every periodic job entry: schedule, next and last run, last outcome, paused,
+        and its source ("config": the app's ``beat_schedule``; "runtime": set here)."""
         return entry_rows(self.client, self.keys, self.app)
+
+    def set_periodic(self, name: str, task: str, every: float | None = None,
+                     crontab: str | None = None, args: Any = (), kwargs: Any = None,
+                     options: Any = None) -> bool:
+        """Create or replace the periodic job entry ``name`` at runtime, stored in Redis
+        (it outlives every pool, and wins over the app's ``beat_schedule`` entry of the
+        same name): ``task`` run ``every`` seconds (at least 1) or on ``crontab`` (five
+        fields, "m h dom mon dow"), exactly one of the two, with ``args``, ``kwargs`` and
+        Celery's publish ``options`` (``{"queue": ...}``). With the app
+        (:meth:`from_app`) the task must be one it registers; without, a dotted name.
+        Returns True when the entry is new. Raises :class:`InvalidPeriodicEntry` (a
+        ``ValueError``) for bad input, storing nothing."""
+        return set_entry(self.client, self.keys, name, task, every, crontab, args, kwargs,
+                         options, self.app)
+
+    def remove_periodic(self, name: str) -> bool:
+        """Remove the runtime entry ``name`` (the app's entry of that name, if any, runs
+        again); False when no runtime entry has that name."""
+        return remove_entry(self.client, self.keys, name)
 
     def pause_periodic(self, name: str) -> bool | None:
         """Pause an entry (its due times pass without runs); None if there is none."""
@@ -351,7 +379,7 @@ class Client:
 
     def run_periodic_now(self, name: str) -> str | None:
         """Enqueue one run of an entry now (needs the app: :meth:`from_app`); its job id,
-        or None when the app's ``beat_schedule`` has no such entry."""
+        or None when neither the runtime entries nor the app's ``beat_schedule`` have it."""
         if self.app is None:
             raise ValueError("celery_ext: run-now needs the Celery app (Client.from_app)")
         return run_now(self.app, self.client, self.keys, name)

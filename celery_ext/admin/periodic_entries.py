@@ -1,5 +1,12 @@
-"""Periodic job entries for people: the state the leader records, pause and resume, and
-one run now (``Client.periodic``, ``celery ext periodic``, the dashboard's page).
+"""Periodic job entries for people: the state the leader records, entries set and removed
+at runtime, pause and resume, and one run now (``Client.periodic``, ``celery ext
+periodic``, the dashboard's page).
+
+An entry set at runtime (:func:`set_entry`) is a record in ``{ns}:periodic_runtime``
+(``store/runtime_schedules.py``), checked there by the one function the client, the CLI
+and the JSON API share; it wins over the app's ``beat_schedule`` entry of the same name,
+which comes back when the runtime entry is removed. Each row says which it is
+(``source``: "config" or "runtime").
 
 Readers fall back to the result backend for a run with no recorded outcome
 (:func:`entry_rows`).
@@ -13,9 +20,16 @@ from typing import Any, TypedDict
 from celery.beat import Scheduler
 from kombu.utils.encoding import bytes_to_str
 
-from celery_ext.options.periodic_schedule import load_entries
+from celery_ext.options.periodic_schedule import describe, load_entries
 from celery_ext.producer.periodic_run import OUTCOMES, PeriodicRun, publish_run
 from celery_ext.store.keys import Keys
+from celery_ext.store.runtime_schedules import (
+    InvalidPeriodicEntry,
+    check_entry,
+    encode,
+    entry_from_record,
+)
+from celery_ext.worker.periodic_leader import STALE_STATE_TTL_MS
 
 
 class PeriodicEntry(TypedDict):
@@ -30,9 +44,8 @@ class PeriodicEntry(TypedDict):
     runs: int
     missed: int  # due times passed over without their own run (missed, skipped, paused)
     paused: bool
-    error: str | None  # why the last due time could not be enqueued
-
-
+    error: str | None  # why the last due time could not be enqueued (or the record is broken)
+    source: str  # "runtime" (set at runtime, wins) or "config" (the app's beat_schedule)
 
 
 def _seconds(value: str | None) -> float | None:
@@ -44,12 +57,19 @@ def entry_rows(client: Any, keys: Keys, app: Any = None) -> list[PeriodicEntry]:
     worker, else from ``app``'s result backend when there is one)."""
     names = sorted(bytes_to_str(n) for n in client.smembers(keys.periodic))
     with client.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.periodic_runtime)
         for name in names:
             pipe.hgetall(keys.periodic_entry(name))
-        hashes = pipe.execute()
+        runtime, *hashes = pipe.execute()
+    records = {bytes_to_str(k): bytes_to_str(v) for k, v in runtime.items()}
     rows: list[PeriodicEntry] = []
     for name, raw in zip(names, hashes, strict=True):
         h = {bytes_to_str(a): bytes_to_str(b) for a, b in raw.items()}
+        if name in records:
+            try:
+                entry_from_record(name, records[name], app)
+            except InvalidPeriodicEntry as exc:
+                h["error"] = f"the stored record is broken (skipped): {exc.why}"
         job_id = h.get("last_job_id") or None
         outcome = h.get("outcome") if job_id and h.get("outcome_job_id") == job_id else None
         if job_id and outcome is None:
@@ -60,8 +80,45 @@ def entry_rows(client: Any, keys: Keys, app: Any = None) -> list[PeriodicEntry]:
             last_run_at=_seconds(h.get("last_run_at")), last_job_id=job_id,
             last_outcome=outcome, runs=int(h.get("runs") or 0),
             missed=int(h.get("missed") or 0), paused=h.get("paused") == "1",
-            error=h.get("error") or None))
+            error=h.get("error") or None,
+            source="runtime" if name in records else "config"))
     return rows
+
+
+def set_entry(client: Any, keys: Keys, name: str, task: str, every: float | None = None,
+              crontab: str | None = None, args: Any = (), kwargs: Any = None,
+              options: Any = None, app: Any = None) -> bool:
+    """Create or replace the runtime entry ``name`` after :func:`check_entry` (raises
+    :class:`InvalidPeriodicEntry`, a ValueError, and stores nothing); True when it was
+    new. The leader runs it from its next pass; a changed schedule counts from then."""
+    record = check_entry(name, task, every, crontab, args, kwargs, options, app)
+    text = encode(record)
+    shown = describe(entry_from_record(name, text, app).schedule)
+    with client.pipeline(transaction=True) as pipe:
+        pipe.hset(keys.periodic_runtime, name, text)
+        pipe.sadd(keys.periodic, name)
+        pipe.persist(keys.periodic_entry(name))
+        pipe.hset(keys.periodic_entry(name),
+                  mapping={"task": task, "schedule": shown, "source": "runtime"})
+        created = pipe.execute()[0]
+    return bool(created)
+
+
+def remove_entry(client: Any, keys: Keys, name: str) -> bool:
+    """Remove the runtime entry ``name``; False when there is none (an entry of the app's
+    ``beat_schedule`` is changed in the app). Its state's spec is cleared in the same
+    step, so no run planned before is written after; the app's entry of that name, if
+    any, is back (with its own schedule's due times) at the leader's next pass."""
+    if not client.hexists(keys.periodic_runtime, name):
+        return False
+    state = keys.periodic_entry(name)
+    with client.pipeline(transaction=True) as pipe:
+        pipe.hdel(keys.periodic_runtime, name)
+        pipe.hset(state, "spec", "")
+        pipe.srem(keys.periodic, name)
+        pipe.pexpire(state, STALE_STATE_TTL_MS)
+        removed = pipe.execute()[0]
+    return bool(removed)
 
 
 def _backend_outcome(app: Any, job_id: str) -> str:
@@ -88,9 +145,11 @@ def set_paused(client: Any, keys: Keys, name: str, paused: bool) -> bool | None:
 
 
 def run_now(app: Any, client: Any, keys: Keys, name: str) -> str | None:
-    """Enqueue one run of entry ``name`` now, outside its schedule (also when paused).
-    Returns its job id, or None when ``app``'s ``beat_schedule`` has no such entry."""
-    entry = load_entries(app).get(name)
+    """Enqueue one run of entry ``name`` now, outside its schedule (also when paused):
+    the runtime entry of that name, else ``app``'s ``beat_schedule`` entry. Returns its
+    job id, or None when neither has it."""
+    raw = client.hget(keys.periodic_runtime, name)
+    entry = entry_from_record(name, raw, app) if raw is not None else load_entries(app).get(name)
     if entry is None:
         return None
     if not client.sismember(keys.periodic, name):

@@ -56,14 +56,19 @@ class PeriodicRun:
     next_ms: int | None
     #: Due times this run stands for without their own run (missed, ``once``).
     passed: int = 0
+    #: The entry's spec (task, schedule, time zone) the run was planned under: the run is
+    #: written only while the entry's state still has it, so a run planned before the
+    #: schedule changed (or the entry was removed) is not. "" for a run-now.
+    spec: str = ""
     #: The script's answer: 1 pushed, 2 pushed before (same job id), 0 another leader
     #: took this due time, -1 paused, -2 moved on without a run as asked.
     outcome: int | None = None
 
     def script_args(self) -> list[Any]:
-        """ARGV[1..5] of ``periodic_run.lua``."""
+        """ARGV[1..6] of ``periodic_run.lua``."""
         return ["" if self.expected_ms is None else self.expected_ms, self.due_ms,
-                "" if self.next_ms is None else self.next_ms, self.passed, self.job_id]
+                "" if self.next_ms is None else self.next_ms, self.passed, self.job_id,
+                self.spec]
 
 
 _current: ContextVar[PeriodicRun | None] = ContextVar("celery_ext_periodic", default=None)
@@ -146,9 +151,10 @@ def write_run_apart(call: Callable[[str, list[str], list[Any]], Any], client: An
     """
     copy, home = keys.of(queue), keys.home
     if run.expected_ms is not None:
-        state = client.hmget(home.periodic_entry(run.entry), "next_due", "paused")
-        if bytes_to_str(state[0] or b"") != str(run.expected_ms):
-            return 0  # another leader took this due time
+        state = client.hmget(home.periodic_entry(run.entry), "next_due", "paused", "spec")
+        if bytes_to_str(state[0] or b"") != str(run.expected_ms) or (
+                run.spec and bytes_to_str(state[2] or b"") != run.spec):
+            return 0  # another leader took this due time, or the schedule changed
         if state[1] == b"1":  # paused: the due time passes without a run
             return int(call("periodic_run", [home.periodic_entry(run.entry)],
                             [*run.script_args(), "", "", "", 0, ""]))

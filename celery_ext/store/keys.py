@@ -127,11 +127,16 @@ Layout (``ns`` = namespace)::
                              Kombu's binding tables, on a cluster only (Kombu's own
                              names, without a tag, on one node; both after the
                              global_keyprefix)
-    {ns}:periodic            set     names of the periodic job entries (the leader's beat_schedule;
-                                     worker/periodic_leader.py)
+    {ns}:periodic            set     names of the periodic job entries (the leader's beat_schedule
+                                     and the runtime entries; worker/periodic_leader.py)
     {ns}:periodic:<name>     hash    one entry's state: next_due, last_due, last_run_at (ms),
                                      last_job_id, runs, missed, paused, outcome (+ its
-                                     outcome_job_id), error, task, schedule, spec
+                                     outcome_job_id), error, task, schedule, spec, source
+                                     ("config" or "runtime")
+    {ns}:periodic_runtime    hash    entry name -> JSON record of a periodic job entry set at
+                                     runtime (task, every or crontab, args, kwargs, options;
+                                     store/runtime_schedules.py); it wins over the app's
+                                     beat_schedule entry of the same name
     {ns}:periodic_leader     string  id of the pool that enqueues the periodic jobs (a lease
                                      living the holder's dead_after; periodic_leader.py)
     {ns}:periodic_handover   channel published when the periodic leader gives up its lease
@@ -470,6 +475,10 @@ class Keys:
 
     def periodic_entry(self, name: str) -> str:
         return f"{self.prefix}periodic:{name}"
+
+    @property
+    def periodic_runtime(self) -> str:
+        return self.prefix + "periodic_runtime"
 
     @property
     def periodic_leader(self) -> str:

@@ -498,8 +498,9 @@ class RevokedEvents(bootsteps.Step):
 
 
 class PeriodicJobs(bootsteps.StartStopStep):
-    """Consumer step: the worker pool runs the app's ``beat_schedule`` (the pool holding
-    the periodic lease enqueues each due run; see ``periodic_leader.py``)."""
+    """Consumer step: the worker pool runs the app's ``beat_schedule`` and the runtime
+    entries (the pool holding the periodic lease enqueues each due run; see
+    ``periodic_leader.py``)."""
 
     name = "celery_ext.PeriodicJobs"
     requires = ("celery.worker.consumer.tasks:Tasks",)  # after the connection step

@@ -1,7 +1,9 @@
-"""Periodic jobs: the app's ``beat_schedule`` run by the worker pools, no ``celery beat``.
+"""Periodic jobs: the app's ``beat_schedule`` and the entries set at runtime, run by the
+worker pools, no ``celery beat``.
 
-Every worker pool whose app has a ``beat_schedule`` (and the setting ``periodic`` not
-turned off) runs a :class:`PeriodicLeader` thread. The one whose pool holds the lease
+Every worker pool (unless the setting ``periodic`` is off) runs a :class:`PeriodicLeader`
+thread, also when its app has no ``beat_schedule``: entries set at runtime
+(``store/runtime_schedules.py``) need a leader too. The one whose pool holds the lease
 ``{ns}:periodic_leader`` runs :meth:`Periodic.tick`: it enqueues each due run and sleeps
 until the next due time. The lease lives the holder's own ``dead_after`` and the holder
 renews it at least every ``heartbeat_interval``; the others wait until it may run out
@@ -11,6 +13,18 @@ dead; a pool that stops cleanly gives the lease up and wakes the others at once
 (``{ns}:periodic_handover``). The new leader carries on from the state in Redis. Nothing
 here keeps time on a host: "now" is Redis ``TIME``; due times are the entry's Celery
 schedule asked what comes after a given moment (``options/periodic_schedule.py``).
+
+Runtime entries
+---------------
+Each pass reads the runtime entries (``{ns}:periodic_runtime``) before the entries' state,
+so an entry set, changed or removed at runtime counts from the leader's next pass, in
+every pool, with no deploy. A runtime entry wins over the ``beat_schedule`` entry of the
+same name; when it is removed, the app's entry comes back (with due times of its own
+schedule). A record that does not pass ``check_entry`` (written by hand) is skipped with
+one log line. A changed schedule gives the entry a new spec: its next due time is the
+first of the new schedule after the change (``periodic_sync.lua``); a leader that planned
+a run under the old spec finds it gone and writes nothing (``periodic_run.lua``), and one
+that read the old record does not write its schedule back over the new one.
 
 Exactly once per due time
 -------------------------
@@ -71,6 +85,11 @@ from celery_ext.producer.periodic_run import (
     run_id,
 )
 from celery_ext.store.keys import Keys
+from celery_ext.store.runtime_schedules import (
+    InvalidPeriodicEntry,
+    entry_from_record,
+    read_records,
+)
 from celery_ext.store.scripts import Scripts
 from celery_ext.text import one_line
 from celery_ext.worker.background import BackgroundLoop
@@ -87,7 +106,8 @@ LEASE_SLACK = 0.01
 
 # -- the leader's part -----------------------------------------------------------------------
 class Periodic:
-    """Runs one app's ``beat_schedule`` while its :class:`PeriodicLeader` leads."""
+    """Runs one app's ``beat_schedule`` and the runtime entries while its
+    :class:`PeriodicLeader` leads."""
 
     def __init__(self, app: Any, client: redis.Redis, settings: Settings,
                  entries: dict[str, ScheduleEntry] | None = None) -> None:
@@ -96,7 +116,14 @@ class Periodic:
         self.settings = settings
         self.keys = Keys.for_settings(settings)
         self.scripts = Scripts(client)
-        self.entries = load_entries(app) if entries is None else entries
+        #: The app's ``beat_schedule``.
+        self.config_entries = load_entries(app) if entries is None else entries
+        #: What the last pass runs: the app's entries, runtime entries over them.
+        self.entries: dict[str, ScheduleEntry] = dict(self.config_entries)
+        #: The runtime record (its text) behind each entry of ``entries`` that has one.
+        self.records: dict[str, str] = {}
+        #: Broken runtime records already logged (name -> text): one line each.
+        self._broken: dict[str, str] = {}
         self.scheduler = Scheduler(app, lazy=True)
         self.tz = app.timezone
         self.synced = False
@@ -105,17 +132,35 @@ class Periodic:
 
     @classmethod
     def for_app(cls, app: Any, client: redis.Redis, settings: Settings) -> Periodic | None:
-        """The app's schedule runner, or None when it has no ``beat_schedule`` or the
-        setting ``periodic`` is off."""
-        if not settings.periodic or not app.conf.beat_schedule:
+        """The app's schedule runner, or None when the setting ``periodic`` is off. An app
+        without a ``beat_schedule`` gets one as well: it runs the runtime entries."""
+        if not settings.periodic:
             return None
         periodic = cls(app, client, settings)
-        if not periodic.entries:
-            return None
-        logger.info("celery_ext: the worker pools run %d periodic job entr%s "
-                    "(beat_schedule; no celery beat needed)", len(periodic.entries),
-                    "y" if len(periodic.entries) == 1 else "ies")
+        if periodic.config_entries:
+            logger.info("celery_ext: the worker pools run %d periodic job entr%s "
+                        "(beat_schedule; no celery beat needed)", len(periodic.config_entries),
+                        "y" if len(periodic.config_entries) == 1 else "ies")
         return periodic
+
+    def view(self, records: dict[str, str]) -> None:
+        """Set :attr:`entries` from the app's entries and the runtime ``records`` (name ->
+        text), runtime over config; a broken record hides its name and is logged once."""
+        entries = dict(self.config_entries)
+        kept: dict[str, str] = {}
+        for name, raw in records.items():
+            try:
+                entries[name] = entry_from_record(name, raw, self.app)
+            except InvalidPeriodicEntry as exc:
+                entries.pop(name, None)
+                if self._broken.get(name) != raw:
+                    logger.error("celery_ext: runtime periodic job entry skipped: %s",
+                                 one_line(str(exc)))
+                    self._broken[name] = raw
+                continue
+            kept[name] = raw
+            self._broken.pop(name, None)
+        self.entries, self.records = entries, kept
 
     def sync(self, now_ms: int) -> None:
         """Record the entries in the index (dropping those the schedule no longer has)
@@ -128,9 +173,10 @@ class Periodic:
         for name in names:
             entry = self.entries[name]
             first = next_due_ms(entry.schedule, now_ms, self.tz)
-            args += [name, spec(entry, self.tz), first, entry.task, describe(entry.schedule)]
+            args += [name, spec(entry, self.tz), first, entry.task, describe(entry.schedule),
+                     self.records.get(name, "")]
         self.scripts("periodic_sync",
-                     [k.periodic, *(k.periodic_entry(n) for n in names),
+                     [k.periodic, k.periodic_runtime, *(k.periodic_entry(n) for n in names),
                       *(k.periodic_entry(n) for n in stale)],
                      [*args, *stale, STALE_STATE_TTL_MS])
         self.synced = True
@@ -156,6 +202,11 @@ class Periodic:
     def run_due(self) -> float:
         """One pass: enqueue every due run. Returns seconds until the next due time
         (at most ``promote_interval``: paused and resumed entries are seen by then)."""
+        self.view(read_records(self.client, self.keys))
+        if not self.entries:  # nothing to run: one command a pass
+            if not self.synced:
+                self.sync(0)  # drops the entries a past schedule left in the index
+            return self.settings.promote_interval
         now, rows = self._read()
         if not self.synced or any(r[0] is None or r[1] != spec(self.entries[n], self.tz)
                                   for n, r in rows.items()):
@@ -164,10 +215,10 @@ class Periodic:
             self.sync(now)
             now, rows = self._read()
         soonest = now + int(self.settings.promote_interval * 1000)
-        for name, (next_due, _, paused) in rows.items():
-            if next_due is None:  # deleted meanwhile: the next pass syncs again
-                continue
+        for name, (next_due, planned, paused) in rows.items():
             entry = self.entries[name]
+            if next_due is None or planned != spec(entry, self.tz):
+                continue  # deleted or changed meanwhile: the next pass reads it again
             dues, following = due_times(entry.schedule, int(next_due), now, self.tz)
             steps = plan(dues, following, now, int(self.settings.periodic_grace * 1000),
                          self.settings.periodic_missed, paused=paused == "1")
@@ -198,7 +249,8 @@ class Periodic:
         for i, step in enumerate(steps):
             scope = self.settings.global_keyprefix + self.settings.namespace
             run = PeriodicRun(name, run_id(scope, name, step.due_ms),
-                              step.expected_ms, step.due_ms, step.next_ms, step.passed)
+                              step.expected_ms, step.due_ms, step.next_ms, step.passed,
+                              spec(entry, self.tz))
             if step.enqueue:
                 try:
                     outcome = publish_run(self.scheduler, entry, run)

@@ -8,8 +8,8 @@ with or without ``install(app)`` (drop-in mode). It owns, in start order:
 1. the heartbeater: registration, then a heartbeat thread;
 2. the reaper: dead pools' jobs back to their queues;
 3. the requeuer: due scheduled and retry jobs to their queues;
-4. once the consumer runs and if the app has a ``beat_schedule``, the periodic leader
-   (``run_periodic``): the app's periodic jobs while this pool holds their lease;
+4. once the consumer runs, the periodic leader (``run_periodic``): the app's
+   ``beat_schedule`` and the runtime entries while this pool holds their lease;
 
 and, for the life of the process, what the process holds of the pool's in-flight
 record (``holdings.Holdings``), the acks made and not yet written
@@ -92,7 +92,7 @@ class WorkerPool:
         self.reaper = Reaper(client_factory(), settings, own_pool_id=self.pool_id)
         self.requeuer = Requeuer(client_factory(), settings)
         self.holdings = Holdings()
-        #: The app's periodic jobs (``run_periodic``); None: no schedule.
+        #: The periodic jobs' leader (``run_periodic``); None: not started, or off.
         self.periodic: PeriodicLeader | None = None
         # On a cluster a pool's acks go to the masters of their queues' copies: they
         # are applied synchronously there (one script per copy), not pipelined on one
@@ -402,9 +402,9 @@ class WorkerPool:
         return "requeued" if requeued else "gone"
 
     def run_periodic(self, app: Any) -> None:
-        """Start the periodic leader of ``app``'s ``beat_schedule`` (unless it has none or
-        the setting ``periodic`` is off): while this pool holds the periodic lease, it
-        enqueues each due run. Idempotent."""
+        """Start the periodic leader of ``app``'s ``beat_schedule`` and the runtime entries
+        (unless the setting ``periodic`` is off): while this pool holds the periodic lease,
+        it enqueues each due run. Idempotent."""
         if self.periodic is not None or self.state != "running":
             return
         periodic = Periodic.for_app(app, self.requeuer.client, self.settings)

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from celery_ext import __version__
-from celery_ext.admin.client import Client
+from celery_ext.admin.client import Client, InvalidPeriodicEntry
 from celery_ext.admin.job_status import FINAL_STATES
 from celery_ext.admin.search import Filters
 from celery_ext.admin.web.series import Sampler
@@ -399,6 +399,38 @@ async def periodic_action(request: Request, *, kind: str) -> JSONResponse:
     if changed is None:
         raise HTTPException(404, "no such periodic job entry")
     return JSONResponse({"name": name, "paused": kind == "pause", "changed": changed})
+
+
+async def periodic_set(request: Request) -> JSONResponse:
+    """Create or replace a runtime periodic entry: ``{"name", "task", "every" (seconds) or
+    "crontab" ("m h dom mon dow"), "args", "kwargs", "options", "queue"}``; bad input is a
+    400 with the one check's message (``store/runtime_schedules.check_entry``), nothing
+    stored. 201 when the entry is new."""
+    body = await _json_body(request)
+    name: Any = body.get("name")  # checked, with the rest, by check_entry
+    task: Any = body.get("task")
+    options, queue = body.get("options"), body.get("queue")
+    if queue is not None and queue != "":
+        if not isinstance(queue, str) or not isinstance(options or {}, dict):
+            raise HTTPException(400, "'queue' must be a string (and 'options' an object)")
+        options = {**(options or {}), "queue": queue}
+    try:
+        created = await run_in_threadpool(
+            _client(request).set_periodic, name, task,
+            body.get("every"), body.get("crontab") or None, body.get("args", []),
+            body.get("kwargs"), options)
+    except InvalidPeriodicEntry as exc:
+        raise HTTPException(400, str(exc)) from None
+    return JSONResponse({"name": name, "created": created}, 201 if created else 200)
+
+
+async def periodic_remove(request: Request) -> JSONResponse:
+    """Remove a runtime periodic entry (``DELETE /api/periodic/entries/<name>``)."""
+    name = request.path_params["name"]
+    if not await run_in_threadpool(_client(request).remove_periodic, name):
+        raise HTTPException(404, "no such runtime periodic job entry (entries of the app's "
+                                 "beat_schedule are changed in the app)")
+    return JSONResponse({"name": name, "removed": True})
 
 
 async def redis_error(request: Request, exc: Exception) -> Response:

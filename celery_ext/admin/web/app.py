@@ -80,6 +80,8 @@ def routes() -> list[BaseRoute]:
         Route("/api/periodic", api.periodic),
         *(Route(f"/api/periodic/{kind}", partial(api.periodic_action, kind=kind),
                 methods=POST) for kind in ("pause", "resume", "run")),
+        Route("/api/periodic/entries", api.periodic_set, methods=POST),
+        Route("/api/periodic/entries/{name:path}", api.periodic_remove, methods=["DELETE"]),
         Route("/api/csrf", api.csrf),
         Route("/api/health", api.health),
         Route("/metrics", api.metrics),

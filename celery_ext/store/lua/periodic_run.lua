@@ -12,15 +12,18 @@
 -- ARGV[3]  next due time to record (ms); "" = unchanged (run-now)
 -- ARGV[4]  due times this call passes over without a run of their own (missed, paused)
 -- ARGV[5]  the run's job id (deterministic per entry and due time)
--- ARGV[6]  message payload (kombu JSON); "" = no run, only move next_due on
--- ARGV[7]  queue name
--- ARGV[8]  wake channel              {ns}:wake
--- ARGV[9]  queue expiry in ms (x-expires), 0 = never
+-- ARGV[6]  the entry's spec (task, schedule, time zone) the call was planned under; the
+--          call does nothing unless the state's spec still says it (a schedule changed,
+--          or the entry removed, since the leader read it). "" = no check (a run-now)
+-- ARGV[7]  message payload (kombu JSON); "" = no run, only move next_due on
+-- ARGV[8]  queue name
+-- ARGV[9]  wake channel              {ns}:wake
+-- ARGV[10] queue expiry in ms (x-expires), 0 = never
 -- KEYS[5]  (with a payload) job index hash          {ns}:jobs
 -- KEYS[6]  (with a payload) finished index entries  {ns}:jobs_done
--- ARGV[10] (optional) why this due time has no run, kept as the entry's error
--- ARGV[11] (with a payload) job index TTL of finished entries in ms, "0" = no index
--- ARGV[12] (without a payload, optional) "1" = the caller pushed the run itself, in its
+-- ARGV[11] (optional) why this due time has no run, kept as the entry's error
+-- ARGV[12] (with a payload) job index TTL of finished entries in ms, "0" = no index
+-- ARGV[13] (without a payload, optional) "1" = the caller pushed the run itself, in its
 --          job queue's copy under a publish marker of this job id (a cluster: the queue
 --          is in another slot, docs/cluster.md): record it as a run, as with a payload
 -- Returns 1 when the job was pushed; 2 when this job id is the entry's last run already
@@ -31,10 +34,11 @@
 -- @include fair
 local stateKey, queueKey, readyKey, queuesKey = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local expected, dueMs, nextMs, passed, jobId = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
-local payload, queueName, wakeChannel, expiresMs = ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
-local err = ARGV[10] or ''
-local pushedByCaller = payload == '' and ARGV[12] == '1'
-local indexTtl = tonumber(ARGV[11] or 0) or 0
+local spec = ARGV[6]
+local payload, queueName, wakeChannel, expiresMs = ARGV[7], ARGV[8], ARGV[9], tonumber(ARGV[10])
+local err = ARGV[11] or ''
+local pushedByCaller = payload == '' and ARGV[13] == '1'
+local indexTtl = tonumber(ARGV[12] or 0) or 0
 -- @include job_index
 -- @include announce
 
@@ -44,6 +48,9 @@ end
 local scheduled = expected ~= ''
 if scheduled and redis.call('HGET', stateKey, 'next_due') ~= expected then
   return 0
+end
+if spec ~= '' and redis.call('HGET', stateKey, 'spec') ~= spec then
+  return 0  -- planned under a schedule the entry no longer has
 end
 local paused = redis.call('HGET', stateKey, 'paused') == '1'
 if (payload == '' and not pushedByCaller) or (payload ~= '' and paused and scheduled) then

@@ -346,6 +346,8 @@
         function post(kind, e) { return api("/api/periodic/" + kind, { method: "POST", body: { name: e.name } }); }
         return table([
           { label: "Entry", render: function (e) { return h("span", null, h("strong", { text: e.name }), h("br"), h("span", { cls: "mono muted", text: e.task || "" })); } },
+          { label: "Source", render: function (e) { return badge(e.source, e.source === "runtime" ? "warn" : ""); },
+            title: function (e) { return e.source === "runtime" ? "set at runtime: wins over the app's beat_schedule entry of this name" : "the app's beat_schedule"; } },
           { label: "Schedule", key: "schedule", cls: "mono" },
           { label: "Next run", cls: "nowrap", render: function (e) { return e.paused ? "—" : fmtTime(e.next_due); },
             title: function (e) { return e.next_due ? "in " + fmtDur(e.next_due - d.server_time) : ""; } },
@@ -361,9 +363,12 @@
             return h("span", { cls: "row-actions" },
               e.paused ? action("Resume", function () { return post("resume", e); }, { name: "periodic-resume" })
                        : action("Pause", function () { return post("pause", e); }, { name: "periodic-pause" }),
-              action("Run now", function () { return post("run", e); }, { name: "periodic-run" }));
+              action("Run now", function () { return post("run", e); }, { name: "periodic-run" }),
+              e.source === "runtime" ? action("Remove", function () {
+                return api("/api/periodic/entries/" + encodeURIComponent(e.name), { method: "DELETE" });
+              }, { danger: true, confirm: "Remove the runtime entry " + e.name + "? (The app's beat_schedule entry of this name, if any, runs again.)", name: "periodic-remove" }) : null);
           } }
-        ], d.items.map(function (e) { e.__key = e.name; return e; }), "No periodic job: the app has no beat_schedule, or no worker pool has run it yet.");
+        ], d.items.map(function (e) { e.__key = e.name; return e; }), "No periodic job: none in the app's beat_schedule or set at runtime, or no worker pool has run them yet.");
       });
     },
 
@@ -565,6 +570,38 @@
     });
   }
 
+  // Periodic page: the form that sets a runtime entry, outside the refreshed area. The
+  // server checks the entry (one check for the client, the CLI and this API).
+  function setupPeriodicForm() {
+    var content = document.getElementById("content");
+    if (PAGE !== "periodic" || !content) return;
+    function input(name, placeholder) {
+      return h("input", { type: "text", placeholder: placeholder, "data-testid": "periodic-" + name, title: placeholder });
+    }
+    var f = { name: input("name", "entry name"), task: input("task", "task name"),
+              every: input("every", "every (seconds)"), crontab: input("crontab", "or crontab: m h dom mon dow"),
+              args: input("args", "args (JSON list)"), queue: input("queue", "queue (optional)") };
+    var out = h("span", { cls: "muted", "data-testid": "periodic-result" });
+    function submit(ev) {
+      ev.preventDefault();
+      var body = { name: f.name.value.trim(), task: f.task.value.trim() };
+      var every = f.every.value.trim(), cron = f.crontab.value.trim(), args = f.args.value.trim();
+      if (every) body.every = isNaN(Number(every)) ? every : Number(every);
+      if (cron) body.crontab = cron;
+      if (f.queue.value.trim()) body.queue = f.queue.value.trim();
+      try { body.args = args ? JSON.parse(args) : []; }
+      catch (e) { showError("args is not JSON: " + e.message); return; }
+      api("/api/periodic/entries", { method: "POST", body: body }).then(function (d) {
+        out.textContent = (d.created ? "Created " : "Replaced ") + d.name + ".";
+        showError(null);
+        refresh();
+      }).catch(function (e) { out.textContent = ""; showError("Set failed: " + e.message); });
+    }
+    content.parentNode.insertBefore(h("form", { cls: "toolbar", "data-testid": "periodic-form", on: { submit: submit } },
+      f.name, f.task, f.every, f.crontab, f.args, f.queue,
+      h("button", { type: "submit", cls: "btn", text: "Set entry", "data-action": "periodic-set" }), out), content);
+  }
+
   // Queues page: a filter box outside the refreshed area (typing is never interrupted).
   function setupQueueFilter() {
     var content = document.getElementById("content");
@@ -621,6 +658,7 @@
   document.addEventListener("visibilitychange", function () { if (!document.hidden) refresh(); });
   setupQueueFilter();
   setupSetSearch();
+  setupPeriodicForm();
   wireDeadDetail();
   demoBusy();
   navCounts();
