@@ -116,6 +116,28 @@ def test_dashboard_in_a_browser(browser: Any, broker_url: str, redis_client: red
         assert "(celery control revoke)" in revoked_row.inner_text()
         ui.assert_clean()
 
+        # A periodic entry set from the Periodic page's form; a bad one is refused there.
+        page = ui.open("/periodic")
+        form = page.locator("[data-testid=periodic-form]")
+        form.locator("[data-testid=periodic-name]").fill("browser-entry")
+        form.locator("[data-testid=periodic-task]").fill(proj_web.echo.name)
+        form.locator("[data-testid=periodic-every]").fill("0.5")
+        form.locator("button[data-action=periodic-set]").click()
+        page.locator("#error", has_text="every").wait_for()
+        assert [e["name"] for e in client.periodic() if e["source"] == "runtime"] == []
+        # The refused entry's 400 is the one console error the page may have logged.
+        assert [e for e in ui.errors if "400 (Bad Request)" not in e] == [], ui.errors
+        ui.errors.clear()
+        form.locator("[data-testid=periodic-every]").fill("3600")
+        form.locator("button[data-action=periodic-set]").click()
+        page.locator("[data-testid=periodic-result]", has_text="Created browser-entry.").wait_for()
+        page.locator('tr[data-row="browser-entry"] .badge', has_text="runtime").wait_for()
+        ui.shot("periodic")
+        assert [e["name"] for e in client.periodic() if e["source"] == "runtime"] == [
+            "browser-entry"]
+        client.remove_periodic("browser-entry")
+        ui.assert_clean()
+
         # The job observer widget follows a job to the end.
         job = proj_web.progress.delay(8, 0.4)
         page = ui.open(f"/demo?job={job.id}")
@@ -130,6 +152,6 @@ def test_dashboard_in_a_browser(browser: Any, broker_url: str, redis_client: red
         ui.context.close()
         assert {p.name for p in shots.iterdir()} >= {
             "overview.png", "queues.png", "pools.png", "busy.png", "scheduled.png",
-            "retry.png", "dead.png", "dead-job.png", "revoked.png", "widget-done.png"}
+            "retry.png", "dead.png", "dead-job.png", "revoked.png", "periodic.png", "widget-done.png"}
     finally:
         stop_all([web])
