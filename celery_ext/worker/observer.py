@@ -41,6 +41,7 @@ from celery_ext.worker import cursor as cursors
 from celery_ext.worker.heartbeater import owning_pool_id
 from celery_ext.worker.outage import Outage
 from celery_ext.worker.running_job import RunningJob, slot_id
+from celery_ext.worker.wait_times import wait_fields
 
 logger = logging.getLogger("celery_ext.worker.observer")
 
@@ -82,8 +83,12 @@ class Observer:
     ``BUSY_RECORD_DELAY`` and flushes the counters every ``STATS_FLUSH_INTERVAL``;
     ``flush()`` is the one-shot step (also run at process shutdown)."""
 
-    def __init__(self, client: Any, settings: Settings, pool_id: str) -> None:
+    def __init__(self, client: Any, settings: Settings, pool_id: str,
+                 clock_offset: float = 0.0) -> None:
         self.client = client
+        #: Redis time minus this host's (read with TIME by the channel the observer's
+        #: client comes from): a job's wait is measured on the clock that stamped it.
+        self.clock_offset = clock_offset
         self.settings = settings
         self.pool_id = pool_id
         self.keys = Keys.for_settings(settings)
@@ -95,7 +100,9 @@ class Observer:
         #: order): ``flush`` looks at the oldest only, not at every job running.
         self._unwritten: dict[str, RunningJob] = {}
         self._stats: dict[str, int] = {}
-        self._runtime: dict[str, int] = {}  # {ns}:runtime fields, written with the stats
+        #: {ns}:runtime fields (runtimes at a job's end, waits at its start), written with
+        #: the stats.
+        self._runtime: dict[str, int] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -132,7 +139,8 @@ class Observer:
                 if not hasattr(channel, "new_client"):
                     return None
                 obs = _observers[key] = cls(channel.new_client(), channel.settings,
-                                            owning_pool_id())
+                                            owning_pool_id(),
+                                            getattr(channel, "_clock_offset", 0.0))
             return obs
 
     def _busy(self, mode: str, job_id: str, slot: str, record: str = "",
@@ -159,9 +167,14 @@ class Observer:
 
     def job_started(self, task: Any, job_id: str, args: Any, kwargs: Any) -> None:
         running = RunningJob(job_id, task, args, kwargs, slot_id())
+        request = task.request
+        queue = (request.delivery_info or {}).get("routing_key") or task.name
+        waited = wait_fields(request, queue, self.clock_offset)
         with self._lock:
             self._running[job_id] = running
             self._unwritten[job_id] = running
+            for field, amount in waited:  # written with the next counter flush
+                self._runtime[field] = self._runtime.get(field, 0) + amount
             sleeping = self._sleep_until
         self._ensure_thread()
         if sleeping is None or sleeping > running.started + BUSY_RECORD_DELAY:
@@ -240,7 +253,7 @@ class Observer:
                     running.written = True
                     del self._unwritten[running.job_id]
                 self._outage.ok()
-            stats_due = bool(self._stats) and (
+            stats_due = bool(self._stats or self._runtime) and (
                 force_stats or now - self._last_stats >= STATS_FLUSH_INTERVAL)
             if stats_due:
                 stats, self._stats = self._stats, {}
@@ -252,7 +265,7 @@ class Observer:
             later = time.monotonic()
             if wait < 1e9:  # (less the time the counters took to write)
                 wait -= later - now
-            if self._stats:
+            if self._stats or self._runtime:
                 wait = min(wait, STATS_FLUSH_INTERVAL - (later - self._last_stats))
             wait = max(wait, 0.005)
             if _plan:  # the thread sleeps this long; decided under the lock job_started takes
@@ -266,8 +279,9 @@ class Observer:
         # With the known queues: a queue forgotten since its jobs ran is added back, so its
         # fields are forgotten again (queue_info.lua); the runtime fields are its queues'.
         try:
-            self.scripts("stats", [self.keys.stats, self.keys.queues],
-                         [x for item in stats.items() for x in item])
+            if stats:  # (none when only waits of jobs still running are due)
+                self.scripts("stats", [self.keys.stats, self.keys.queues],
+                             [x for item in stats.items() for x in item])
         except BaseException:  # not written: counted again with the next flush
             with self._lock:
                 self._merge(stats, runtime)
