@@ -165,15 +165,14 @@ class Observer:
                 self._busy(*call, client=pipe)
             pipe.execute()
 
-    def job_started(self, task: Any, job_id: str, args: Any, kwargs: Any) -> None:
+    def job_started(self, task: Any, job_id: str, args: Any, kwargs: Any,
+                    waited: list[tuple[str, int]] | None = None) -> None:
+        """``waited``: the job's wait-time fields (``wait_times.wait_fields``)."""
         running = RunningJob(job_id, task, args, kwargs, slot_id())
-        request = task.request
-        queue = (request.delivery_info or {}).get("routing_key") or task.name
-        waited = wait_fields(request, queue, self.clock_offset)
         with self._lock:
             self._running[job_id] = running
             self._unwritten[job_id] = running
-            for field, amount in waited:  # written with the next counter flush
+            for field, amount in waited or ():  # written with the next counter flush
                 self._runtime[field] = self._runtime.get(field, 0) + amount
             sleeping = self._sleep_until
         self._ensure_thread()
@@ -464,6 +463,11 @@ def _observed(app: Any) -> bool:
     return bool(ours)
 
 
+def _job_queue(task: Any) -> str:
+    """The job queue of the running job, as its counters name it."""
+    return (task.request.delivery_info or {}).get("routing_key") or task.name
+
+
 @task_prerun.connect(weak=False)
 def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
                args: Any = None, kwargs: Any = None, **kw: Any) -> None:
@@ -472,7 +476,8 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
     try:
         obs = Observer.for_app(task.app)
         if obs is not None:
-            obs.job_started(task, task_id, args, kwargs)
+            waited = wait_fields(task.request, _job_queue(task), obs.clock_offset)
+            obs.job_started(task, task_id, args, kwargs, waited)
     except Exception as exc:
         logger.warning("celery_ext: could not record busy worker for %s: %s",
                        one_line(task_id), exc)
@@ -490,9 +495,7 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
     try:
         obs = Observer.for_app(task.app)
         if obs is not None:
-            info = task.request.delivery_info or {}
-            queue = info.get("routing_key") or task.name
-            obs.job_finished(task_id, queue=queue, outcome=OUTCOMES.get(state or "", ""),
+            obs.job_finished(task_id, queue=_job_queue(task), outcome=OUTCOMES.get(state or "", ""),
                              name=task.name)
             obs.wake_for_stats()
     except Exception as exc:
