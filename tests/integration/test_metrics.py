@@ -34,6 +34,7 @@ from celery_ext.worker.observer import RUNTIME_BUCKETS
 from celery_ext.worker.reaper import Reaper
 from tests.apps import proj, proj_web
 from tests.debian import ensure_installed
+from tests.deploy_config import CONFIG
 from tests.helpers import K, message, node_name, only_pool
 from tests.webutil import celery_argv, env_for, free_port, start_web, stop_all, wait_for
 from tests.workers import REPO_ROOT, ManagedProcess, WorkerProcess
@@ -42,9 +43,9 @@ TOKEN = "metrics-test-token"
 ECHO = "tests.apps.proj_web.echo"
 PROGRESS = "tests.apps.proj_web.progress"
 FRAGILE = "tests.apps.proj_web.fragile"
-RULES = REPO_ROOT / "docs" / "prometheus" / "celery-ext-rules.yml"
+RULES = CONFIG / "prometheus" / "celery-ext-rules.yml"
 RULES_TEST = RULES.with_name("celery-ext-rules.test.yml")
-GRAFANA = REPO_ROOT / "docs" / "grafana" / "celery-ext-dashboard.json"
+GRAFANA = CONFIG / "grafana" / "celery-ext-dashboard.json"
 OPERATIONS = REPO_ROOT / "docs" / "operations.md"
 
 
