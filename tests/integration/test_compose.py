@@ -30,7 +30,7 @@ from redis.crc import key_slot
 
 from celery_ext.testing.server import find_cli_binary, find_server_binary
 from tests.debian import ensure_installed
-from tests.deploy_config import CONFIG, installed
+from tests.deploy_config import CONFIG, installed, server
 from tests.helpers import Factory, free_port, wait_for
 from tests.workers import REPO_ROOT, ManagedProcess
 
@@ -155,24 +155,7 @@ def test_valkey_is_durable_and_never_evicts(resolved: dict[str, Any], tmp_path: 
     assert conf["maxmemory-policy"] == "noeviction"
 
     # A real server loads the file as it is (only where to listen and write changed).
-    port = free_port()
-    log = tmp_path / "valkey.log"
-    server = subprocess.Popen(
-        [find_server_binary(), str(conf_path), "--port", str(port), "--bind", "127.0.0.1",
-         "--dir", str(tmp_path), "--daemonize", "no"],
-        stdin=subprocess.DEVNULL, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    client = redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2,
-                         decode_responses=True)
-
-    def up() -> bool:
-        assert server.poll() is None, log.read_text()
-        try:
-            return bool(client.ping())
-        except redis.ConnectionError:
-            return False
-
-    try:
-        wait_for(up, 15, "valkey with config/valkey.conf")
+    with server(conf_path, tmp_path / "valkey") as client:
         live = {k: v for k in ("appendonly", "appendfsync", "maxmemory-policy", "maxmemory",
                                "replica-read-only", "min-replicas-to-write")
                 for k, v in client.config_get(k).items()}
@@ -180,10 +163,6 @@ def test_valkey_is_durable_and_never_evicts(resolved: dict[str, Any], tmp_path: 
                         "maxmemory-policy": "noeviction", "maxmemory": str(1 << 30),
                         "replica-read-only": "yes", "min-replicas-to-write": "0"}
         assert client.set("job", "accepted")  # a single node takes writes with no replica
-    finally:
-        client.close()
-        server.terminate()
-        server.wait(15)
 
 
 def test_the_health_checks_pass_against_real_services_and_fail_for_another_pool(

@@ -12,9 +12,7 @@ and the Grafana dashboard are checked by test_metrics.py (promtool, a live Prome
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
@@ -22,51 +20,11 @@ import pytest
 import redis
 
 from celery_ext.config import Settings
-from celery_ext.testing.server import find_server_binary
-from tests.deploy_config import CONFIG, installed
-from tests.helpers import free_port, wait_for
+from tests.deploy_config import CONFIG, installed, server
+from tests.helpers import wait_for
 from tests.workers import WorkerProcess
 
 CELERYCONFIG = CONFIG / "celeryconfig.py"
-
-
-@contextmanager
-def server(conf: Path, data: Path, *args: str) -> Iterator[redis.Redis]:
-    """A real server loading ``conf`` as it is (only where to listen and write changed)."""
-    data.mkdir(parents=True)
-    port = free_port()
-    log = data / "server.log"
-    proc = subprocess.Popen(
-        [find_server_binary(), str(conf), "--port", str(port), "--bind", "127.0.0.1",
-         "--dir", str(data), "--daemonize", "no", *args],
-        stdin=subprocess.DEVNULL, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    client = redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2,
-                         decode_responses=True)
-
-    def up() -> bool:
-        assert proc.poll() is None, log.read_text()
-        try:
-            return bool(client.ping())
-        except redis.ConnectionError:
-            return False
-
-    try:
-        wait_for(up, 15, f"a server with config/{conf.name}")
-        yield client
-    finally:
-        client.close()
-        # A replica writing its first AOF after a full sync refuses to exit ("Writing
-        # initial AOF, can't exit"): asked again until it has.
-        for _ in range(30):
-            proc.terminate()
-            try:
-                proc.wait(1)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        else:
-            proc.kill()
-            proc.wait(5)
 
 
 def test_a_replicated_primary_takes_writes_only_with_a_replica_in_sync(tmp_path: Path) -> None:
