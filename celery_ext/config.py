@@ -35,6 +35,12 @@ DEFAULT_IDLE_REFRESH_INTERVAL = 1.0
 #: counters again this often (seconds); meanwhile they wait in memory and a checkin
 #: answers from what it last heard, so an outage costs the jobs no round trips.
 OBSERVER_RETRY_INTERVAL = 1.0
+#: Upper bounds (seconds) of the queue wait-time histogram's buckets (a job's enqueue, or
+#: its due time, to the start of its run), +Inf implied: from an idle queue's milliseconds
+#: to a backlog's hour. Fixed: ``{ns}:runtime`` counts per bucket, so changing them splits
+#: the history Prometheus holds (``celery_ext_job_wait_seconds``, worker/wait_times.py).
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+                600.0, 1800.0, 3600.0)
 #: A job recovered from dead pools more often than this goes to the dead set.
 DEFAULT_MAX_RECOVERIES = 3
 #: Weight of a job queue whose task sets none.

@@ -8,11 +8,12 @@ whatever the number of job queues and pools (the names, then one pipeline with t
 never a job itself. Several dashboards may serve the same namespace: the values are
 Redis', so they agree.
 
-The counters are written where the event happens: processed/failed/retried and the
-runtime histogram by the observer (summed per process, flushed once a second), jobs
-recovered and poison pills after the ``recover`` script, pools reaped by the reaper,
-unique hits by the producer, rate-limited fetches (field ``rate_limited``) by the
-fetch path when rate limits are in use.
+The counters are written where the event happens: processed/failed/retried, the
+runtime histogram and the queue wait-time histogram by the observer (summed per
+process, flushed once a second; ``worker/wait_times.py``), jobs recovered and poison
+pills after the ``recover`` script, pools reaped by the reaper, unique hits by the
+producer, rate-limited fetches (field ``rate_limited``) by the fetch path when rate
+limits are in use.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from celery_ext.admin.overview import QUEUE_INFO_CHUNK, State, queue_info_rows
+from celery_ext.config import WAIT_BUCKETS
 from celery_ext.store.copies import copies, per_copy, set_counts
 from celery_ext.store.keys import (
     RUNTIME_BUCKET_NAMES,
@@ -41,6 +43,8 @@ from celery_ext.store.keys import (
     STAT_POOLS_REAPED,
     STAT_RECOVERED,
     STAT_UNIQUE_HITS,
+    WAIT_BUCKET_NAMES,
+    WAIT_SUM_PREFIX,
 )
 from celery_ext.store.liveness import Liveness, consumed_by
 from celery_ext.store.scripts import sha
@@ -264,18 +268,11 @@ def families(snap: Snapshot) -> Iterator[Metric]:
         yield family
 
     by_bucket = _split(snap.runtime)
-    runtime = HistogramMetricFamily(f"{PREFIX}_job_runtime_seconds",
-                                    "Time a job ran, from start to end in its worker.",
-                                    labels=["queue"])
-    queues = sorted({q for counts in by_bucket.values() for q in counts})
-    for name in queues:
-        cumulative, buckets = 0, []
-        for bound, tag in zip((*RUNTIME_BUCKETS, float("inf")), RUNTIME_BUCKET_NAMES,
-                              strict=True):
-            cumulative += by_bucket.get(tag, {}).get(name, 0)
-            buckets.append(("+Inf" if tag == "inf" else repr(bound), cumulative))
-        runtime.add_metric([name], buckets, by_bucket.get("sum_us", {}).get(name, 0) / 1e6)
-    yield runtime
+    yield _histogram("job_runtime_seconds", "Time a job ran, from start to end in its worker.",
+                     by_bucket, RUNTIME_BUCKETS, RUNTIME_BUCKET_NAMES, "sum_us")
+    yield _histogram("job_wait_seconds", "Time a job waited in its job queue, from its enqueue "
+                     "(its due time, for a countdown or eta) to the start of its run, on the "
+                     "Redis clock.", by_bucket, WAIT_BUCKETS, WAIT_BUCKET_NAMES, WAIT_SUM_PREFIX)
 
     alive = gauge("pool_alive", "1 while the worker pool heartbeats within its dead_after.",
                   ["pool", "node"])
@@ -308,6 +305,22 @@ def families(snap: Snapshot) -> Iterator[Metric]:
         family = counter(name, doc)
         family.add_metric([], snap.stats.get(stat, 0))
         yield family
+
+
+def _histogram(name: str, doc: str, by_bucket: dict[str, dict[str, int]],
+               bounds: tuple[float, ...], tags: tuple[str, ...],
+               sum_tag: str) -> HistogramMetricFamily:
+    """A per-queue histogram from its ``{ns}:runtime`` fields (``<tag>:<queue>`` -> count
+    in that bucket, not cumulative; ``<sum_tag>:<queue>`` -> microseconds)."""
+    family = HistogramMetricFamily(f"{PREFIX}_{name}", doc, labels=["queue"])
+    queues = sorted({q for tag in tags for q in by_bucket.get(tag, {})})
+    for queue in queues:
+        cumulative, buckets = 0, []
+        for bound, tag in zip((*bounds, float("inf")), tags, strict=True):
+            cumulative += by_bucket.get(tag, {}).get(queue, 0)
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        family.add_metric([queue], buckets, by_bucket.get(sum_tag, {}).get(queue, 0) / 1e6)
+    return family
 
 
 class MetricsCollector(Collector):

@@ -88,7 +88,9 @@ Layout (``ns`` = namespace)::
                                      "rate_limited"[":<queue>"] (fetches a rate limit refused)
     {ns}:runtime             hash    "<bucket>:<queue>" -> runs whose runtime fell in that
                                      bucket (not cumulative; see observer.RUNTIME_BUCKETS),
-                                     "sum_us:<queue>" -> total runtime in microseconds
+                                     "sum_us:<queue>" -> total runtime in microseconds;
+                                     "wait_<bucket>:<queue>", "wait_sum_us:<queue>": the
+                                     same for the wait from enqueue to start (wait_times.py)
     {ns}:reaper              string  lock held by the one reaper running a pass
     {ns}:dead                zset    dead job id -> failed_at (ms)
     {ns}:dead_jobs           hash    dead job id -> "<meta json>\n<queue>\n<payload>"
@@ -181,6 +183,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from celery_ext.config import WAIT_BUCKETS
+
 #: Fields of the ``stats`` hash counting reliability events (Prometheus counters).
 STAT_RECOVERED = "recovered"
 STAT_POOLS_REAPED = "pools_reaped"
@@ -196,7 +200,12 @@ RUNTIME_BUCKET_NAMES = (*(repr(b) for b in RUNTIME_BUCKETS), "inf")
 #: with the queue's name when a reader forgets it (``queue_info.lua``), so names that
 #: come and go leave nothing behind.
 QUEUE_STAT_PREFIXES = ("processed", "failed", "retried", "rate_limited")
-QUEUE_RUNTIME_PREFIXES = (*RUNTIME_BUCKET_NAMES, "sum_us")
+#: The ``{ns}:runtime`` field prefix of each bucket of the queue wait-time histogram
+#: (``config.WAIT_BUCKETS``): ``wait_`` and its bound as written by repr().
+WAIT_BUCKET_NAMES = (*(f"wait_{b!r}" for b in WAIT_BUCKETS), "wait_inf")
+#: The ``{ns}:runtime`` field prefix summing the waits (microseconds).
+WAIT_SUM_PREFIX = "wait_sum_us"
+QUEUE_RUNTIME_PREFIXES = (*RUNTIME_BUCKET_NAMES, "sum_us", *WAIT_BUCKET_NAMES, WAIT_SUM_PREFIX)
 #: Between a job queue's key and a priority level in the key of that level's list:
 #: Kombu's Redis separator (``redis.Channel.sep``). Lua scripts check level keys by it.
 LEVEL_SEP = "\x06\x16"

@@ -41,6 +41,7 @@ from celery_ext.worker import cursor as cursors
 from celery_ext.worker.heartbeater import owning_pool_id
 from celery_ext.worker.outage import Outage
 from celery_ext.worker.running_job import RunningJob, slot_id
+from celery_ext.worker.wait_times import wait_fields
 
 logger = logging.getLogger("celery_ext.worker.observer")
 
@@ -82,8 +83,12 @@ class Observer:
     ``BUSY_RECORD_DELAY`` and flushes the counters every ``STATS_FLUSH_INTERVAL``;
     ``flush()`` is the one-shot step (also run at process shutdown)."""
 
-    def __init__(self, client: Any, settings: Settings, pool_id: str) -> None:
+    def __init__(self, client: Any, settings: Settings, pool_id: str,
+                 clock_offset: float = 0.0) -> None:
         self.client = client
+        #: Redis time minus this host's (read with TIME by the channel the observer's
+        #: client comes from): a job's wait is measured on the clock that stamped it.
+        self.clock_offset = clock_offset
         self.settings = settings
         self.pool_id = pool_id
         self.keys = Keys.for_settings(settings)
@@ -95,7 +100,9 @@ class Observer:
         #: order): ``flush`` looks at the oldest only, not at every job running.
         self._unwritten: dict[str, RunningJob] = {}
         self._stats: dict[str, int] = {}
-        self._runtime: dict[str, int] = {}  # {ns}:runtime fields, written with the stats
+        #: {ns}:runtime fields (runtimes at a job's end, waits at its start), written with
+        #: the stats.
+        self._runtime: dict[str, int] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -132,7 +139,8 @@ class Observer:
                 if not hasattr(channel, "new_client"):
                     return None
                 obs = _observers[key] = cls(channel.new_client(), channel.settings,
-                                            owning_pool_id())
+                                            owning_pool_id(),
+                                            getattr(channel, "_clock_offset", 0.0))
             return obs
 
     def _busy(self, mode: str, job_id: str, slot: str, record: str = "",
@@ -157,11 +165,15 @@ class Observer:
                 self._busy(*call, client=pipe)
             pipe.execute()
 
-    def job_started(self, task: Any, job_id: str, args: Any, kwargs: Any) -> None:
+    def job_started(self, task: Any, job_id: str, args: Any, kwargs: Any,
+                    waited: list[tuple[str, int]] | None = None) -> None:
+        """``waited``: the job's wait-time fields (``wait_times.wait_fields``)."""
         running = RunningJob(job_id, task, args, kwargs, slot_id())
         with self._lock:
             self._running[job_id] = running
             self._unwritten[job_id] = running
+            for field, amount in waited or ():  # written with the next counter flush
+                self._runtime[field] = self._runtime.get(field, 0) + amount
             sleeping = self._sleep_until
         self._ensure_thread()
         if sleeping is None or sleeping > running.started + BUSY_RECORD_DELAY:
@@ -240,7 +252,7 @@ class Observer:
                     running.written = True
                     del self._unwritten[running.job_id]
                 self._outage.ok()
-            stats_due = bool(self._stats) and (
+            stats_due = bool(self._stats or self._runtime) and (
                 force_stats or now - self._last_stats >= STATS_FLUSH_INTERVAL)
             if stats_due:
                 stats, self._stats = self._stats, {}
@@ -252,7 +264,7 @@ class Observer:
             later = time.monotonic()
             if wait < 1e9:  # (less the time the counters took to write)
                 wait -= later - now
-            if self._stats:
+            if self._stats or self._runtime:
                 wait = min(wait, STATS_FLUSH_INTERVAL - (later - self._last_stats))
             wait = max(wait, 0.005)
             if _plan:  # the thread sleeps this long; decided under the lock job_started takes
@@ -266,8 +278,9 @@ class Observer:
         # With the known queues: a queue forgotten since its jobs ran is added back, so its
         # fields are forgotten again (queue_info.lua); the runtime fields are its queues'.
         try:
-            self.scripts("stats", [self.keys.stats, self.keys.queues],
-                         [x for item in stats.items() for x in item])
+            if stats:  # (none when only waits of jobs still running are due)
+                self.scripts("stats", [self.keys.stats, self.keys.queues],
+                             [x for item in stats.items() for x in item])
         except BaseException:  # not written: counted again with the next flush
             with self._lock:
                 self._merge(stats, runtime)
@@ -450,6 +463,11 @@ def _observed(app: Any) -> bool:
     return bool(ours)
 
 
+def _job_queue(task: Any) -> str:
+    """The job queue of the running job, as its counters name it."""
+    return (task.request.delivery_info or {}).get("routing_key") or task.name
+
+
 @task_prerun.connect(weak=False)
 def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
                args: Any = None, kwargs: Any = None, **kw: Any) -> None:
@@ -458,7 +476,8 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
     try:
         obs = Observer.for_app(task.app)
         if obs is not None:
-            obs.job_started(task, task_id, args, kwargs)
+            waited = wait_fields(task.request, _job_queue(task), obs.clock_offset)
+            obs.job_started(task, task_id, args, kwargs, waited)
     except Exception as exc:
         logger.warning("celery_ext: could not record busy worker for %s: %s",
                        one_line(task_id), exc)
@@ -476,9 +495,7 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
     try:
         obs = Observer.for_app(task.app)
         if obs is not None:
-            info = task.request.delivery_info or {}
-            queue = info.get("routing_key") or task.name
-            obs.job_finished(task_id, queue=queue, outcome=OUTCOMES.get(state or "", ""),
+            obs.job_finished(task_id, queue=_job_queue(task), outcome=OUTCOMES.get(state or "", ""),
                              name=task.name)
             obs.wake_for_stats()
     except Exception as exc:

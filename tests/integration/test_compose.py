@@ -5,9 +5,10 @@ missing, like the browser test's chromium) validates the file against its Compos
 specification schema and resolves it with ``config``, which needs no engine. The
 resolved file is then checked for what the README promises: AOF on, noeviction,
 health checks that ask the real thing, restart policies, one image built from
-compose/Dockerfile. ``valkey.conf`` itself is loaded by a real server. The cluster
-variant (``docker-compose.cluster.yml``) is checked the same way, and its node commands
-and one-shot init script are run against real servers to build a cluster.
+compose/Dockerfile. The server configuration it mounts (``config/valkey.conf``) is
+loaded by a real server. The cluster variant (``docker-compose.cluster.yml``) is checked
+the same way, and its node commands (``config/valkey-cluster.conf``) and one-shot init
+script are run against real servers to build a cluster that takes writes.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from typing import Any
 import pytest
 import redis
 import yaml
+from redis.crc import key_slot
 
 from celery_ext.testing.server import find_cli_binary, find_server_binary
 from tests.debian import ensure_installed
+from tests.deploy_config import CONFIG, installed, server
 from tests.helpers import Factory, free_port, wait_for
 from tests.workers import REPO_ROOT, ManagedProcess
 
@@ -143,41 +146,23 @@ def _conf(text: str) -> dict[str, str]:
 def test_valkey_is_durable_and_never_evicts(resolved: dict[str, Any], tmp_path: Path) -> None:
     valkey = resolved["services"]["valkey"]
     mounts = {v.split(":")[1]: Path(v.split(":")[0]) for v in valkey["volumes"]}
-    conf_path = mounts["/etc/valkey/valkey.conf"]
-    assert conf_path.resolve() == (COMPOSE / "valkey.conf").resolve()
+    assert mounts["/etc/valkey"].resolve() == CONFIG.resolve()  # config/, the one copy
     assert valkey["command"][-1] == "/etc/valkey/valkey.conf"
+    conf_path = CONFIG / "valkey.conf"
     assert "/data" in mounts  # the AOF lives on a named volume
     conf = _conf(conf_path.read_text())
     assert conf["appendonly"] == "yes" and conf["appendfsync"] == "always"
     assert conf["maxmemory-policy"] == "noeviction"
 
     # A real server loads the file as it is (only where to listen and write changed).
-    port = free_port()
-    log = tmp_path / "valkey.log"
-    server = subprocess.Popen(
-        [find_server_binary(), str(conf_path), "--port", str(port), "--bind", "127.0.0.1",
-         "--dir", str(tmp_path), "--daemonize", "no"],
-        stdin=subprocess.DEVNULL, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    client = redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2,
-                         decode_responses=True)
-
-    def up() -> bool:
-        assert server.poll() is None, log.read_text()
-        try:
-            return bool(client.ping())
-        except redis.ConnectionError:
-            return False
-
-    try:
-        wait_for(up, 15, "valkey with compose/valkey.conf")
-        live = {k: v for k in ("appendonly", "appendfsync", "maxmemory-policy", "maxmemory")
+    with server(conf_path, tmp_path / "valkey") as client:
+        live = {k: v for k in ("appendonly", "appendfsync", "maxmemory-policy", "maxmemory",
+                               "replica-read-only", "min-replicas-to-write")
                 for k, v in client.config_get(k).items()}
         assert live == {"appendonly": "yes", "appendfsync": "always",
-                        "maxmemory-policy": "noeviction", "maxmemory": str(1 << 30)}
-    finally:
-        client.close()
-        server.terminate()
-        server.wait(15)
+                        "maxmemory-policy": "noeviction", "maxmemory": str(1 << 30),
+                        "replica-read-only": "yes", "min-replicas-to-write": "0"}
+        assert client.set("job", "accepted")  # a single node takes writes with no replica
 
 
 def test_the_health_checks_pass_against_real_services_and_fail_for_another_pool(
@@ -304,12 +289,11 @@ def test_the_cluster_nodes_are_durable_and_each_has_its_own_data(
     for name in NODES:
         node = services[name]
         mounts = {v.split(":")[1]: v.split(":")[0] for v in node["volumes"]}
-        # The single-node file's valkey.conf (AOF always, noeviction: checked above).
-        assert Path(mounts["/etc/valkey/valkey.conf"]).resolve() == (COMPOSE / "valkey.conf"
-                                                                     ).resolve(), name
+        # config/, the one copy (valkey.conf's AOF and noeviction: checked above).
+        assert Path(mounts["/etc/valkey"]).resolve() == CONFIG.resolve(), name
         data.add(mounts["/data"])
         command = " ".join(node["command"])
-        assert "/etc/valkey/valkey.conf --cluster-enabled yes" in command, name
+        assert "valkey-server /etc/valkey/valkey-cluster.conf " in command, name
         assert "valkey-cli ping" in " ".join(node["healthcheck"]["test"]), name
         assert node["restart"] == "unless-stopped" and node["hostname"] == name
     assert len(data) == len(NODES)  # no two nodes share an AOF
@@ -344,22 +328,24 @@ def test_the_cluster_apps_use_the_cluster_option(cluster_resolved: dict[str, Any
 def test_the_cluster_node_and_init_commands_build_a_real_cluster(
         cluster_resolved: dict[str, Any], tmp_path: Path) -> None:
     """Each node's command and the init service's script, run as the containers would
-    (their names replaced by loopback ports), make a working 3-master cluster; a
-    second run of the init leaves it alone."""
+    (their names replaced by loopback ports, config/ installed where they read it), make a
+    working 3-master cluster whose masters take writes once the init is done (each has a
+    replica in sync: min-replicas-to-write); a second run of the init leaves it alone."""
     services = cluster_resolved["services"]
     binary = Path(find_server_binary())
     cli = Path(find_cli_binary())
+    etc = installed(tmp_path / "etc")
     ports = {name: free_port() for name in NODES}
     procs = []
     try:
         for name in NODES:
             script = services[name]["command"][-1].replace("$$", "$")
             script = script.replace("valkey-server ", f"{binary} ", 1).replace(
-                "/etc/valkey/valkey.conf", str(COMPOSE / "valkey.conf"))
+                "/etc/valkey/", f"{etc}/")
             data = tmp_path / name
             data.mkdir()
             script += (f" --port {ports[name]} --bind 127.0.0.1 --dir {data}"
-                       f" --cluster-port {free_port()} --appendfsync everysec")
+                       f" --cluster-port {free_port()}")
             procs.append(subprocess.Popen(
                 ["sh", "-c", script], env={**os.environ, "HOSTNAME": name},
                 stdin=subprocess.DEVNULL, stdout=(data / "log").open("wb"),
@@ -374,7 +360,8 @@ def test_the_cluster_node_and_init_commands_build_a_real_cluster(
                 return False
 
         wait_for(up, 15, "the cluster nodes")
-        init = services["cluster-init"]["command"][-1].replace("valkey-cli", str(cli))
+        init = services["cluster-init"]["command"][-1].replace("$$", "$").replace(
+            "valkey-cli", str(cli))
         for name, port in ports.items():
             init = init.replace(f"-h {name} ", f"-h 127.0.0.1 -p {port} ")
             init = init.replace(f"{name}:6379", f"127.0.0.1:{port}")
@@ -385,7 +372,26 @@ def test_the_cluster_node_and_init_commands_build_a_real_cluster(
         roles = [c.info("replication")["role"] for c in clients]
         assert sorted(roles) == ["master"] * 3 + ["slave"] * 3
         assert all(c.config_get("appendonly")["appendonly"] == "yes" for c in clients)
+        assert all(c.config_get("min-replicas-to-write")["min-replicas-to-write"] == "1"
+                   for c in clients)
         assert clients[0].cluster("info")["cluster_state"] == "ok"
+        # The init waited for every master's replica: each master takes a write now.
+        masters = 0
+        for line in clients[0].execute_command("CLUSTER", "NODES").splitlines():
+            fields = line.split()
+            if "master" not in fields[2]:
+                continue
+            low, high = (int(n) for n in fields[8].split("-"))
+            key = next(k for k in (f"job-{i}" for i in range(100_000))
+                       if low <= key_slot(k.encode()) <= high)
+            master = redis.Redis(port=int(fields[1].split("@")[0].rsplit(":", 1)[1]),
+                                 socket_timeout=2, decode_responses=True)
+            try:
+                assert master.set(key, "accepted"), fields[1]
+            finally:
+                master.close()
+            masters += 1
+        assert masters == 3
     finally:
         for proc in procs:
             proc.terminate()

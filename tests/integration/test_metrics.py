@@ -29,11 +29,12 @@ with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; htt
 from celery_ext.admin.metrics import Snapshot, families, read_snapshot, registry_for
 from celery_ext.admin.web import create_app
 from celery_ext.client import Client
-from celery_ext.config import Settings
+from celery_ext.config import WAIT_BUCKETS, Settings
 from celery_ext.worker.observer import RUNTIME_BUCKETS
 from celery_ext.worker.reaper import Reaper
 from tests.apps import proj, proj_web
 from tests.debian import ensure_installed
+from tests.deploy_config import CONFIG
 from tests.helpers import K, message, node_name, only_pool
 from tests.webutil import celery_argv, env_for, free_port, start_web, stop_all, wait_for
 from tests.workers import REPO_ROOT, ManagedProcess, WorkerProcess
@@ -42,9 +43,9 @@ TOKEN = "metrics-test-token"
 ECHO = "tests.apps.proj_web.echo"
 PROGRESS = "tests.apps.proj_web.progress"
 FRAGILE = "tests.apps.proj_web.fragile"
-RULES = REPO_ROOT / "docs" / "prometheus" / "celery-ext-rules.yml"
+RULES = CONFIG / "prometheus" / "celery-ext-rules.yml"
 RULES_TEST = RULES.with_name("celery-ext-rules.test.yml")
-GRAFANA = REPO_ROOT / "docs" / "grafana" / "celery-ext-dashboard.json"
+GRAFANA = CONFIG / "grafana" / "celery-ext-dashboard.json"
 OPERATIONS = REPO_ROOT / "docs" / "operations.md"
 
 
@@ -130,6 +131,53 @@ def test_metrics_text_against_a_live_worker(
     assert value(got, "celery_ext_pool_busy_slots", pool=pool) == 0
     age = value(got, "celery_ext_pool_heartbeat_age_seconds", pool=pool)
     assert age is not None and 0 <= age < Settings().dead_after
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_wait_histogram_counts_enqueue_to_start_per_queue(
+        ext_client: Client, redis_client: redis.Redis, pool: str,
+        worker_factory: Callable[..., WorkerProcess]) -> None:
+    """``celery_ext_job_wait_seconds``: jobs held in a paused queue for PAUSED seconds land
+    above the bucket below PAUSED; a countdown job's wait counts from its due time, not
+    from its enqueue, so it lands below the bucket its countdown would reach."""
+    paused_for, countdown = 3.0, 6.0
+    above = repr(max(b for b in WAIT_BUCKETS if b < paused_for))  # "2.5"
+    below = repr(max(b for b in WAIT_BUCKETS if b < countdown))  # "5.0"
+    worker_factory(proj_web.__name__, pool=pool, concurrency=2).start()
+
+    def scrape(count: int) -> dict[Any, float] | None:
+        got = samples("".join(_exposition(read_snapshot(ext_client.state))))
+        done = value(got, "celery_ext_job_wait_seconds_count", queue=ECHO) == count
+        return got if done else None
+
+    def bucket(got: dict[Any, float], le: str) -> float:
+        n = value(got, "celery_ext_job_wait_seconds_bucket", queue=ECHO, le=le)
+        assert n is not None, le
+        return n
+
+    proj_web.echo.delay("first")  # the worker runs: nothing held
+    first = wait_for(lambda: scrape(1), timeout=30, what="the first job's wait written")
+    assert value(first, "celery_ext_job_wait_seconds_count", queue=PROGRESS) is None
+
+    ext_client.pause(ECHO)
+    for i in range(2):
+        proj_web.echo.delay(i)
+    time.sleep(paused_for)
+    ext_client.resume(ECHO)
+    got = wait_for(lambda: scrape(3), timeout=30, what="the held jobs' waits written")
+    assert bucket(got, above) == bucket(first, above)  # both held jobs waited longer
+    assert bucket(got, "+Inf") == bucket(first, "+Inf") + 2
+    total = value(got, "celery_ext_job_wait_seconds_sum", queue=ECHO)
+    before = value(first, "celery_ext_job_wait_seconds_sum", queue=ECHO)
+    assert total is not None and before is not None
+    # Each waited at least the pause (less the clocks' few ms of disagreement).
+    assert total - before >= 2 * paused_for - 0.1
+
+    proj_web.echo.apply_async(("later",), countdown=countdown)
+    last = wait_for(lambda: scrape(4), timeout=30, what="the countdown job's wait written")
+    assert bucket(last, below) == bucket(got, below) + 1  # counted from its due time
+    buckets = [bucket(last, repr(b)) for b in WAIT_BUCKETS] + [bucket(last, "+Inf")]
+    assert buckets == sorted(buckets) and buckets[-1] == 4
 
 
 def test_reaper_counts_recovered_jobs_reaped_pools_and_poison_pills(
