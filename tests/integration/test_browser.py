@@ -152,6 +152,7 @@ def test_dashboard_in_a_browser(browser: Any, broker_url: str, redis_client: red
         ui.context.close()
         assert {p.name for p in shots.iterdir()} >= {
             "overview.png", "queues.png", "pools.png", "busy.png", "scheduled.png",
-            "retry.png", "dead.png", "dead-job.png", "revoked.png", "periodic.png", "widget-done.png"}
+            "retry.png", "dead.png", "dead-job.png", "revoked.png", "periodic.png",
+            "widget-done.png"}
     finally:
         stop_all([web])
