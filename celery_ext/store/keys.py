@@ -109,7 +109,8 @@ Layout (``ns`` = namespace)::
                                      (cluster-wide, see rate_limits.py); "<queue>\n" ->
                                      µs between two jobs of one fair key (fair.py)
     {ns}:rate_tat            hash    queue name -> Redis time (µs) from which its next job
-                                     may be fetched (GCRA "theoretical arrival time")
+                                     may be fetched (GCRA "theoretical arrival time"), or
+                                     until which a job held it (Throttled, throttle.lua)
     {ns}:unique:<digest>     string  id of the pending unique job with that key (TTL'd lock)
     {ns}:published:<id>      string  a publish that wrote its job (TTL publish_idempotency_ttl);
                                      Kombu's retry of that publish writes nothing. <id>: one

@@ -53,7 +53,10 @@
 -- (GCRA, Redis TIME): each job fetched pushes that time one interval past the later of
 -- itself and now, so no two jobs are fetched less than an interval apart in all pools.
 -- A queue not due yet is skipped, reported as blocked, counted in the stats, and its
--- wait returned, so the pool sleeps until then instead of polling. A wait is at most
+-- wait returned, so the pool sleeps until then instead of polling. A queue a job held
+-- (raise Throttled, throttle.lua: its field in KEYS[10], with or without a rate limit)
+-- is skipped the same way until then, not counted; without a rate limit, the first
+-- fetch that finds the hold over removes its field. A wait is at most
 -- MAX_WAIT_US (one day, the longest interval rate_limits.py accepts): an interval
 -- stored out of that range would otherwise overflow the integer reply.
 -- Fair shares (include/fair.lua, fair.py): when a candidate's level lists are empty, its keyed
@@ -169,7 +172,9 @@ local limited = redis.call('HLEN', KEYS[7]) > 0
 local any_paused = redis.call('SCARD', KEYS[8]) > 0
 local jobs, empties, blocked, skip, checked, room = {}, {}, {}, {}, {}, {}
 local rated, interval, tat, waits, now_us = redis.call('HLEN', KEYS[9]) > 0, {}, {}, {}, 0
-if rated then
+-- A queue may be held without a rate limit (a job raised Throttled: throttle.lua).
+local holds = redis.call('HLEN', KEYS[10]) > 0
+if rated or holds then
   now_us = clock_us()
 end
 local tracked = false
@@ -194,13 +199,19 @@ for i = 1, ncand do
   if not skip[qname] and room[qname] and room[qname] <= 0 then
     skip[qname] = true
   end
-  if not skip[qname] and interval[qname] then
+  if not skip[qname] and (interval[qname] or holds) then
     tat[qname] = tat[qname] or tonumber(redis.call('HGET', KEYS[10], qname) or 0)
     if tat[qname] > now_us then
       skip[qname] = true
       waits[#waits + 1] = {qname, math.min(tat[qname] - now_us, MAX_WAIT_US)}
-      redis.call('HINCRBY', KEYS[11], 'rate_limited', 1)
-      redis.call('HINCRBY', KEYS[11], 'rate_limited:' .. qname, 1)
+      if interval[qname] then
+        redis.call('HINCRBY', KEYS[11], 'rate_limited', 1)
+        redis.call('HINCRBY', KEYS[11], 'rate_limited:' .. qname, 1)
+      end
+    elseif tat[qname] > 0 and not interval[qname] then
+      -- A hold that is over, on a queue without a rate limit: nothing is left of it.
+      redis.call('HDEL', KEYS[10], qname)
+      tat[qname] = 0
     end
   end
   if skip[qname] == true then

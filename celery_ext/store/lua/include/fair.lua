@@ -78,11 +78,15 @@ end
 
 -- Push a new job to the back of its job queue `queueKey`'s list (the caller gives the
 -- list of the job's priority level, or the queue key for a keyed job), or, when it
--- carries a fair key, of that key's sub-queue. Returns the list's length after it.
+-- carries a fair key, of that key's sub-queue. Returns the list's length after it, and
+-- whether a fair key joined the ring with it.
 local function push_back(queueKey, payload)
   local key = fair_of(payload)
-  if key then return fair_push(queueKey, key, payload, false) end
-  return redis.call('LPUSH', queueKey, payload)
+  if key then
+    local n = fair_push(queueKey, key, payload, false)
+    return n, n == 1
+  end
+  return redis.call('LPUSH', queueKey, payload), false
 end
 
 -- The Redis time (µs) from which the next job of fair key `key` of the job queue
