@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from typing import Any
 
 import pytest
 import redis
@@ -20,14 +19,13 @@ from celery import Celery
 
 from celery_ext.admin.web import create_app
 from celery_ext.client import Client
-from celery_ext.config import DEFAULT_PRIORITY_STEPS
 from celery_ext.options.checks import check_task, refuse_bad_options
 from celery_ext.options.fair import job_fair_rates, write_fair_rates
 from celery_ext.options.rate_limits import interval_us
 from celery_ext.store.keys import Keys
-from celery_ext.store.scripts import Scripts
 from tests.helpers import Factory, Mode, celery_cli, push, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
+from tests.integration.test_rate_limits import fetch
 
 K = Keys("celery_ext")
 APP = "tests.apps.proj_paced"
@@ -36,15 +34,6 @@ APP = "tests.apps.proj_paced"
 def keyed(n: int, key: str) -> str:
     """A payload whose fair key the scripts find (the property written last)."""
     return json.dumps({"n": n, "properties": {"fair_key": key}})
-
-
-def fetch(client: redis.Redis, *queues: str) -> tuple[list[Any], list[str], dict[str, int]]:
-    """One no-ack fetch of ``queues`` (candidates, repeats allowed): the jobs, the
-    blocked queues and the waits (µs) of the reply."""
-    keys = K.fetch("-", queues, DEFAULT_PRIORITY_STEPS)
-    _, jobs, _, blocked, waits = Scripts(client)("fetch", keys, ["-", "0" * len(queues), *queues])
-    return (list(jobs), [b.decode() for b in blocked],
-            {q.decode(): int(us) for q, us in waits})
 
 
 def early_by(stamps: list[int], interval: int) -> int:
