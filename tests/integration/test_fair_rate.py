@@ -25,6 +25,7 @@ from celery_ext.options.rate_limits import interval_us
 from celery_ext.store.keys import Keys
 from tests.helpers import Factory, Mode, celery_cli, push, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
+from tests.integration.test_bad_input import run_worker_once
 from tests.integration.test_rate_limits import fetch
 
 K = Keys("celery_ext")
@@ -71,6 +72,19 @@ def test_the_option_is_bounded_like_the_queue_limit_at_start_and_publish(
     with pytest.raises(ValueError, match=r"task 'r\.c' has fair_rate_limit='2000000/s'"):
         c.apply_async()
     app.close()
+
+
+@pytest.mark.parametrize(("value", "why"), [("10/d", "is not a rate limit like '20/s'"),
+                                             ("2000000/s", "is out of range")])
+def test_a_bad_per_key_rate_stops_the_worker_with_one_line(
+        broker_url: str, value: str, why: str) -> None:
+    code, lines = run_worker_once("tests.apps.proj_bad", {
+        "CELERY_EXT_BROKER_URL": broker_url,
+        "PROJ_BAD_OPTIONS": json.dumps({"fair_rate_limit": value})})
+    assert code == 1, lines
+    assert len(lines) == 1 and lines[0].startswith(
+        f"celery_ext: task 'tests.apps.proj_bad.configured' has fair_rate_limit={value!r}: "
+        f"{value!r} {why}"), lines
 
 
 # -- the fetch script -----------------------------------------------------------------------
