@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import uuid
 from typing import Any
 
 import pytest
@@ -19,9 +20,12 @@ import redis
 
 import celery_ext
 from celery_ext.config import DEFAULT_PRIORITY_STEPS
+from celery_ext.options.fair import write_fair_rates
+from celery_ext.store.connections import cluster_client, cluster_config
 from celery_ext.store.job_index import index_keys
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
+from celery_ext.testing.server import ClusterGroup
 from tests.helpers import Factory, Mode, push, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 
@@ -167,3 +171,45 @@ def test_a_throttled_job_without_a_key_holds_its_queue_while_other_queues_run(
     wait_for(lambda: redis_client.hget(K.rate_tat, "throttled_queue") is None, 10,
              "the queue's hold to go")
     assert redis_client.hlen(K.redelivery) == 0 and redis_client.zcard(K.dead) == 0
+
+
+def test_hold_and_per_key_limit_on_a_cluster(cluster: ClusterGroup) -> None:
+    """On a cluster, in a job queue's own copy of the layout: the throttle script and the
+    fetch's per-key checks touch only that copy's slot (the key states are the queue key
+    plus a suffix), and the queue's hold lives in that copy's rate_tat."""
+    config = cluster_config([cluster.url()], {"cluster": True})
+    assert config is not None
+    rc = cluster_client(config, {"socket_timeout": 5.0})
+    try:
+        k = Keys("thr" + uuid.uuid4().hex[:8], cluster=True).of("q")
+        scripts, pool = Scripts(rc), "p1"
+        rc.zadd(k.pools, {pool: 1})
+        for n, key in ((0, "A"), (1, "A"), (2, "B"), (3, None)):
+            props = {"delivery_tag": f"t{n}", **({"fair_key": key} if key else {})}
+            scripts("enqueue", [k.queue("q"), k.ready, k.queues],
+                    [json.dumps({"n": n, "properties": props}), "q", k.wake_channel, 0])
+        write_fair_rates(rc, k, {"q": 10_000_000}, ["q"])
+
+        def fetch() -> tuple[list[str], dict[str, int]]:
+            _, jobs, _, _, waits = scripts("fetch", k.fetch(pool, ["q"], DEFAULT_PRIORITY_STEPS),
+                                           [pool, "1", "q"])
+            return [j[1].decode() for j in jobs], {q.decode(): int(us) for q, us in waits}
+
+        def throttle(tag: str) -> bytes:
+            return scripts("throttle", [k.inflight(pool), k.ready, k.running, k.rate_tat,
+                                        *index_keys(k), k.queue("q")],
+                           [k.wake_channel, k.queue(""), 0, tag, 5_000_000, ""])
+
+        assert fetch()[0] == ["t3"]  # unkeyed first
+        assert throttle("t3") == b"queue" and rc.hget(k.rate_tat, "q")
+        jobs, waits = fetch()
+        assert jobs == [] and 4_000_000 < waits["q"] <= 5_000_000
+        rc.hdel(k.rate_tat, "q")
+        assert fetch()[0] == ["t3"]
+        assert fetch()[0] == ["t0"]
+        assert 9_000 < rc.pttl(k.fair_due("q", "A")) <= 10_000  # its per-key limit
+        assert fetch()[0] == ["t2"]  # A is not due: B runs
+        jobs, waits = fetch()
+        assert jobs == [] and 0 < waits["q"] <= 10_000_000
+    finally:
+        rc.close()
