@@ -11,6 +11,8 @@ Variants (each against ``plain``, the same run without the feature):
 * ``plain``      every job at the default priority, no fair key, no limits, index off
 * ``priority``   jobs spread over the four default levels (0, 3, 6, 9 in turn)
 * ``fair``       a fair key per job, cycling over ``--keys`` keys
+* ``fair_rate``  ``fair``, and a per-key rate limit (``fair_rate_limit``) far above what
+                 this loop reaches: every keyed fetch reads and moves its key's state
 * ``rate_limit`` the queue rate-limited far above what this loop reaches (every fetch
                  checks and moves the limit's state, none is refused)
 * ``index``      the job index on (``job_index_ttl`` 1 h): every move writes an entry
@@ -34,7 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-VARIANTS = ("plain", "priority", "fair", "rate_limit", "index", "revoked")
+VARIANTS = ("plain", "priority", "fair", "fair_rate", "rate_limit", "index", "revoked")
 #: Other ids revoked in the ``revoked`` variant (far from ``revoked_max``, 50,000).
 REVOKED_IDS = 10_000
 
@@ -54,6 +56,8 @@ def one_round(client: Any, variant: str, jobs: int, batch: int, keys: int) -> di
     client.zadd(k.pools, {pool: 1})
     if variant == "rate_limit":
         client.hset(k.rate_limits, queue, interval_us("1000000/s"))
+    if variant == "fair_rate":  # (one µs between two jobs of a key: none is refused)
+        client.hset(k.rate_limits, queue + "\n", interval_us("1000000/s"))
     if variant == "revoked":
         client.zadd(k.revoked, {f"other{i}": 2**50 for i in range(REVOKED_IDS)})
     client.script_load(source("enqueue"))  # EVALSHA in a pipeline needs it loaded
@@ -62,7 +66,7 @@ def one_round(client: Any, variant: str, jobs: int, batch: int, keys: int) -> di
             props: dict[str, Any] = {"delivery_tag": f"t{i}", "correlation_id": f"id{i}"}
             prio = (0, 3, 6, 9)[i % 4] if variant == "priority" else 0
             props["priority"] = prio
-            if variant == "fair":
+            if variant in ("fair", "fair_rate"):
                 props["fair_key"] = f"k{i % keys}"
             payload = json.dumps({"body": "", "headers": {"id": f"id{i}"}, "properties": props})
             pipe.evalsha(sha("enqueue"), 5, k.queue_level(queue, level(prio, STEPS)), k.ready,
@@ -74,16 +78,22 @@ def one_round(client: Any, variant: str, jobs: int, batch: int, keys: int) -> di
     fetch_args = [pool, "1" * batch, *[queue] * batch, 0, "1" if ttl else "0"]
     ack_keys = [k.inflight(pool), k.redelivery, k.running, k.limits, k.ready, k.job_index,
                 k.job_index_done]
-    done, wall = 0, time.perf_counter()
+    # Every fetch first, then every ack: the server's time of the fetch calls alone is
+    # read between the two.
+    done, fetches, batches, wall = 0, 0, [], time.perf_counter()
     while done < jobs:
         got = scripts("fetch", fetch_keys, fetch_args)[1]
         if not got:
             raise RuntimeError(f"{variant}: fetch found nothing after {done} of {jobs} jobs")
-        scripts("ack", ack_keys, [k.wake_channel, ttl, k.cursor_prefix, *(job[1] for job in got)])
-        done += len(got)
+        batches.append([job[1] for job in got])
+        done, fetches = done + len(got), fetches + 1
+    fetch_usec = client.info("commandstats")["cmdstat_evalsha"]["usec"]
+    for tags in batches:
+        scripts("ack", ack_keys, [k.wake_channel, ttl, k.cursor_prefix, *tags])
     wall = time.perf_counter() - wall
     usec = client.info("commandstats")["cmdstat_evalsha"]["usec"]
-    return {"server_us_per_job": usec / jobs, "wall_us_per_job": wall / jobs * 1e6}
+    return {"server_us_per_job": usec / jobs, "wall_us_per_job": wall / jobs * 1e6,
+            "server_us_per_fetch": fetch_usec / fetches}
 
 
 def measure(variants: Sequence[str], jobs: int, rounds: int, batch: int,
@@ -100,8 +110,11 @@ def measure(variants: Sequence[str], jobs: int, rounds: int, batch: int,
                 runs[variant].append(one_round(client, variant, jobs, batch, keys))
     med = {v: median([r["server_us_per_job"] for r in rs]) for v, rs in runs.items()}
     least = {v: min(r["server_us_per_job"] for r in rs) for v, rs in runs.items()}
+    fetch_med = {v: median([r["server_us_per_fetch"] for r in rs]) for v, rs in runs.items()}
+    fetch_least = {v: min(r["server_us_per_fetch"] for r in rs) for v, rs in runs.items()}
     return {"jobs": jobs, "rounds": rounds, "batch": batch, "keys": keys, "runs": runs,
             "server_us_per_job_median": med, "server_us_per_job_least": least,
+            "server_us_per_fetch_median": fetch_med, "server_us_per_fetch_least": fetch_least,
             "loadavg": os.getloadavg()}
 
 
@@ -112,15 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=20_000)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--batch", type=int, default=8, help="jobs per fetch")
-    p.add_argument("--keys", type=int, default=100, help="fair keys (variant fair)")
+    p.add_argument("--keys", type=int, default=100, help="fair keys (variants fair, fair_rate)")
     ns = p.parse_args(argv)
     variants = [v for v in ns.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)
     if unknown or "plain" not in variants:
         p.error(f"--variants: from {', '.join(VARIANTS)}, plain included")
     result = measure(variants, ns.jobs, ns.rounds, ns.batch, ns.keys)
-    print(json.dumps({k: result[k] for k in ("server_us_per_job_median",
-                                             "server_us_per_job_least")}))
+    print(json.dumps({k: result[k] for k in (
+        "server_us_per_job_median", "server_us_per_job_least", "server_us_per_fetch_median",
+        "server_us_per_fetch_least")}))
     med, least = result["server_us_per_job_median"], result["server_us_per_job_least"]
     print(f"enqueue + fetch + ack, {ns.jobs} jobs, {ns.batch} per fetch, {ns.rounds} rounds, "
           f"load {result['loadavg'][0]:.2f}; Redis time per job (median / least of rounds):")
@@ -128,6 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {v:10} {med[v]:6.1f} / {least[v]:6.1f} us"
               + ("" if v == "plain" else f"   x{med[v] / med['plain']:.2f} / "
                  f"x{least[v] / least['plain']:.2f} of plain"))
+    fmed, fleast = result["server_us_per_fetch_median"], result["server_us_per_fetch_least"]
+    print(f"Redis time per fetch call of {ns.batch} jobs (median / least of rounds):")
+    for v in variants:
+        print(f"  {v:10} {fmed[v]:6.1f} / {fleast[v]:6.1f} us")
     return 0
 
 

@@ -14,6 +14,7 @@ from celery.app.backends import BACKEND_ALIASES
 from kombu.transport import TRANSPORT_ALIASES
 
 from celery_ext.config import OUR_SCHEMES, SCHEME, TLS_SCHEME, unreadable_scheme
+from celery_ext.errors import Throttled
 from celery_ext.install import install
 from celery_ext.producer.bulk import apply_many, bulk
 from celery_ext.worker.cursor import Interrupted
@@ -45,5 +46,5 @@ def _unreadable_scheme() -> str:
 
 TRANSPORT_ALIASES.setdefault("", _unreadable_scheme)
 
-__all__ = ["SCHEME", "TLS_SCHEME", "TRANSPORT", "Interrupted", "__version__", "apply_many",
-           "bulk", "checkin", "install"]
+__all__ = ["SCHEME", "TLS_SCHEME", "TRANSPORT", "Interrupted", "Throttled", "__version__",
+           "apply_many", "bulk", "checkin", "install"]

@@ -1,5 +1,6 @@
-"""Errors a producer gets back when celery_ext refuses to enqueue a job, and which
-Redis errors are the connection's (not the command's).
+"""Errors a producer gets back when celery_ext refuses to enqueue a job, which Redis
+errors are the connection's (not the command's), and :class:`Throttled`, which a job
+raises to wait.
 
 The two refusals are raised by the transport before (or instead of) writing anything, so a
 job is either fully enqueued or not at all. They are not connection errors:
@@ -9,7 +10,10 @@ the caller at once.
 
 from __future__ import annotations
 
+import math
+
 import redis
+from celery.exceptions import Reject
 from kombu.exceptions import OperationalError
 
 #: Errors of the connection: the command may or may not have run, so whoever sent it
@@ -82,3 +86,36 @@ class DeadJob(Exception):
     """The result of a job that went to the dead set without Celery seeing it end (a poison
     pill, an undecodable or rejected message): its waiters and its chord fail with the
     reason instead of waiting forever (``celery_ext/results/dead_jobs.py``)."""
+
+
+#: Longest a job may hold its fair key or queue (seconds): one day, the longest interval a
+#: rate limit may set (``options/rate_limits.py``), which is also the longest wait the
+#: fetch script hands a pool.
+MAX_THROTTLE_SECONDS = 86_400.0
+
+
+class Throttled(Reject):
+    """Raised inside a task (``raise celery_ext.Throttled(30)``): "the other side is
+    throttling us, back off". The job goes back to the front of its job queue (its fair
+    key's sub-queue when it has one) and its fair key, or without one its whole job queue,
+    is held ``seconds`` in all pools, while other keys and queues run on. It is not a
+    retry nor a recovery: ``max_retries`` and ``max_recoveries`` count nothing, no result
+    is stored, and the job keeps its message (``worker/fate.py``, ``throttle.lua``).
+
+    A Celery :class:`~celery.exceptions.Reject` with requeue, so a worker without
+    celery_ext's Request class still puts the job back (without the hold)."""
+
+    def __init__(self, seconds: float) -> None:
+        try:
+            value = float(seconds)
+        except (TypeError, ValueError):
+            value = math.nan
+        if isinstance(seconds, bool) or not 0 < value <= MAX_THROTTLE_SECONDS:
+            raise ValueError(f"celery_ext: Throttled({seconds!r}): the hold must be a number "
+                             f"of seconds > 0 and at most {MAX_THROTTLE_SECONDS:,.0f} (one day)")
+        self.seconds = value
+        super().__init__(f"throttled for {value:g} s", requeue=True)
+
+    def __reduce__(self) -> tuple[type[Throttled], tuple[float]]:
+        # A prefork child sends the exception to the main process pickled: by its hold.
+        return (Throttled, (self.seconds,))

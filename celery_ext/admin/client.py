@@ -205,10 +205,11 @@ class Client:
         return format_rate(interval) if interval is not None else None
 
     def rate_limits(self) -> dict[str, str]:
-        """Job queue -> its cluster-wide rate limit (``"20/s"``)."""
+        """Job queue -> its cluster-wide rate limit (``"20/s"``); per-key rate limits
+        (``fair_rate_limit``) are in each queue's ``fair`` (:meth:`job_queues`)."""
         return {bytes_to_str(q): format_rate(int(n))
                 for (found,) in self._each(lambda p, k: p.hgetall(k.rate_limits))
-                for q, n in found.items()}
+                for q, n in found.items() if not q.endswith(b"\n")}
 
     def _each(self, read: Callable[[Any, Keys], object]) -> list[list[Any]]:
         """``read(pipe, copy)`` for every copy of the namespace (one on one node), one

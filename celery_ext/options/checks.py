@@ -27,8 +27,9 @@ from celery_ext.options.unique import validate_unique_options
 from celery_ext.options.weights import task_weight
 
 #: The task options :func:`check_task` reads; a change of any of them checks it again.
-OPTIONS = ("weight", "max_concurrency", "fair_max_concurrency", "rate_limit", "unique_ttl",
-           "unique_key", "stall_after", "backoff", "unique", "debounce", "acks_late")
+OPTIONS = ("weight", "max_concurrency", "fair_max_concurrency", "rate_limit",
+           "fair_rate_limit", "unique_ttl", "unique_key", "stall_after", "backoff", "unique",
+           "debounce", "acks_late")
 
 
 def validate_stall_after(task: Any) -> None:
@@ -47,6 +48,7 @@ def check_task(task: Any, settings: Settings | None = None) -> None:
     task_limit(task, "max_concurrency")
     task_limit(task, "fair_max_concurrency")
     task_interval(task)
+    task_interval(task, "fair_rate_limit")
     validate_unique_options(task)
     validate_stall_after(task)
     backoff_for(task, settings or Settings())

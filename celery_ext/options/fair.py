@@ -31,6 +31,13 @@ key in flight in all pools (needs ``acks_late``, as ``max_concurrency``). Worker
 pools write it at start into ``{ns}:limits`` as the field ``"<queue>\\n"``; the jobs
 of each key in flight are counted in ``{ns}:running`` as ``"<queue>\\n<key>"``, with a
 limit or not, so that a limit written while a key's jobs run counts them (docs/fair.md).
+
+Per-key rate limit: the task option ``fair_rate_limit="5/s"`` (Celery's rate syntax, the
+range of ``rate_limit``: :mod:`celery_ext.options.rate_limits`) spaces the jobs of one key
+in all pools, GCRA on the Redis clock in the fetch. Worker pools write it at start into
+``{ns}:rate_limits`` as the field ``"<queue>\n"`` (µs between two jobs of a key); each
+key's "not due until" time is the string ``Keys.fair_due`` (expiring when due), which a
+job raising ``celery_ext.Throttled`` in a keyed job sets too (one state for both).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from celery_ext.options.limits import job_limits, write_limits
+from celery_ext.options.rate_limits import format_rate, task_interval
+from celery_ext.options.routing import task_queues
 from celery_ext.store.keys import Keys
 from celery_ext.text import one_line
 
@@ -68,6 +77,12 @@ class FairInfo(TypedDict):
     active_keys: int
     #: Up to TOP_KEYS (key, jobs waiting), the most jobs first.
     top_keys: list[tuple[str, int]]
+    #: The queue's per-key rate limit (``fair_rate_limit``, e.g. "5/s"), or None.
+    rate_limit: str | None
+    #: Up to TOP_KEYS (key, seconds until its next job is due) of the active keys not
+    #: due yet (a per-key rate limit, or a hold a job asked for: ``Throttled``), the
+    #: longest wait first.
+    not_due: list[tuple[str, float]]
 
 
 def clean_key(value: Any) -> str | None:
@@ -204,25 +219,61 @@ def write_fair_limits(client: Any, keys: Keys, limits: Mapping[str, int],
     return write_limits(client, keys, limits, consumed, suffix="\n")
 
 
+def job_fair_rates(app: Any) -> dict[str, int]:
+    """Job queue -> µs between two jobs of one fair key (``fair_rate_limit``) for every
+    registered task that declares one (tasks sharing a queue: the strictest, the
+    longest interval). ValueError naming the task for a value that is not a rate."""
+    queues = task_queues(app)
+    rates: dict[str, int] = {}
+    for name, task in sorted(app.tasks.items()):
+        interval = task_interval(task, "fair_rate_limit")
+        if interval is not None:
+            rates[queues[name]] = max(interval, rates.get(queues[name], interval))
+    return rates
+
+
+def write_fair_rates(client: Any, keys: Keys, rates: Mapping[str, int],
+                     consumed: Iterable[str]) -> list[str]:
+    """Set the per-key rate limits of the consumed queues (fields ``"<queue>\n"`` of
+    ``{ns}:rate_limits``), removing undeclared ones, and wake pools for each change.
+    Each key's state is kept: it expires by itself within one old interval."""
+    return write_limits(client, keys, rates, consumed, hash_name="rate_limits", suffix="\n")
+
+
 def fair_info(client: Any, keys: Keys, queues: list[str],
               top: int = TOP_KEYS) -> dict[str, FairInfo]:
-    """The fair keys with jobs of each queue that has any (a reader's view: one LLEN
-    per active key, two round trips in all)."""
+    """The fair keys with jobs of each queue that has any, its per-key rate limit and
+    the keys not due yet (a reader's view: one LLEN and one PTTL per active key, two
+    round trips in all)."""
     with client.pipeline(transaction=False) as pipe:
         for queue in queues:
             pipe.lrange(keys.of(queue).fair_ring(queue), 0, -1)  # (a cluster: its copy)
         rings = [[bytes_to_str(k) for k in ring] for ring in pipe.execute()]
     with client.pipeline(transaction=False) as pipe:
         for queue, ring in zip(queues, rings, strict=True):
-            for key in ring:
-                pipe.llen(keys.of(queue).fair_queue(queue, key))
-        sizes = iter(pipe.execute())
+            if ring:
+                copy = keys.of(queue)
+                pipe.hget(copy.rate_limits, queue + "\n")
+                for key in ring:
+                    pipe.llen(copy.fair_queue(queue, key))
+                    pipe.pttl(copy.fair_due(queue, key))
+        replies = iter(pipe.execute())
     out: dict[str, FairInfo] = {}
     for queue, ring in zip(queues, rings, strict=True):
         if ring:
-            counted = sorted(((key, int(next(sizes))) for key in ring),
-                             key=lambda kv: (-kv[1], kv[0]))
-            out[queue] = FairInfo(active_keys=len(ring), top_keys=counted[:top])
+            rate = next(replies)
+            sizes, due = [], []
+            for key in ring:
+                sizes.append((key, int(next(replies))))
+                ms = int(next(replies))
+                if ms > 0:  # (-2: no state, the key is due)
+                    due.append((key, ms / 1000))
+            sizes.sort(key=lambda kv: (-kv[1], kv[0]))
+            due.sort(key=lambda kv: (-kv[1], kv[0]))
+            out[queue] = FairInfo(
+                active_keys=len(ring), top_keys=sizes[:top],
+                rate_limit=format_rate(int(rate)) if rate is not None else None,
+                not_due=due[:top])
     return out
 
 

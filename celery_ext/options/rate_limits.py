@@ -115,15 +115,16 @@ def job_rate_limits(app: Any) -> RateLimits:
     return result
 
 
-def task_interval(task: Any) -> int | None:
-    """A task's ``rate_limit`` as µs between two jobs (None: no limit); ValueError naming
-    the task and the value for one that is not a rate in range."""
-    value = getattr(task, "rate_limit", None)
+def task_interval(task: Any, option: str = "rate_limit") -> int | None:
+    """A task's ``rate_limit`` (or another rate ``option``: ``fair_rate_limit``) as µs
+    between two jobs (None: no limit); ValueError naming the task, the option and the
+    value for one that is not a rate in range."""
+    value = getattr(task, option, None)
     try:
         return interval_us(value)
     except ValueError as exc:
         raise ValueError(
-            f"celery_ext: task {task.name!r} has rate_limit={value!r}: {exc}") from None
+            f"celery_ext: task {task.name!r} has {option}={value!r}: {exc}") from None
 
 
 def write_rate_limits(client: Any, keys: Keys, limits: Mapping[str, int],

@@ -47,6 +47,10 @@ Layout (``ns`` = namespace)::
                              list    the sub-queue of one fair key (FIFO, every priority);
                                      gone when drained. Ring and sub-queues are the queue
                                      key plus a suffix: the queue key's hash tag
+    {ns}:queue:<name>\x06\x18<key>
+                             string  Redis time (µs) from which fair key <key>'s next job
+                                     may be fetched (its fair_rate_limit, or a hold a job
+                                     of it asked for: Throttled); expires at that time
     {ns}:ready               set     names of job queues that hold at least one job
     {ns}:queues              set     job queue names: added at enqueue (not Kombu's "*.pidbox"
                                      reply queues) and by the stats flush, forgotten by
@@ -104,9 +108,11 @@ Layout (``ns`` = namespace)::
     {ns}:limits              hash    queue name -> max jobs of it in flight at once;
                                      "<queue>\n" -> max jobs of one fair key in flight
     {ns}:rate_limits         hash    queue name -> rate limit as µs between two fetched jobs
-                                     (cluster-wide, see rate_limits.py)
+                                     (cluster-wide, see rate_limits.py); "<queue>\n" ->
+                                     µs between two jobs of one fair key (fair.py)
     {ns}:rate_tat            hash    queue name -> Redis time (µs) from which its next job
-                                     may be fetched (GCRA "theoretical arrival time")
+                                     may be fetched (GCRA "theoretical arrival time"), or
+                                     until which a job held it (Throttled, throttle.lua)
     {ns}:unique:<digest>     string  id of the pending unique job with that key (TTL'd lock)
     {ns}:published:<id>      string  a publish that wrote its job (TTL publish_idempotency_ttl);
                                      Kombu's retry of that publish writes nothing. <id>: one
@@ -213,6 +219,8 @@ LEVEL_SEP = "\x06\x16"
 #: with nothing after it, the queue's ring of active keys). Lua scripts derive both
 #: from the queue key by it (``store/lua/include/fair.lua``).
 FAIR_SEP = "\x06\x17"
+#: After a job queue's key, then a fair key: that key's "not due until" state.
+FAIR_DUE_SEP = "\x06\x18"
 
 
 @dataclass(frozen=True)
@@ -324,6 +332,10 @@ class Keys:
     def fair_queue(self, name: str, key: str) -> str:
         """The sub-queue of one fair key of a job queue (:mod:`.fair`)."""
         return f"{self.queue(name)}{FAIR_SEP}{key}"
+
+    def fair_due(self, name: str, key: str) -> str:
+        """When one fair key of a job queue may have its next job fetched (:mod:`.fair`)."""
+        return f"{self.queue(name)}{FAIR_DUE_SEP}{key}"
 
     @staticmethod
     def queue_fields(queue: str) -> tuple[list[str], list[str]]:

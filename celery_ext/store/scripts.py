@@ -36,7 +36,7 @@ SCRIPT_NAMES = (
     "checkin", "busy", "schedule", "promote", "enqueue_unique", "unique_release", "dead_retry",
     "bind", "stats", "forget", "queue_info", "history", "search", "periodic_run",
     "periodic_sync", "periodic_lease", "periodic_outcome", "purge", "job_index_trim",
-    "chord_size", "chord_part", "chord_done", "revoke", "cursor", "declare",
+    "chord_size", "chord_part", "chord_done", "revoke", "cursor", "declare", "throttle",
 )
 
 

@@ -322,6 +322,14 @@ class Channel(kredis.Channel):
         """Move one in-flight job of this pool to the dead set (``Fetcher.dead_letter``)."""
         return self.fetcher.dead_letter(tag, reason, error, **meta)
 
+    def throttle_job(self, tag: str, seconds: float, job: bytes = b"") -> str | None:
+        """The job raised ``Throttled(seconds)``: back to the front of its queue, its fair
+        key or queue held that long in all pools (``WorkerPool.throttle``). Returns
+        "key" or "queue" (what is held), or None (the job was no longer there)."""
+        held = self.worker_pool.throttle(tag, max(1, round(seconds * 1_000_000)), job)
+        self.qos.forget(tag)
+        return held
+
     def recover_lost(self, tag: str) -> str:
         """The job's prefork child died: requeue it now, counting a recovery, or
         dead-letter it past max_recoveries. Returns "requeued", "dead" or "gone"."""

@@ -58,7 +58,12 @@ from kombu.asynchronous import get_event_loop
 from celery_ext.config import ConfigError, Settings, check_broker_url, uses_our_transport
 from celery_ext.options.backoff import apply_backoffs
 from celery_ext.options.checks import check_tasks
-from celery_ext.options.fair import job_fair_limits, write_fair_limits
+from celery_ext.options.fair import (
+    job_fair_limits,
+    job_fair_rates,
+    write_fair_limits,
+    write_fair_rates,
+)
 from celery_ext.options.limits import job_limits, shared_limits, write_limits
 from celery_ext.options.rate_limits import ClusterBuckets, job_rate_limits, write_rate_limits
 from celery_ext.options.routing import task_queue, task_queues
@@ -443,6 +448,7 @@ class Sets(bootsteps.StartStopStep):
             check_tasks(app.tasks, settings)  # a task bound since worker_init
             self.limits = job_limits(app)
             self.fair_limits = job_fair_limits(app)
+            self.fair_rates = job_fair_rates(app)
             rate_limits = job_rate_limits(app)
             apply_backoffs(app.tasks, settings)
         except (ConfigError, ValueError) as exc:
@@ -466,6 +472,7 @@ class Sets(bootsteps.StartStopStep):
         keys, consumed = Keys.for_settings(pool.settings), c.app.amqp.queues.consume_from
         write_limits(pool.client, keys, self.limits, consumed)
         write_fair_limits(pool.client, keys, self.fair_limits, consumed)
+        write_fair_rates(pool.client, keys, self.fair_rates, consumed)
         if self.buckets is not None:
             self.buckets.connected(lambda limits: write_rate_limits(
                 pool.client, keys, limits.queues, consumed))

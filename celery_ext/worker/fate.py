@@ -18,7 +18,11 @@
     behind must not hold it back in memory;
   - a unique job's lock is released when the job starts; a job locked until finished
     renews it then, and releases it with its move to the dead set (its ack releases it
-    otherwise: :mod:`celery_ext.options.unique`).
+    otherwise: :mod:`celery_ext.options.unique`);
+  - a job that raised :class:`celery_ext.Throttled` goes back to the front of its job
+    queue, holding its fair key (or its job queue) in all pools (``throttle.lua``). Celery
+    sees a Reject with requeue: no result, no retry, nothing counted. A job acked when it
+    started (``acks_late`` off) is pushed back from the message the worker has.
 
 Retry delays (the task option ``backoff``) are :mod:`celery_ext.options.backoff`.
 """
@@ -35,6 +39,7 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request as CeleryRequest
 from kombu.utils.json import dumps
 
+from celery_ext.errors import Throttled
 from celery_ext.options.unique import HEADER as UNIQUE_HEADER
 from celery_ext.options.unique import MODE_HEADER, UNTIL_FINISHED
 from celery_ext.options.unique import release as release_unique
@@ -66,7 +71,11 @@ def _exception_fields(exc: Any, traceback: str) -> dict[str, Any]:
 
 
 class JobFateRequest(CeleryRequest):
-    """Celery Request with the dead set, expiry and unique-lock handling above."""
+    """Celery Request with the dead set, expiry, unique-lock and throttle handling above."""
+
+    #: The hold (s) of a job that raised Throttled, from its failure to its reject.
+    _ext_throttle: float | None = None
+    acknowledged: bool
 
     @property
     def eta(self) -> Any:
@@ -115,8 +124,52 @@ class JobFateRequest(CeleryRequest):
         elif isinstance(exc, Reject) and not exc.requeue:
             # The transport would dead-letter the reject too, without the why.
             self._ext_dead("rejected", **_exception_fields(exc, exc_info.traceback))
-        return super().on_failure(exc_info, send_failed_event=send_failed_event,
-                                  return_ok=return_ok)
+        elif isinstance(exc, Throttled):
+            # Celery rejects it with requeue next (self.reject): hold there.
+            self._ext_throttle = exc.seconds
+        try:
+            return super().on_failure(exc_info, send_failed_event=send_failed_event,
+                                      return_ok=return_ok)
+        finally:
+            self._ext_throttle = None
+
+    # -- throttled ------------------------------------------------------------------------
+    def reject(self, requeue: bool = False) -> None:
+        seconds = self._ext_throttle
+        if requeue and seconds is not None and self._ext_throttled(seconds):
+            return
+        super().reject(requeue=requeue)
+
+    def _ext_throttled(self, seconds: float) -> bool:
+        """Put this job back at the front of its queue, holding its fair key or queue
+        ``seconds`` (``Channel.throttle_job``). False: not done (not our transport, or
+        Redis failed), and Celery's reject with requeue applies (no hold)."""
+        message = self.message
+        throttle = getattr(getattr(message, "channel", None), "throttle_job", None)
+        if throttle is None:
+            return False
+        job = b""
+        if message.acknowledged:  # acks_late off: it left the in-flight record at start
+            queue = (message.delivery_info or {}).get("routing_key") or self.name
+            raw = message.serializable()
+            # Its properties last, as the producer wrote them: the scripts read the fair
+            # key, the delivery tag and the task id from the payload's last bytes.
+            raw["properties"] = raw.pop("properties")
+            job = f"{queue}\n{dumps(raw)}".encode()
+        try:
+            held = throttle(message.delivery_tag, seconds, job)
+        except Exception as exc:
+            logger.error("celery_ext: could not throttle %s[%s]: %s", one_line(self.name),
+                         one_line(self.id), exc)
+            return False
+        self.acknowledged = True
+        if held is None:  # (its pool was declared dead meanwhile: the reaper has it)
+            return True
+        self.send_event("task-rejected", requeue=True)
+        logger.info("celery_ext: job %s[%s] throttled: back at the front of its queue, its %s "
+                    "held for %g s", one_line(self.name), one_line(self.id),
+                    "fair key" if held == "key" else "job queue", seconds)
+        return True
 
     def _ext_is_final(self, exc: Any) -> bool:
         """Will Celery drop this failed job for good (ack, or reject without requeue)?

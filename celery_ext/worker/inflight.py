@@ -3,7 +3,8 @@
 The record holds every job the pool fetched and has not finished: fetch puts a job
 in, atomically with popping it from its queue. It leaves by one of these moves,
 each one script: ack (done), requeue (back to the front of its queue's list of its
-priority level), dead (to the dead set, ``dead.dead_letter``) or recover (counted: by
+priority level), throttle (the same, holding its fair key or queue: ``Throttled``), dead
+(to the dead set, ``dead.dead_letter``) or recover (counted: by
 the reaper for a dead pool, or when a prefork child died, ``recover_tags``).
 """
 
@@ -231,6 +232,25 @@ class InflightRecord:
                 self.client.sadd(self.keys.ready, k.copy_queue)
         self.finished(moved)
         return moved
+
+    def throttle(self, tag: str, hold_us: int, job: bytes = b"") -> str | None:
+        """Move ``tag`` to the front of its job queue and hold its fair key (or its job
+        queue) ``hold_us`` in all pools (``throttle.lua``). ``job``: the job as
+        "<queue>\n<payload>", pushed when the tag is no longer in the record (acked when
+        it started). Returns "key" or "queue" (what is held), or None (nothing moved)."""
+        queue = self._queue_of.get(tag) or bytes_to_str(job.partition(b"\n")[0]) or None
+        k = self.keys.of(queue) if queue else next(iter(self.locate([tag])), self.keys)
+        key = k.inflight(self.pool_id)
+        pairs = pairs_of(k, self.priority_steps, [tag], [self.client.hget(key, tag) or job])
+        if not pairs:
+            return None
+        held = self.scripts(
+            "throttle", [key, k.ready, k.running, k.rate_tat, *index_keys(k), pairs[0][1]],
+            [k.wake_channel, k.queue(""), self.index_ttl, tag, hold_us, job])
+        if held and k.copy_queue is not None:  # cluster: the home hint of ready queues
+            self.client.sadd(self.keys.ready, k.copy_queue)
+        self.finished([tag])
+        return bytes_to_str(held) if held else None
 
     def leave(self) -> None:
         """Cluster, warm shutdown after the return: leave every joined copy, dropping

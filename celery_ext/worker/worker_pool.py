@@ -381,6 +381,17 @@ class WorkerPool:
             self.needs_reconcile()
             raise
 
+    def throttle(self, tag: str, hold_us: int, job: bytes = b"") -> str | None:
+        """A job raised ``Throttled``: back to the front of its queue, its fair key or
+        queue held (:meth:`InflightRecord.throttle`). If Redis cannot be reached the
+        process no longer holds it: the next reconcile returns it (without the hold)."""
+        self.holdings.released([tag])
+        try:
+            return self.record.throttle(tag, hold_us, job)
+        except CONNECTION_ERRORS:
+            self.needs_reconcile()
+            raise
+
     def recover_lost(self, tag: str) -> str:
         """The job's prefork child died: requeue it now, counting a recovery, or
         dead-letter it past max_recoveries. Returns "requeued", "dead" or "gone"."""

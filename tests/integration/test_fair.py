@@ -97,7 +97,8 @@ def test_a_small_tenant_is_not_delayed_by_a_big_one(
     assert redis_client.lrange(K.fair_ring(queue), 0, -1) == [b"A", b"B"]
     info = {q["name"]: q for q in Client(redis_client).job_queues()}[queue]
     assert info["size"] == 2010
-    assert info["fair"] == {"active_keys": 2, "top_keys": [("A", 2000), ("B", 10)]}
+    assert info["fair"] == {"active_keys": 2, "top_keys": [("A", 2000), ("B", 10)],
+                            "rate_limit": None, "not_due": []}
 
     worker_factory(APP, pool="threads", concurrency=4, env=mode.env()).start(timeout=60)
     wait_for(lambda: sum(1 for v in order(rec) if v.startswith("A")) >= 100
@@ -323,7 +324,8 @@ def test_cli_and_dashboard_show_active_keys_and_a_dead_jobs_key(
     with TestClient(create_app(Client(redis_client), sample_interval=0.2)) as api:
         queue = api.get("/api/queues").json()["items"][0]
         assert queue["size"] == 6
-        assert queue["fair"] == {"active_keys": 2, "top_keys": [["big", 5], ["small", 1]]}
+        assert queue["fair"] == {"active_keys": 2, "top_keys": [["big", 5], ["small", 1]],
+                                 "rate_limit": None, "not_due": []}
         assert api.get("/api/dead").json()["items"][0]["fair_key"] == "small"
         assert "Fair key" in api.get("/dead/d1").text
 

@@ -17,12 +17,19 @@ QUEUE_HEADERS = ["QUEUE", "QUEUED", "LATENCY", "WEIGHT", "IN FLIGHT", "MAX", "RA
 
 
 def fair_cell(fair: Any) -> str:
-    """A fair queue's active keys and its biggest ones: "2 keys: big=5 small=1"."""
+    """A fair queue's active keys and its biggest ones, its per-key rate limit and the
+    keys not due yet: "2 keys: big=5 small=1; 5/s per key; not due: big 0.2s"."""
     if not fair:
         return "-"
     n = fair["active_keys"]
     top = " ".join(f"{one_line(str(key), 40)}={size}" for key, size in fair["top_keys"])
-    return f"{n} key{'s' if n != 1 else ''}: {top}"
+    cell = f"{n} key{'s' if n != 1 else ''}: {top}"
+    if fair.get("rate_limit"):
+        cell += f"; {fair['rate_limit']} per key"
+    if fair.get("not_due"):
+        cell += "; not due: " + " ".join(f"{one_line(str(key), 40)} {wait:.1f}s"
+                                         for key, wait in fair["not_due"])
+    return cell
 
 
 def queue_table(items: list[Any]) -> Table:

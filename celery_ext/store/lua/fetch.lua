@@ -53,7 +53,10 @@
 -- (GCRA, Redis TIME): each job fetched pushes that time one interval past the later of
 -- itself and now, so no two jobs are fetched less than an interval apart in all pools.
 -- A queue not due yet is skipped, reported as blocked, counted in the stats, and its
--- wait returned, so the pool sleeps until then instead of polling. A wait is at most
+-- wait returned, so the pool sleeps until then instead of polling. A queue a job held
+-- (raise Throttled, throttle.lua: its field in KEYS[10], with or without a rate limit)
+-- is skipped the same way until then, not counted; without a rate limit, the first
+-- fetch that finds the hold over removes its field. A wait is at most
 -- MAX_WAIT_US (one day, the longest interval rate_limits.py accepts): an interval
 -- stored out of that range would otherwise overflow the integer reply.
 -- Fair shares (include/fair.lua, fair.py): when a candidate's level lists are empty, its keyed
@@ -62,6 +65,12 @@
 -- turn each per round. A key with as many jobs in flight as the queue's per-key limit
 -- is passed over (at most FAIR_TRIES keys per pop); when every key tried is at its
 -- limit the queue is reported blocked (ack wakes pools when a key drops below it).
+-- A key not due yet (include/fair.lua's fair_due: its per-key rate limit, the field
+-- "<queue>\n" of KEYS[9], GCRA as for a queue, or a hold a job of the key asked for)
+-- is passed over the same way; when no key tried could be served and some were not
+-- due, the earliest of their waits is returned with the queue, so the pool sleeps
+-- until then. A key's job fetched under a per-key rate limit moves the key's state one
+-- interval past now (the state expires when it is due: an idle key leaves nothing).
 -- A key leaves the ring with its sub-queue's last job. Keyed jobs of a queue come
 -- after its unkeyed ones.
 -- Returns {status, jobs, empties, blocked, waits}: status 0 = pool not registered (nothing
@@ -117,35 +126,44 @@ local function drained(from, first)
   return redis.call('EXISTS', KEYS[first + 1] .. '\6\23') == 0
 end
 -- @include fair
--- Per queue name, its per-key limit (false: none), read once per call (`limited`: the
--- limits hash has any field at all).
-local fair_limits = {}
+-- Per queue name, its per-key limit and its per-key rate limit (µs; false: none), read
+-- once per call (`limited`, `rated`: the limits hashes have any field at all).
+local fair_limits, fair_rates = {}, {}
 -- Pop the next keyed job of the candidate whose level lists follow KEYS[first] (see
 -- above). Returns its payload, its fair key and whether its queue may have no job
--- left; or nil, nil and whether keys with jobs are left (all passed over at their
--- limit).
-local function fair_pop(first, qname, limited)
-  local ring = KEYS[first + 1] .. FAIR_SEP
+-- left; or nil, nil, whether keys with jobs are left (all passed over: at their limit
+-- or not due) and the µs until the first key passed over as not due is (nil: none).
+local function fair_pop(first, qname, limited, rated)
+  local qkey = KEYS[first + 1]
+  local ring = qkey .. FAIR_SEP
   if fair_limits[qname] == nil then
     fair_limits[qname] = limited and tonumber(redis.call('HGET', KEYS[7], qname .. '\n'))
       or false
+    fair_rates[qname] = rated and tonumber(redis.call('HGET', KEYS[9], qname .. '\n'))
+      or false
   end
-  local limit = fair_limits[qname]
-  -- Without a limit the first key rotated is served (LMOVE finds an empty ring): the
-  -- ring's length is read only to try each key at most once when keys may be full.
-  local tries = limit and math.min(redis.call('LLEN', ring), FAIR_TRIES) or FAIR_TRIES
-  for _ = 1, tries do
+  local limit, rate, wait = fair_limits[qname], fair_rates[qname], nil
+  -- Each key is tried at most once (a key may be held even without a limit).
+  for _ = 1, math.min(redis.call('LLEN', ring), FAIR_TRIES) do
     local key = redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT')
     if not key then return nil, nil, false end
     if not limit
         or (tonumber(redis.call('HGET', KEYS[6], qname .. '\n' .. key)) or 0) < limit then
-      local payload = redis.call('RPOP', ring .. key)
-      local last = redis.call('LLEN', ring .. key) == 0
-      if last then redis.call('RPOP', ring) end
-      if payload then return payload, key, last end
+      local due = fair_due(qkey, key)
+      if due > 0 and due > clock_us() then
+        wait = math.min(wait or MAX_WAIT_US, due - clock_us())
+      else
+        local payload = redis.call('RPOP', ring .. key)
+        local last = redis.call('LLEN', ring .. key) == 0
+        if last then redis.call('RPOP', ring) end
+        if payload then
+          if rate then fair_hold(qkey, key, clock_us() + rate, clock_us(), due) end
+          return payload, key, last
+        end
+      end
     end
   end
-  return nil, nil, redis.call('EXISTS', ring) == 1
+  return nil, nil, redis.call('EXISTS', ring) == 1, wait
 end
 if string.find(flags, '1', 1, true) and not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
   return {0, {}, {}, {}, {}}
@@ -154,7 +172,9 @@ local limited = redis.call('HLEN', KEYS[7]) > 0
 local any_paused = redis.call('SCARD', KEYS[8]) > 0
 local jobs, empties, blocked, skip, checked, room = {}, {}, {}, {}, {}, {}
 local rated, interval, tat, waits, now_us = redis.call('HLEN', KEYS[9]) > 0, {}, {}, {}, 0
-if rated then
+-- A queue may be held without a rate limit (a job raised Throttled: throttle.lua).
+local holds = redis.call('HLEN', KEYS[10]) > 0
+if rated or holds then
   now_us = clock_us()
 end
 local tracked = false
@@ -179,13 +199,19 @@ for i = 1, ncand do
   if not skip[qname] and room[qname] and room[qname] <= 0 then
     skip[qname] = true
   end
-  if not skip[qname] and interval[qname] then
+  if not skip[qname] and (interval[qname] or holds) then
     tat[qname] = tat[qname] or tonumber(redis.call('HGET', KEYS[10], qname) or 0)
     if tat[qname] > now_us then
       skip[qname] = true
       waits[#waits + 1] = {qname, math.min(tat[qname] - now_us, MAX_WAIT_US)}
-      redis.call('HINCRBY', KEYS[11], 'rate_limited', 1)
-      redis.call('HINCRBY', KEYS[11], 'rate_limited:' .. qname, 1)
+      if interval[qname] then
+        redis.call('HINCRBY', KEYS[11], 'rate_limited', 1)
+        redis.call('HINCRBY', KEYS[11], 'rate_limited:' .. qname, 1)
+      end
+    elseif tat[qname] > 0 and not interval[qname] then
+      -- A hold that is over, on a queue without a rate limit: nothing is left of it.
+      redis.call('HDEL', KEYS[10], qname)
+      tat[qname] = 0
     end
   end
   if skip[qname] == true then
@@ -194,15 +220,16 @@ for i = 1, ncand do
   end
   if not skip[qname] then
     local payload, at = pop(first, qname)
-    local fkey, fair_left
+    local fkey, fair_left, fair_wait
     if not payload then
-      payload, fkey, fair_left = fair_pop(first, qname, limited)
+      payload, fkey, fair_left, fair_wait = fair_pop(first, qname, limited, rated)
       -- A keyed job whose key has more: its ring is not empty, the queue not drained.
       if payload and not fair_left then at = nil end
     end
     if not payload and fair_left then
       skip[qname] = 'reported'
       blocked[#blocked + 1] = qname
+      if fair_wait then waits[#waits + 1] = {qname, fair_wait} end
     elseif not payload then
       skip[qname] = 'empty'
       empties[#empties + 1] = qname

@@ -420,7 +420,11 @@
       // A fair queue (docs/fair.md): its keys with jobs waiting, and the biggest ones.
       { label: "Fair keys", cls: "mono", render: function (q) {
         if (!q.fair) return "—";
-        return q.fair.active_keys + ": " + q.fair.top_keys.map(function (kv) { return kv[0] + "=" + kv[1]; }).join(" ");
+        var cell = q.fair.active_keys + ": " + q.fair.top_keys.map(function (kv) { return kv[0] + "=" + kv[1]; }).join(" ");
+        // Its per-key rate limit (fair_rate_limit) and the keys not due yet (a limit or a hold).
+        if (q.fair.rate_limit) cell += "; " + q.fair.rate_limit + " per key";
+        if (q.fair.not_due && q.fair.not_due.length) cell += "; not due: " + q.fair.not_due.map(function (kw) { return kw[0] + " " + kw[1].toFixed(1) + "s"; }).join(" ");
+        return cell;
       } }
     ];
     if (withActions) cols.push({ label: "", render: function (q) {

@@ -4,11 +4,16 @@
 -- SADD on every push keeps the ready set self-healing; only a queue that just became
 -- non-empty is announced: added to the known queues (not Kombu's "*.pidbox" reply
 -- queues) and published on the wake channel, so busy systems publish almost nothing.
-local function announce(readyKey, queuesKey, wakeChannel, queueName)
+-- A fair key joining the ring of a queue that has jobs (`joined`) is published too:
+-- pools may sleep on that queue until its other keys are due (a per-key rate limit, a
+-- job's Throttled hold), and the new key's job must not wait for them.
+local function announce(readyKey, queuesKey, wakeChannel, queueName, joined)
   if redis.call('SADD', readyKey, queueName) == 1 then
     if string.sub(queueName, -7) ~= '.pidbox' then
       redis.call('SADD', queuesKey, queueName)
     end
+    redis.call('PUBLISH', wakeChannel, queueName)
+  elseif joined then
     redis.call('PUBLISH', wakeChannel, queueName)
   end
 end
@@ -18,8 +23,8 @@ end
 -- nil jobId) and renew the queue's expiry (expiresMs > 0). Returns push_back's length.
 local function push_new(queueKey, payload, readyKey, queuesKey, wakeChannel, queueName,
                         indexKey, jobId, indexTtl, expiresMs)
-  local n = push_back(queueKey, payload)
-  announce(readyKey, queuesKey, wakeChannel, queueName)
+  local n, joined = push_back(queueKey, payload)
+  announce(readyKey, queuesKey, wakeChannel, queueName, joined)
   if indexTtl > 0 then
     jix_set(indexKey, jobId, 'queued', queueName, jix_level(queueKey))
   end

@@ -8,7 +8,13 @@
 -- A key's jobs in flight, counted whether its queue has a per-key limit or not: field
 -- "<queue name>\n<key>" of {ns}:running (removed at 0); the limit: field
 -- "<queue name>\n" of {ns}:limits (keys.py).
+-- A key's "not due until" state (its per-key rate limit, fair_rate_limit, and a hold a
+-- job of the key asked for, raise Throttled: one state for both):
+--   <queue key>\6\24<key>  string  Redis time (µs) from which the key's next job may be
+--                                  fetched; it expires at that time, so a key that is
+--                                  due (or idle) has none
 local FAIR_SEP = '\6\23'
+local FAIR_DUE_SEP = '\6\24'
 local FAIR_FIELD = '"fair_key": "'
 
 -- The fair key a stored payload (or "<queue>\n<payload>" record) carries, or nil: the
@@ -72,9 +78,32 @@ end
 
 -- Push a new job to the back of its job queue `queueKey`'s list (the caller gives the
 -- list of the job's priority level, or the queue key for a keyed job), or, when it
--- carries a fair key, of that key's sub-queue. Returns the list's length after it.
+-- carries a fair key, of that key's sub-queue. Returns the list's length after it, and
+-- whether a fair key joined the ring with it.
 local function push_back(queueKey, payload)
   local key = fair_of(payload)
-  if key then return fair_push(queueKey, key, payload, false) end
-  return redis.call('LPUSH', queueKey, payload)
+  if key then
+    local n = fair_push(queueKey, key, payload, false)
+    return n, n == 1
+  end
+  return redis.call('LPUSH', queueKey, payload), false
+end
+
+-- The Redis time (µs) from which the next job of fair key `key` of the job queue
+-- `queueKey` may be fetched: 0 when its state expired or was never set.
+local function fair_due(queueKey, key)
+  return tonumber(redis.call('GET', queueKey .. FAIR_DUE_SEP .. key)) or 0
+end
+
+-- Hold fair key `key` of the job queue `queueKey` until `due_us` (Redis time, µs; `now_us`
+-- is now): its state keeps the later of that and the hold it has (`held`, when the
+-- caller read it with fair_due; nil: read here), and expires then.
+local function fair_hold(queueKey, key, due_us, now_us, held)
+  local state = queueKey .. FAIR_DUE_SEP .. key
+  held = held or tonumber(redis.call('GET', state)) or 0
+  if held > due_us then due_us = held end
+  local ms = math.ceil((due_us - now_us) / 1000)
+  if ms > 0 then
+    redis.call('SET', state, string.format('%.0f', due_us), 'PX', ms)
+  end
 end
