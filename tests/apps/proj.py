@@ -19,6 +19,7 @@ import redis
 from celery import Celery
 
 import celery_ext
+from tests.apps import RECORDER_TIMEOUTS
 
 BROKER_URL = os.environ.get("CELERY_EXT_BROKER_URL", "celery-ext://127.0.0.1:6379/0")
 
@@ -59,7 +60,8 @@ def recorder() -> redis.Redis:
     job of a ``-P gevent -c 200`` worker at once (redis-py's default bound is 100)."""
     global _record
     if _record is None:
-        _record = redis.Redis.from_url(backend_url(RECORD_URL, db=2), max_connections=1000)
+        _record = redis.Redis.from_url(backend_url(RECORD_URL, db=2), max_connections=1000,
+                                       **RECORDER_TIMEOUTS)
     return _record
 
 
@@ -72,7 +74,7 @@ def configure(broker_url: str) -> None:
         app._backend = app._get_backend()  # rebuild with the new URL
         app._pool = None  # connection pools are keyed by URL: a new one is made
         app.amqp._producer_pool = None
-    _record = redis.Redis.from_url(backend_url(broker_url, db=2))
+    _record = redis.Redis.from_url(backend_url(broker_url, db=2), **RECORDER_TIMEOUTS)
 
 
 @app.task

@@ -17,6 +17,7 @@ import redis
 from celery import Celery
 
 import celery_ext
+from tests.apps import RECORDER_TIMEOUTS
 
 BROKER_URL = os.environ.get("CELERY_EXT_BROKER_URL", "celery-ext://127.0.0.1:7000/0")
 RECORD_URL = os.environ.get("CELERY_EXT_RECORD_URL", "redis://127.0.0.1:6379/3")
@@ -49,7 +50,7 @@ def configure(broker_url: str, namespace: str, record_url: str) -> None:
 def recorder() -> redis.Redis:
     global _record
     if _record is None:
-        _record = redis.Redis.from_url(RECORD_URL)
+        _record = redis.Redis.from_url(RECORD_URL, **RECORDER_TIMEOUTS)
     return _record
 
 

@@ -12,6 +12,7 @@ import redis
 from celery import Celery
 
 import celery_ext
+from tests.apps import RECORDER_TIMEOUTS
 
 BROKER_URL = os.environ.get("CELERY_EXT_BROKER_URL", "celery-ext://127.0.0.1:6379/0")
 
@@ -29,7 +30,7 @@ def make_app(broker_url: str, prefix: str) -> Celery:
     app.conf.update(broker_connection_retry_on_startup=True, worker_hijack_root_logger=False,
                     broker_transport_options={"global_keyprefix": prefix})
     celery_ext.install(app)
-    recorder = redis.Redis.from_url(record_url(broker_url))
+    recorder = redis.Redis.from_url(record_url(broker_url), **RECORDER_TIMEOUTS)
 
     @app.task(name="keyprefix.record")
     def record(key: str) -> None:

@@ -20,6 +20,7 @@ from celery import Celery, signals
 from celery._state import get_current_task
 
 import celery_ext
+from tests.apps import RECORDER_TIMEOUTS
 
 BROKER_URL = os.environ.get("CELERY_EXT_BROKER_URL", "celery-ext://127.0.0.1:6379/0")
 RESULT_URL = os.environ.get("CELERY_EXT_RESULT_URL", "celery-ext://127.0.0.1:6379/1")
@@ -68,7 +69,7 @@ def configure(broker_url: str, result_url: str, record_url: str, cluster: bool =
 def recorder() -> redis.Redis:
     global _record
     if _record is None:
-        _record = redis.Redis.from_url(RECORD_URL)
+        _record = redis.Redis.from_url(RECORD_URL, **RECORDER_TIMEOUTS)
     return _record
 
 
