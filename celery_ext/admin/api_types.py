@@ -139,6 +139,7 @@ class SearchPage(TypedDict):
 # -- one job (celery_ext.admin.job_status) -----------------------------------------------------
 class UniqueLock(TypedDict):
     key: str  # the lock's key: the job's name and the hash of its unique arguments
+    mode: str  # "until_started" or "until_finished"
     held: bool  # this job holds the lock now (else another job or nobody does)
     holder: str | None  # the task id that holds it now, None when nobody does
     ttl: float | None  # seconds until the lock's safety-net TTL ends it

@@ -35,7 +35,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from celery_ext.admin.api_types import JobStatus, UniqueLock
 from celery_ext.config import Settings
-from celery_ext.options.unique import lock_of
+from celery_ext.options.unique import UNTIL_FINISHED, UNTIL_STARTED, finished_lock, lock_of
 from celery_ext.store.clock import now_ms
 from celery_ext.store.copies import copies
 from celery_ext.store.dead_set import split_record
@@ -305,13 +305,15 @@ class JobLookup:
         if found is None:
             return None
         digest, task_id = found
+        mode = UNTIL_FINISHED if finished_lock(json.loads(payload).get("headers")) \
+            else UNTIL_STARTED
         with self.client.pipeline(transaction=False) as pipe:
             key = self.keys.of(queue).unique(digest)
             pipe.get(key)
             pipe.pttl(key)
             value, ttl_ms = pipe.execute()
         holder = bytes_to_str(value).partition("\n")[0] if value else None
-        return UniqueLock(key=digest, held=holder == task_id, holder=holder,
+        return UniqueLock(key=digest, mode=mode, held=holder == task_id, holder=holder,
                           ttl=ttl_ms / 1000 if value and ttl_ms > 0 else None)
 
     # -- the places a job can be -------------------------------------------------------------

@@ -270,10 +270,12 @@ def test_a_jobs_status_shows_its_unique_lock(
     later = app.held.apply_async(("shown", 1.5), countdown=1.0)
     lock = client.job(later.id)["unique_lock"]
     assert lock is not None and lock["held"] and lock["holder"] == later.id, lock
+    assert lock["mode"] == "until_finished"
     assert lock["ttl"] is not None and lock["ttl"] > 0
     shown = run_cli(broker_url, "job", later.id)
     (line,) = [ln for ln in shown.stdout.splitlines() if ln.startswith("unique_lock ")]
-    assert "held by this job" in line and " s left (tests.apps.proj_unique.held:" in line
+    assert "until_finished, held by this job" in line, line
+    assert " s left (tests.apps.proj_unique.held:" in line, line
     start_workers(worker_factory, 1, app=APP, pool="threads", concurrency=2)
     wait_for(lambda: recorded(rec, "start", "shown"), 20, "the job to start")
     status = client.job(later.id)

@@ -131,7 +131,7 @@ def _value(key: str, value: object) -> str:
         holder = "held by this job" if value["held"] else \
             f"held by {value['holder']}" if value["holder"] else "free"
         left = f", {value['ttl']:.0f} s left" if value["ttl"] is not None else ""
-        return f"{holder}{left} ({cell(value['key'], 120)})"
+        return f"{value['mode']}, {holder}{left} ({cell(value['key'], 120)})"
     return cell(value, 200)
 
 
