@@ -38,6 +38,9 @@ class QueueInfo(TypedDict):
     paused: bool
     max_concurrency: int | None
     rate_limit: str | None  # cluster-wide, e.g. "20/s" (rate_limits.py)
+    #: Seconds until its next job may be fetched: its rate limit's next slot, or a hold
+    #: a job set by raising ``Throttled``; None when a job may be fetched now.
+    not_due_for: float | None
     in_flight: int
     processed: int
     failed: int

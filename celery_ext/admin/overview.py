@@ -44,6 +44,13 @@ def _int(value: Any, default: int = 0) -> int:
         return default
 
 
+def _not_due_for(tat: Any, now: float) -> float | None:
+    """Seconds until a queue's next job may be fetched (``rate_tat``, µs on the Redis
+    clock: a rate limit's next slot or a throttle's hold), None when it may be now."""
+    wait = _int(tat) / 1e6 - now if tat is not None else 0.0
+    return round(wait, 3) if wait > 0 else None
+
+
 class State:
     """Reads the plugin's records for one namespace."""
 
@@ -75,7 +82,7 @@ class State:
         fair = fair_info(self.client, self.keys, names)
         result: list[QueueInfo] = []
         for (name, size, stamp), (weight, paused, limit_, running, processed, failed,
-                                  rate) in zip(rows, reads, strict=True):
+                                  rate, tat) in zip(rows, reads, strict=True):
             result.append(QueueInfo(
                 name=name,
                 size=size,
@@ -84,6 +91,7 @@ class State:
                 paused=paused,
                 max_concurrency=_int(limit_) if limit_ is not None else None,
                 rate_limit=format_rate(_int(rate)) if _int(rate) > 0 else None,
+                not_due_for=_not_due_for(tat, now),
                 in_flight=max(0, _int(running)),
                 processed=_int(processed),
                 failed=_int(failed),
@@ -96,9 +104,11 @@ class State:
         """The job queues some live worker pool consumes (see :func:`consumed_by`)."""
         return self.sizes.consumers()
 
-    def _reads(self, names: list[str]) -> list[tuple[Any, bool, Any, Any, Any, Any, Any]]:
+    def _reads(self, names: list[str]
+               ) -> list[tuple[Any, bool, Any, Any, Any, Any, Any, Any]]:
         """Per queue (one node, one pipeline): weight, paused, concurrency limit, jobs
-        in flight, processed, failed, rate limit, as stored."""
+        in flight, processed, failed, rate limit, and when its next job may be fetched
+        (a rate limit's or a throttle's, ``rate_tat``), as stored."""
         k = self.keys
         with self.client.pipeline(transaction=False) as pipe:
             pipe.hmget(k.weights, names)
@@ -108,13 +118,14 @@ class State:
             pipe.hmget(k.stats, [f"processed:{n}" for n in names])
             pipe.hmget(k.stats, [f"failed:{n}" for n in names])
             pipe.hmget(k.rate_limits, names)
-            weights, paused, limits, running, processed, failed, rates = pipe.execute()
+            pipe.hmget(k.rate_tat, names)
+            weights, paused, limits, running, processed, failed, rates, tats = pipe.execute()
         paused_names = {bytes_to_str(p) for p in paused}
         return [(weights[i], name in paused_names, limits[i], running[i], processed[i],
-                 failed[i], rates[i]) for i, name in enumerate(names)]
+                 failed[i], rates[i], tats[i]) for i, name in enumerate(names)]
 
     def _copies_reads(self, names: list[str]
-                      ) -> list[tuple[Any, bool, Any, Any, Any, Any, Any]]:
+                      ) -> list[tuple[Any, bool, Any, Any, Any, Any, Any, Any]]:
         """:meth:`_reads` on a cluster: each queue's values read in its own copy (one
         pipeline, grouped by master); weights from the home copy."""
         k = self.keys
@@ -124,9 +135,9 @@ class State:
                 c = k.of(name)
                 pipe.sismember(c.paused, name).hget(c.limits, name).hget(c.running, name)
                 pipe.hget(c.stats, f"processed:{name}").hget(c.stats, f"failed:{name}")
-                pipe.hget(c.rate_limits, name)
+                pipe.hget(c.rate_limits, name).hget(c.rate_tat, name)
             flat = pipe.execute()
-        return [(weights[i], bool(flat[6 * i]), *flat[6 * i + 1:6 * i + 6])
+        return [(weights[i], bool(flat[7 * i]), *flat[7 * i + 1:7 * i + 7])
                 for i in range(len(names))]
 
     def totals(self) -> dict[str, int]:

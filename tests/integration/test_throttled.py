@@ -19,6 +19,8 @@ import pytest
 import redis
 
 import celery_ext
+from celery_ext.admin.cli.queues import state_cell
+from celery_ext.client import Client
 from celery_ext.config import DEFAULT_PRIORITY_STEPS
 from celery_ext.options.fair import write_fair_rates
 from celery_ext.store.connections import cluster_client, cluster_config
@@ -156,6 +158,11 @@ def test_a_throttled_job_without_a_key_holds_its_queue_while_other_queues_run(
     held.apply_async((0,))
     wait_for(lambda: redis_client.hget(K.rate_tat, "throttled_queue"), 30,
              "q0's first run to hold its queue")
+    # The hold is shown where a person looks at the queue (Client, CLI, dashboard).
+    shown = {q["name"]: q for q in Client(redis_client).job_queues()}["throttled_queue"]
+    assert shown["not_due_for"] is not None, shown
+    assert 0 < shown["not_due_for"] <= proj_paced.HOLD, shown
+    assert "next in " in state_cell({**shown, "not_due_for": proj_paced.HOLD})
     for n in (1, 2):
         held.apply_async((n,))
     for n in range(4):

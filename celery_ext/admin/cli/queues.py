@@ -32,6 +32,11 @@ def fair_cell(fair: Any) -> str:
     return cell
 
 
+#: Seconds a queue's next job is due in from which its state says so (shorter waits are
+#: a rate limit's ordinary spacing).
+NOT_DUE_SHOWN = 1.0
+
+
 def queue_table(items: list[Any]) -> Table:
     return Table(QUEUE_HEADERS, [
         [q["name"], q["size"], age(q["latency"]), q["weight"], q["in_flight"],
@@ -41,9 +46,15 @@ def queue_table(items: list[Any]) -> Table:
 
 
 def state_cell(q: Any) -> str:
-    """"paused" or "active", and "no consumer" when no live worker pool consumes it."""
+    """"paused" or "active", "no consumer" when no live worker pool consumes it, and
+    when its next job is due if that is a second or more away."""
     state = "paused" if q["paused"] else "active"
-    return state if q.get("consumed", True) else f"{state}, no consumer"
+    if not q.get("consumed", True):
+        state += ", no consumer"
+    wait = q.get("not_due_for")
+    if wait is not None and wait >= NOT_DUE_SHOWN:
+        state += f", next in {wait:.0f}s"  # held by Throttled, or a slow rate limit
+    return state
 
 
 def unconsumed_warning(queues: list[Any]) -> str | None:

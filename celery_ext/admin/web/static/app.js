@@ -8,6 +8,9 @@
   var ROOT = body.dataset.root || "";
   var PAGE = body.dataset.page || "";
   var REFRESH = parseInt(body.dataset.refresh || "2000", 10) || 2000;
+  // Seconds a queue's next job is due in from which the queues page says so (shorter
+  // waits are a rate limit's ordinary spacing).
+  var NOT_DUE_SHOWN = 1;
   var csrfMeta = document.querySelector('meta[name="csrf-token"]');
   var CSRF = csrfMeta ? csrfMeta.getAttribute("content") : "";
   var state = { offset: 0, limit: 100, prefix: "", window: "1h", history: null, historyAt: 0,
@@ -414,8 +417,12 @@
       { label: "State", render: function (q) {
         var state = q.paused ? badge("paused", "warn") : badge("active", "good");
         // No live worker pool consumes it: its jobs wait for one that knows the task.
-        if (q.consumed === false) return h("span", {}, state, " ", badge("no consumer", q.size ? "bad" : "warn"));
-        return state;
+        var parts = [state];
+        if (q.consumed === false) parts.push(" ", badge("no consumer", q.size ? "bad" : "warn"));
+        // Held (a job raised Throttled) or a slow rate limit: when its next job may be fetched.
+        if (q.not_due_for !== null && q.not_due_for !== undefined && q.not_due_for >= NOT_DUE_SHOWN)
+          parts.push(" ", badge("next in " + fmtDur(q.not_due_for), "warn"));
+        return parts.length === 1 ? state : h.apply(null, ["span", {}].concat(parts));
       } },
       // A fair queue (docs/fair.md): its keys with jobs waiting, and the biggest ones.
       { label: "Fair keys", cls: "mono", render: function (q) {
