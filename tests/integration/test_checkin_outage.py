@@ -29,6 +29,11 @@ APP = "tests.apps.proj_outage"
 STEPS, PAUSE = 30, 0.2
 #: Steps run before the kill, and how long the server stays down (seconds).
 KILL_AFTER_STEP, DOWN_FOR = 5, 5.0
+#: How long the server stays down after a job ended while it was down: long enough that
+#: the job's first writes of its result and ack fail and are retried, short enough that
+#: the result backend's retries (exponential backoff from 0.5 s, up to 10 s apart) are
+#: not spread seconds apart by the time it is back.
+ENDED_DOWN_FOR = 1.5
 #: The worker's log from the kill until a second after the job's records are gone: a
 #: record or two per component of ours ("unavailable", "back")...
 MAX_OUR_RECORDS = 10
@@ -120,7 +125,7 @@ def test_a_job_ending_during_a_redis_outage_is_stored_and_acked_when_it_is_back(
         wait_for(lambda: len(steps_run(path)) >= 3, 20, "the first steps")
         server.kill()
         wait_for(lambda: len(steps_run(path)) == 10, 20, "the last step, Redis down")
-        time.sleep(DOWN_FOR)
+        time.sleep(ENDED_DOWN_FOR)
         server.start()
 
         assert job.get(timeout=60) == 10
