@@ -332,26 +332,37 @@ class PeriodicLeader(BackgroundLoop):
                 if pubsub is None:  # before the round: a handover meanwhile still wakes us
                     pubsub = self.client.pubsub(ignore_subscribe_messages=True)
                     pubsub.subscribe(self.keys.periodic_handover)
-                wait = self.step()
-                if self._failing:
-                    logger.info("celery_ext: periodic jobs leader reached Redis again")
-                    self._failing = False
+                try:
+                    wait = self.step()
+                except redis.RedisError:
+                    raise
+                except Exception:
+                    logger.exception("celery_ext: periodic jobs leader round failed (retried)")
+                    wait = self.settings.heartbeat_interval
+                else:
+                    if self._failing:
+                        logger.log(self._outage_level(), "celery_ext: periodic jobs leader "
+                                   "reached Redis again")
+                        self._failing = False
+                # Inside the try: the handover listener's read fails too when Redis goes.
+                self._sleep(pubsub, wait)
             except redis.RedisError as exc:
                 if not self._failing:
-                    logger.error("celery_ext: periodic jobs leader cannot reach Redis: %s "
-                                 "(will retry)", exc)
+                    logger.log(self._outage_level(logging.ERROR), "celery_ext: periodic jobs "
+                               "leader cannot reach Redis: %s (will retry)", exc)
                     self._failing = True
                 if pubsub is not None:
                     self._close_listener(pubsub, "handover")
                     pubsub = None
                 self._stop.wait(min(self.settings.heartbeat_interval, 1.0))
-                continue
-            except Exception:
-                logger.exception("celery_ext: periodic jobs leader round failed (retried)")
-                wait = self.settings.heartbeat_interval
-            self._sleep(pubsub, wait)
         if pubsub is not None:
             pubsub.close()
+
+    def _outage_level(self, level: int = logging.INFO) -> int:
+        """How loud this leader is about an outage: ``level`` while it has entries to run;
+        DEBUG with none (every pool runs a leader, for entries set at runtime), since
+        the pool's heartbeat and requeuer report the outage already."""
+        return level if self.periodic.entries else logging.DEBUG
 
     def _sleep(self, pubsub: Any, seconds: float) -> None:
         """Wait ``seconds``, or until a leader hands over (pub/sub), or stop()."""
