@@ -15,9 +15,11 @@ For each get() it takes, on the monotonic clock the workers share with it (Linux
 of the old meta, the write and the wake-up publish), the moment the client handled the
 ready meta (and whether a wake-up message or a read brought it) and the return of
 get(); a negative ``wake`` means the client had the meta before the worker had read the
-reply to its store. Per round, ``INFO commandstats`` of the results server says which commands one
-get() cost there. Prints p50/p99 per side, the ratio of medians, the medians of the
-parts, the commands per get() and the load average; writes ``OUT/latency.json``.
+reply to its store. Per round, ``INFO commandstats`` of the results server says which
+commands one get() cost there. Prints p50/p99 per side, the ratio of medians and the
+median of each round pair's ratio (load shifts between pairs cancel), the medians of the
+parts for all gets and for the slowest 5 %, the client's CPU and the commands per get()
+and the load average; writes ``OUT/latency.json``.
 """
 
 from __future__ import annotations
@@ -110,17 +112,22 @@ class Side:
         self.client.setdefault(res.id, {}).update(t0=t0, sent=t1, done=t2)
         return (t2 - t0) * 1000
 
-    def parts(self) -> tuple[dict[str, list[float]], Counter[str]]:
-        """Each measured get() cut into its parts (ms), and what brought the ready meta."""
+    def parts(self) -> tuple[dict[str, list[float]], dict[str, list[float]], Counter[str]]:
+        """Each measured get() cut into its parts (ms), the same for the slowest 5 % of
+        the gets alone, and what brought the ready meta."""
         worker: dict[str, list[float]] = {}
         for line in self.stamps_path.read_text().splitlines():
             task_id, *stamps = line.split()
             worker[task_id] = [float(s) for s in stamps]
         out: dict[str, list[float]] = {p: [] for p in PARTS}
+        tail: dict[str, list[float]] = {p: [] for p in PARTS}
         by: Counter[str] = Counter()
-        for task_id, c in self.client.items():
+        measured = {t: c for t, c in self.client.items() if "t0" in c and "ready" in c}
+        slowest = sorted(measured, key=lambda t: measured[t]["t0"] - measured[t]["done"])
+        slow = set(slowest[:max(1, len(slowest) // 20)])
+        for task_id, c in measured.items():
             w = worker.get(task_id)
-            if w is None or "t0" not in c or "ready" not in c:
+            if w is None:
                 continue
             started, store_began, store_ended, _ = w
             by[c["by"]] += 1
@@ -130,7 +137,9 @@ class Side:
                     "store": (store_began, store_ended), "wake": (store_ended, c["ready"]),
                     "return": (c["ready"], c["done"])}.items():
                 out[part].append((b - a) * 1000)
-        return out, by
+                if task_id in slow:
+                    tail[part].append((b - a) * 1000)
+        return out, tail, by
 
 
 def commandstats(client: Any) -> Counter[str]:
@@ -170,13 +179,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     n = args.rounds * args.per_round
     rows: dict[str, Any] = {}
     for name, side in sides.items():
-        parts, by = side.parts()
+        parts, tail, by = side.parts()
         commands[name].pop("info", None)
         rows[name] = {"p50_ms": median(times[name]), "p99_ms": percentile(times[name], 99),
                       "parts_p50_ms": {p: median(v) for p, v in parts.items()},
+                      "slowest_5pc_parts_p50_ms": {p: median(v) for p, v in tail.items()},
                       "ready_by": dict(by), "client_cpu_us": cpu[name] / n * 1e6,
                       "commands_per_get": {k: v / n for k, v in commands[name].items()}}
     ratio = rows["ours"]["p50_ms"] / rows["celery"]["p50_ms"]
+    per = args.per_round  # each round against its pair's other round: load shifts cancel
+    pairs = [median(times["ours"][i:i + per]) / median(times["celery"][i:i + per])
+             for i in range(0, n, per)]
+    paired = median(pairs)
     print(f"{args.rounds} rounds x {args.per_round} gets per side, interleaved")
     print(f"{'':24}{'celery':>10}{'ours':>10}")
     for key in ("p50_ms", "p99_ms"):
@@ -184,9 +198,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for part in PARTS:
         print(f"{'  ' + part + ' p50 ms':24}"
               + "".join(f"{rows[s]['parts_p50_ms'][part]:>10.2f}" for s in SIDES))
+    print("the slowest 5 % of the gets of each side, their parts:")
+    for part in PARTS:
+        print(f"{'  ' + part + ' p50 ms':24}"
+              + "".join(f"{rows[s]['slowest_5pc_parts_p50_ms'][part]:>10.2f}" for s in SIDES))
     print(f"{'client CPU per get (us)':24}"
           + "".join(f"{rows[s]['client_cpu_us']:>10.0f}" for s in SIDES))
-    print(f"ratio of medians ours/celery: {ratio:.2f}")
+    print(f"ratio of medians ours/celery: {ratio:.2f}; median of the {len(pairs)} rounds' "
+          f"ratios: {paired:.2f} (ours faster in {sum(r < 1 for r in pairs)})")
     for s in SIDES:
         spent = ", ".join(f"{k} {v:.2f}" for k, v in sorted(rows[s]["commands_per_get"].items()))
         print(f"{s}: ready meta by {rows[s]['ready_by']}; commands per get on the results "
@@ -194,7 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"load average (1, 5, 15 min): before {load_before}, after {load_after}")
     (args.out / "latency.json").write_text(json.dumps(
         {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows,
-         "ratio_p50": ratio, "load_before": load_before, "load_after": load_after}, indent=2))
+         "ratio_p50": ratio, "paired_ratios": pairs, "load_before": load_before,
+         "load_after": load_after}, indent=2))
     return 0
 
 
