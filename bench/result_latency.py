@@ -18,8 +18,8 @@ get(); a negative ``wake`` means the client had the meta before the worker had r
 reply to its store. Per round, ``INFO commandstats`` of the results server says which
 commands one get() cost there. Prints p50/p99 per side, the ratio of medians and the
 median of each round pair's ratio (load shifts between pairs cancel), the medians of the
-parts for all gets and for the slowest 5 %, the client's CPU and the commands per get()
-and the load average; writes ``OUT/latency.json``.
+parts for all gets and for the slowest 5 %, the client's and the worker's CPU and the
+commands per get() and the load average; writes ``OUT/latency.json``.
 """
 
 from __future__ import annotations
@@ -142,6 +142,25 @@ class Side:
         return out, tail, by
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of a worker and its prefork children."""
+    import psutil
+
+    try:
+        main = psutil.Process(pid)
+        procs = [main, *main.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        try:
+            cpu = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += cpu.user + cpu.system
+    return total
+
+
 def commandstats(client: Any) -> Counter[str]:
     return Counter({k.removeprefix("cmdstat_"): int(v["calls"])
                     for k, v in client.info("commandstats").items()})
@@ -153,11 +172,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = os.getloadavg()
     with RedisServer() as brokers, RedisServer() as results:
         sides = {name: Side(name, brokers, results, args.out) for name in SIDES}
-        workers = [start_worker(f"latency-{s.name}", s.env(), args.out,
-                                "bench.result_latency_app") for s in sides.values()]
+        workers = {name: start_worker(f"latency-{name}", s.env(), args.out,
+                                      "bench.result_latency_app") for name, s in sides.items()}
         times: dict[str, list[float]] = {name: [] for name in sides}
         commands: dict[str, Counter[str]] = {name: Counter() for name in sides}
         cpu = dict.fromkeys(sides, 0.0)
+        worker_cpu = dict.fromkeys(sides, 0.0)
         control = results.client()
         try:
             for side in sides.values():  # each worker is up, each client subscribed
@@ -169,11 +189,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for name in order if i % 2 == 0 else order[::-1]:
                     before = commandstats(control)
                     cpu_before = time.process_time()
+                    worker_before = tree_cpu(workers[name].pid)
                     times[name] += [sides[name].get_once() for _ in range(args.per_round)]
                     cpu[name] += time.process_time() - cpu_before
+                    worker_cpu[name] += tree_cpu(workers[name].pid) - worker_before
                     commands[name] += commandstats(control) - before
         finally:
-            for worker in workers:
+            for worker in workers.values():
                 stop_worker(worker)
     load_after = os.getloadavg()
     n = args.rounds * args.per_round
@@ -185,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "parts_p50_ms": {p: median(v) for p, v in parts.items()},
                       "slowest_5pc_parts_p50_ms": {p: median(v) for p, v in tail.items()},
                       "ready_by": dict(by), "client_cpu_us": cpu[name] / n * 1e6,
+                      "worker_cpu_us": worker_cpu[name] / n * 1e6,
                       "commands_per_get": {k: v / n for k, v in commands[name].items()}}
     ratio = rows["ours"]["p50_ms"] / rows["celery"]["p50_ms"]
     per = args.per_round  # each round against its pair's other round: load shifts cancel
@@ -204,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               + "".join(f"{rows[s]['slowest_5pc_parts_p50_ms'][part]:>10.2f}" for s in SIDES))
     print(f"{'client CPU per get (us)':24}"
           + "".join(f"{rows[s]['client_cpu_us']:>10.0f}" for s in SIDES))
+    print(f"{'worker CPU per get (us)':24}"
+          + "".join(f"{rows[s]['worker_cpu_us']:>10.0f}" for s in SIDES))
     print(f"ratio of medians ours/celery: {ratio:.2f}; median of the {len(pairs)} rounds' "
           f"ratios: {paired:.2f} (ours faster in {sum(r < 1 for r in pairs)})")
     for s in SIDES:
