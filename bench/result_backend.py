@@ -78,12 +78,13 @@ def wait_client(ready_url: str, n: int) -> int:
     return 0 if res.get(timeout=600) == list(range(n)) else 1
 
 
-def start_worker(name: str, env: dict[str, str], out_dir: Path) -> subprocess.Popen[bytes]:
+def start_worker(name: str, env: dict[str, str], out_dir: Path,
+                 app: str = "bench.result_backend_app") -> subprocess.Popen[bytes]:
     log = out_dir / "logs" / f"worker-{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "bench.result_backend_app", "worker", "-c", "2",
+            [sys.executable, "-m", "celery", "-A", app, "worker", "-c", "2",
              "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "-l", "WARNING"],
             cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True)

@@ -20,11 +20,11 @@ from celery import group
 from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult, GroupResult
 
-from celery_ext.testing.server import ClusterGroup
+from celery_ext.testing.server import ClusterGroup, RedisServer
 from tests import resultutil
 from tests.apps import proj_results
 from tests.helpers import wait_for
-from tests.resultutil import Results
+from tests.resultutil import APP, Results
 from tests.workers import WorkerProcess
 
 # The fixtures every result test uses (a test module's globals are its fixtures).
@@ -251,3 +251,47 @@ def test_a_cluster_master_failover_while_a_client_waits(
         victim.start()  # it rejoins as a replica of the promoted one
         wait_for(lambda: cluster.healthy() and len(cluster.replica_servers()) == 3, 30,
                  "the killed master to rejoin as a replica")
+
+
+def test_a_get_costs_no_extra_round_trip(redis_server: RedisServer, rec: redis.Redis,
+                                         worker_factory: Callable[..., WorkerProcess]) -> None:
+    """Issue 34: on a results server of the test's own, sequential get()s of one thread
+    cost per job the worker's stores (Celery's read of the old meta, the write, the
+    wake-up publish; for STARTED too with ``task_track_started``) and one read by the
+    client: no second subscription, no unsubscribe, no re-read (MGET) unless a get()
+    went a whole ``RESULT_POLL_INTERVAL`` without its wake-up."""
+    from celery_ext.config import RESULT_POLL_INTERVAL
+
+    gets = 20
+    with RedisServer() as server:
+        url = server.url(scheme="celery-ext", db=1)
+        broker = redis_server.url(scheme="celery-ext")
+        record = redis_server.url(db=2)
+        namespace = "r" + uuid.uuid4().hex[:8]
+        proj_results.configure(broker, url, record, namespace=namespace)
+        worker_factory(APP, broker_url=broker, env={
+            "CELERY_EXT_RESULT_URL": url, "CELERY_EXT_RECORD_URL": record,
+            "CELERY_EXT_RESULT_NAMESPACE": namespace, "CELERY_EXT_RESULT_CLUSTER": "0",
+        }).start(timeout=60)
+        assert proj_results.add.delay(0, 0).get(timeout=30) == 0  # subscribed from here
+        control = server.client()
+
+        def calls() -> dict[str, int]:
+            return {k.removeprefix("cmdstat_"): int(v["calls"])
+                    for k, v in control.info("commandstats").items()}
+
+        before = calls()
+        slow = 0
+        for i in range(gets):
+            t0 = time.monotonic()
+            assert proj_results.add.delay(i, 1).get(timeout=30) == i + 1
+            slow += time.monotonic() - t0 >= RESULT_POLL_INTERVAL
+        after = calls()
+    spent = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    spent.pop("info", None)
+    for setup in ("client|setinfo", "hello", "select", "ping"):  # a new connection's
+        spent.pop(setup, None)
+    stores = 2 if proj_results.app.conf.task_track_started else 1
+    assert spent.pop("mget", 0) <= slow
+    assert spent == {"get": gets * (stores + 1), "set": gets * stores,
+                     "publish": gets * stores}
