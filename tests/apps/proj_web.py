@@ -46,6 +46,12 @@ def configure(broker_url: str) -> None:
         app.amqp._producer_pool = None
 
 
+@app.task(unique="until_finished", unique_key=lambda key: key)
+def locked(key: str) -> str:
+    """A unique job locked until it finishes (the job widget shows its lock)."""
+    return key
+
+
 @app.task
 def echo(value: Any) -> Any:
     """A short job that returns its argument."""

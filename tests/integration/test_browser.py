@@ -138,6 +138,13 @@ def test_dashboard_in_a_browser(browser: Any, broker_url: str, redis_client: red
         client.remove_periodic("browser-entry")
         ui.assert_clean()
 
+        # The widget shows a unique job's lock while it waits in the scheduled set.
+        waiting = proj_web.locked.apply_async(("widget-lock",), countdown=300)
+        page = ui.open(f"/demo?job={waiting.id}")
+        page.locator("[data-unique-lock]", has_text="held by this job").wait_for()
+        assert "until_finished" in page.locator("[data-unique-lock]").inner_text()
+        ui.assert_clean()
+
         # The job observer widget follows a job to the end.
         job = proj_web.progress.delay(8, 0.4)
         page = ui.open(f"/demo?job={job.id}")

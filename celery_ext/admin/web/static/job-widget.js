@@ -65,11 +65,14 @@
     track.appendChild(this.bar);
     this.line = node("div", { fontSize: "13px", color: "#3b4453", minHeight: "1.2em", wordBreak: "break-word" });
     this.cursorLine = node("div", { fontSize: "12px", color: "#3b4453", fontFamily: "ui-monospace, monospace", marginTop: "4px", wordBreak: "break-all", display: "none" });
+    this.lockLine = node("div", { fontSize: "12px", color: "#3b4453", marginTop: "4px", display: "none" });
+    this.lockLine.setAttribute("data-unique-lock", "");
     this.idLine = node("div", { fontSize: "11px", color: "#6b7483", fontFamily: "ui-monospace, monospace", marginTop: "4px" }, this.jobId);
     box.appendChild(top);
     box.appendChild(track);
     box.appendChild(this.line);
     box.appendChild(this.cursorLine);
+    box.appendChild(this.lockLine);
     box.appendChild(this.idLine);
     this.el.replaceChildren(box);
     this.box = box;
@@ -106,6 +109,12 @@
     var cursor = hasCursor ? JSON.stringify(st.cursor) : "";
     this.cursorLine.textContent = hasCursor ? "cursor " + (cursor.length > 200 ? cursor.slice(0, 199) + "…" : cursor) : "";
     this.cursorLine.style.display = hasCursor ? "" : "none";
+    // A unique job's lock, where its message is in a record (docs/sets.md#unique-jobs).
+    var lock = st.unique_lock;
+    this.lockLine.textContent = lock ? "unique lock (" + lock.mode + "): " +
+      (lock.held ? "held by this job" : lock.holder ? "held by " + lock.holder : "free") +
+      (lock.ttl !== null && lock.ttl !== undefined ? ", " + Math.round(lock.ttl) + " s left" : "") : "";
+    this.lockLine.style.display = lock ? "" : "none";
     if (this.opts.onUpdate) { try { this.opts.onUpdate(st); } catch (e) { /* the page's bug */ } }
   };
 
