@@ -15,13 +15,15 @@ broker's URL forms and options (``result_backend_transport_options``; see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from celery import states
 from celery.backends.asynchronous import AsyncBackendMixin
 from celery.backends.base import BaseKeyValueStoreBackend
-from celery.exceptions import BackendStoreError
+from celery.exceptions import BackendError, BackendStoreError
 from kombu.utils.objects import cached_property
 from redis.cluster import RedisCluster
 
@@ -84,7 +86,29 @@ class ResultBackend(ChordCounting, BaseKeyValueStoreBackend, AsyncBackendMixin):
             self, self.app, self.accept, self._pending_results, self._pending_messages)
         if self.cluster and self.settings.wait_replicas:  # (bad URLs fail here, in one line)
             raise ConfigError(CLUSTER_NO_WAIT)
+        #: Set while this thread's stores are tried once (:meth:`single_try`).
+        self._single_try = threading.local()
         on_dead(DeadJobResults(self.app))  # jobs the dead set takes in fail their results
+
+    @contextmanager
+    def single_try(self) -> Iterator[None]:
+        """Stores made in this block (this thread's) are tried once: a store that fails
+        on a lost connection raises instead of waiting for Celery's next try
+        (``result_backend_always_retry``, up to ``result_backend_max_retries``: forever by
+        default). The dead set's listener stores from the reaper's thread and the
+        fetch's, which must not stop while a result backend is away."""
+        self._single_try.on = True
+        try:
+            yield
+        finally:
+            self._single_try.on = False
+
+    def _sleep(self, amount: float) -> None:
+        """Celery's wait before it tries a store again (see :meth:`single_try`)."""
+        if getattr(self._single_try, "on", False):
+            raise BackendError("celery_ext: the result backend did not answer (not tried "
+                               "again from this thread)")
+        super()._sleep(amount)
 
     def _full_url(self, url: str) -> str:
         if url.startswith("sentinel://"):

@@ -16,6 +16,7 @@ cannot be decoded. Counting by task id makes a job reported twice count once.
 from __future__ import annotations
 
 import base64
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +64,11 @@ class DeadJobResults:
         exc = DeadJob(f"{reason}: {error}" if error else reason)
         logger.warning("celery_ext: job %s went to the dead set (%s); its result fails",
                        task_id, reason)
-        backend.mark_as_failure(task_id, exc, request=request)
+        # Tried once: this runs in the reaper's thread or the fetch's, which a result
+        # backend that is away must not hold up (the failure is logged by the dead set).
+        single_try = getattr(backend, "single_try", None)
+        with single_try() if single_try is not None else nullcontext():
+            backend.mark_as_failure(task_id, exc, request=request)
 
 
 def _embed(envelope: dict[str, Any]) -> dict[str, Any]:

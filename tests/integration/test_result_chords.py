@@ -6,17 +6,23 @@ counting once, so the body runs exactly once with the right result.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import redis
 from celery import chain, chord, group
 
+from celery_ext.config import Settings
+from celery_ext.store.keys import Keys
 from tests import resultutil
 from tests.apps import proj_results
-from tests.helpers import celery_cli, wait_for
+from tests.helpers import celery_cli, message, wait_for
 from tests.resultutil import Results
 from tests.workers import WorkerProcess
+
+K = Keys("celery_ext")
 
 results, app_for = resultutil.results, resultutil.app_for
 APP = resultutil.APP
@@ -181,3 +187,46 @@ def _connections_made(results: Results) -> int:
         infos = results.client.info("stats", target_nodes=results.client.PRIMARIES)
         return sum(int(i["total_connections_received"]) for i in infos.values())
     return int(results.client.info("stats")["total_connections_received"])
+
+
+def test_a_result_backend_that_is_away_does_not_hold_up_a_dead_letter(
+        redis_client: redis.Redis) -> None:
+    """The dead set's listener stores the failure of a job it takes in, from the thread
+    that moved it (the reaper's, the fetch's). With the app's result backend away and
+    Celery's retry on (``install(app)`` sets ``result_backend_always_retry``; its retries
+    are unbounded by default), that store is tried once and the failure logged: before,
+    the reaper's pass waited on Celery's retries for as long as the backend was away."""
+    import socket
+    import threading
+
+    from celery import Celery
+
+    from celery_ext.store import dead_set
+    from celery_ext.worker.reaper import Reaper
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = Celery("away", broker=f"celery-ext://127.0.0.1:{port}/0",
+                 backend=f"celery-ext://127.0.0.1:{port}/1", set_as_current=False)
+    app.conf.result_backend_always_retry = True
+    listeners = list(dead_set._listeners)
+    app.backend  # noqa: B018 (made in this thread: it registers its dead-set listener)
+    try:
+        settings = Settings()
+        pool, queue = "ghost:1:away", "tests.away"
+        redis_client.zadd(K.pools, {pool: 0})
+        redis_client.hset(K.pool(pool), "dead_after_ms", 1000)
+        redis_client.sadd(K.inflight_pools, pool)
+        redis_client.hset(K.inflight(pool), "t1", f"{queue}\n{json.dumps(message('t1', queue))}")
+        redis_client.hset(K.redelivery, "t1", settings.max_recoveries)  # a poison pill
+        done: list[Any] = []
+        reaper = threading.Thread(
+            target=lambda: done.append(Reaper(redis_client, settings).reap()), daemon=True)
+        reaper.start()
+        reaper.join(60)  # (Celery's retries would wait until the backend came back)
+        assert done and done[0].dead_jobs == ["t1"], "the reaper's pass did not end"
+        assert redis_client.zcard(K.dead) == 1
+    finally:
+        dead_set._listeners[:] = listeners
+        app.close()
