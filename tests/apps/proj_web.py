@@ -46,7 +46,7 @@ def configure(broker_url: str) -> None:
         app.amqp._producer_pool = None
 
 
-@app.task(unique="until_finished", unique_key=lambda key: key)
+@app.task(unique="until_finished", unique_key=lambda key: key, acks_late=True)
 def locked(key: str) -> str:
     """A unique job locked until it finishes (the job widget shows its lock)."""
     return key
