@@ -84,6 +84,19 @@ def rec(redis_server: RedisServer) -> redis.Redis:
 
 
 @pytest.fixture
+def ext_client(broker_url: str, redis_client: redis.Redis) -> Iterator[Any]:
+    """celery-ext's ``Client`` for the web test app (``tests.apps.proj_web``), configured
+    for the session server, on an empty server."""
+    from celery_ext.client import Client
+    from tests.apps import proj_web
+
+    proj_web.configure(broker_url)
+    client = Client.for_app(proj_web.app)
+    yield client
+    client.client.close()
+
+
+@pytest.fixture
 def broker_url(redis_server: RedisServer) -> str:
     """The session server's URL with our transport's scheme (``import celery_ext`` registers it)."""
     return redis_server.url(scheme="celery-ext")

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import pytest
 import redis
 
 with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; httpx still works
@@ -23,14 +22,6 @@ from tests.workers import WorkerProcess
 
 #: A cursor as a job keeps one: nested JSON, and a long text the CLI cuts.
 CURSOR = {"page": 3, "after": "order-41", "note": "x" * 300}
-
-
-@pytest.fixture
-def ext_client(broker_url: str, redis_client: redis.Redis) -> Iterator[Client]:
-    proj_web.configure(broker_url)
-    client = Client.for_app(proj_web.app)
-    yield client
-    client.client.close()
 
 
 def flag(key: str) -> None:

@@ -63,14 +63,6 @@ def value(got: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
     return got.get((name, frozenset(labels.items())))
 
 
-@pytest.fixture
-def ext_client(broker_url: str, redis_client: redis.Redis) -> Iterator[Client]:
-    proj_web.configure(broker_url)
-    client = Client.for_app(proj_web.app)
-    yield client
-    client.client.close()
-
-
 def test_metrics_text_against_a_live_worker(
         ext_client: Client, redis_client: redis.Redis,
         worker_factory: Callable[..., WorkerProcess]) -> None:

@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 import signal
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 import redis
 
 with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; httpx still works
@@ -32,14 +31,6 @@ from tests.workers import WorkerProcess
 
 ECHO = "tests.apps.proj_web.echo"
 TYPO = "tests.apps.proj_web.ecko"  # no task of that name anywhere
-
-
-@pytest.fixture
-def ext_client(broker_url: str, redis_client: redis.Redis) -> Iterator[Client]:
-    proj_web.configure(broker_url)
-    client = Client.for_app(proj_web.app)
-    yield client
-    client.client.close()
 
 
 def row(client: Client, name: str) -> QueueInfo | None:

@@ -29,14 +29,6 @@ XSS = "<script>window.__pwned=1</script><img src=x onerror=\"window.__pwned=2\">
 
 
 @pytest.fixture
-def ext_client(broker_url: str, redis_client: redis.Redis) -> Iterator[Client]:
-    proj_web.configure(broker_url)
-    client = Client.for_app(proj_web.app)
-    yield client
-    client.client.close()
-
-
-@pytest.fixture
 def api(ext_client: Client) -> Iterator[TestClient]:
     app = create_app(ext_client, sample_interval=0.2)
     with TestClient(app) as tc:
