@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis
+from celery.local import Proxy
 
 from celery_ext.config import BULK_PIPELINE_SIZE, BULK_RETRY_POLICY
 
@@ -189,14 +190,38 @@ def apply_many(task: Any, args_list: Iterable[Any], *, size: int = BULK_PIPELINE
                **options: Any) -> list[Any]:
     """``task.apply_async(args, **options)`` for each item of ``args_list`` (a tuple of
     positional arguments, or a dict of keyword arguments), written in round trips of
-    ``size`` jobs; returns their ``AsyncResult``, in order, once every job is written."""
+    ``size`` jobs; returns their ``AsyncResult``, in order, once every job is written.
+
+    Each job's message is built by :class:`~celery_ext.producer.bulk_jobs.Jobs` (the
+    direct path) when :func:`~celery_ext.producer.bulk_jobs.direct_path` allows it,
+    else by ``apply_async``. The round trips are retried under the call's ``retry``
+    and ``retry_policy`` over the app's."""
+    from celery_ext.producer.bulk_jobs import Jobs, direct_path
+
     app = task._get_app()
+    if isinstance(task, Proxy):  # a task of an app not finalized yet
+        task = task._get_current_object()
     producer = options.pop("producer", None)
-    with app.producer_or_acquire(producer) as producer, bulk(app, size):
-        results = []
-        for item in args_list:
-            args, kwargs = _call_args(item)
-            results.append(task.apply_async(args, kwargs, producer=producer, **options))
+    retry, policy = _retry_policy(app)
+    if options.get("retry") is not None:
+        retry = bool(options["retry"])
+    if options.get("retry_policy"):
+        policy = {**(policy or {}), **options["retry_policy"]}
+    with app.producer_or_acquire(producer) as producer:
+        if direct_path(app, task, options, producer):
+            outer = _current.get()  # a bulk inside a bulk is the outer one
+            buffer = outer or Bulk(size, retry=retry, retry_policy=policy)
+            jobs = Jobs(app, task, options, producer, buffer)
+            try:
+                return [jobs.publish(*_call_args(item)) for item in args_list]
+            finally:
+                if outer is None:
+                    buffer.flush()
+        with bulk(app, size):
+            results = []
+            for item in args_list:
+                args, kwargs = _call_args(item)
+                results.append(task.apply_async(args, kwargs, producer=producer, **options))
     return results
 
 
