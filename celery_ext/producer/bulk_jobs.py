@@ -14,15 +14,17 @@ what depends on the job's arguments, in the order a single publish runs it:
 2. Celery's router, given the job's args and kwargs (about 2 µs: always called, so a
    router that reads them routes each job as ``apply_async`` would);
 3. the message from Celery's own ``app.amqp.as_task_v2`` (``argsrepr`` and
-   ``kwargsrepr`` computed as it computes them, from the call's limits);
+   ``kwargsrepr`` as its ``saferepr`` writes them: :func:`argsrepr`);
 4. the destination (queue, exchange, routing key, delivery mode) as Celery's
-   ``send_task_message`` derives it, ``before_task_publish`` with Celery's arguments;
+   ``send_task_message`` derives it, ``before_task_publish`` with Celery's arguments
+   (its receivers are read once per call; when the only one is celery_ext's fair key,
+   the key is computed here as that receiver computes it, without the dispatch);
 5. the body serialized by Kombu's ``Producer._prepare`` and the message dict by the
    channel's ``prepare_message`` and ``basic_publish`` (body encoding, delivery tag,
    delivery info), whose ``_put`` hands the job to the Enqueuer and so to the bulk
    (publish marker, priority level, fair key, unique lock, scheduled set);
-6. ``after_task_publish``, the ``AsyncResult`` (pointed at the pending job of a unique
-   task once the bulk is written) and the parent task's trail.
+6. ``after_task_publish`` (when it has receivers), the ``AsyncResult`` (pointed at
+   the pending job of a unique task once the bulk is written), the parent's trail.
 
 The stored message is the one ``apply_async`` stores, but for its ids and timestamps
 (``tests/integration/test_bulk_messages.py`` compares them field by field).
@@ -38,7 +40,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from celery import Celery, signals
 from celery.app.amqp import AMQP as CeleryAMQP
@@ -51,6 +53,7 @@ from kombu.common import Broadcast
 from kombu.utils.functional import maybe_list
 from kombu.utils.uuid import uuid
 
+from celery_ext.options import fair
 from celery_ext.options import unique as _unique
 from celery_ext.options.checks import check_task
 from celery_ext.producer.bulk import Bulk
@@ -67,6 +70,36 @@ _SEND_TASK = inspect.signature(Celery.send_task)
 _PUBLISH_NAMED = frozenset(
     name for name, p in inspect.signature(messaging.Producer.publish).parameters.items()
     if p.kind is not inspect.Parameter.VAR_KEYWORD and name not in ("self", "body"))
+
+
+#: Types whose ``repr`` is what Celery's ``saferepr`` writes for them (a ``str`` too,
+#: when it is printable and holds no quote or backslash: :func:`_plain`).
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def _plain(value: Any) -> bool:
+    kind = type(value)
+    return kind in _SCALARS or (kind is str and value.isprintable()
+                                and "'" not in value and "\\" not in value)
+
+
+def argsrepr(value: Any, maxsize: int, maxlevels: int) -> str:
+    """Celery's ``saferepr(value, maxsize, maxlevels)``, as ``as_task_v2`` writes the
+    ``argsrepr`` and ``kwargsrepr`` headers. A flat tuple, list or dict of plain values
+    (:func:`_plain`) whose ``repr`` is shorter than ``maxsize`` has it as its
+    ``saferepr``, in a fraction of the time; anything else goes to ``saferepr``."""
+    kind = type(value)
+    if kind is tuple or kind is list:
+        flat = all(map(_plain, value))
+    elif kind is dict:
+        flat = all(map(_plain, value)) and all(map(_plain, value.values()))
+    else:
+        flat = False
+    if flat:
+        text = repr(value)
+        if len(text) < maxsize:
+            return text
+    return cast(str, saferepr(value, maxsize, maxlevels=maxlevels))
 
 
 def _wrapped_by_us(fn: Any) -> bool:
@@ -178,6 +211,15 @@ class Jobs:
             _unique.validate_unique_options(task)
             self.unique_key = _unique._key_of(task)
         self._declared: set[int] = set()
+        # The publish signals' receivers, read once per call. When the only one before
+        # a publish is celery_ext's fair key (the usual case), it runs here directly.
+        before = signals.before_task_publish._live_receivers(self.name)
+        self.send_before = bool(before)
+        self.fair_task: Any = None
+        if before == [fair._on_before_publish] and not a["retries"]:
+            self.send_before = False
+            self.fair_task = fair._declaring_task(self.name)
+        self.send_after = bool(signals.after_task_publish._live_receivers(self.name))
 
     def publish(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """Publish one job as ``task.apply_async(args, kwargs, **options)`` would, into
@@ -193,9 +235,8 @@ class Jobs:
         amqp = self.amqp
         message = amqp.as_task_v2(
             task_id, self.name, args, kwargs, self.countdown, self.eta, expires=expires,
-            argsrepr=saferepr(args or (), amqp.argsrepr_maxsize, maxlevels=self.repr_levels),
-            kwargsrepr=saferepr(kwargs or {}, amqp.kwargsrepr_maxsize,
-                                maxlevels=self.repr_levels),
+            argsrepr=argsrepr(args or (), amqp.argsrepr_maxsize, self.repr_levels),
+            kwargsrepr=argsrepr(kwargs or {}, amqp.kwargsrepr_maxsize, self.repr_levels),
             **self.message_args, **options)
         if self.on_task_call is not None:
             self.on_task_call(self.producer, task_id)
@@ -270,17 +311,23 @@ class Jobs:
             routing_key = routing_key or queue.routing_key or self.default_rkey
         if declare is None and queue and not isinstance(queue, Broadcast):
             declare = [queue]
-        policy = (dict(self.default_policy, **retry_policy) if retry_policy
-                  else dict(self.default_policy))
-        signals.before_task_publish.send(
-            sender=self.name, body=body, exchange=exchange, routing_key=routing_key,
-            declare=declare, headers=headers, properties=properties, retry_policy=policy)
+        if self.send_before:
+            policy = (dict(self.default_policy, **retry_policy) if retry_policy
+                      else dict(self.default_policy))
+            signals.before_task_publish.send(
+                sender=self.name, body=body, exchange=exchange, routing_key=routing_key,
+                declare=declare, headers=headers, properties=properties, retry_policy=policy)
+        elif self.fair_task is not None and properties.get(fair.PROPERTY) is None:
+            key = fair.key_for(self.fair_task, body[0], body[1])  # (_on_before_publish)
+            if key is not None:
+                properties[fair.PROPERTY] = key
         self._publish(body, headers, properties, exchange, routing_key,
                       serializer or self.default_serializer,
                       compression or self.default_compressor, delivery_mode,
                       list(declare or ()), timeout, confirm_timeout, uniq)
-        signals.after_task_publish.send(sender=self.name, body=body, headers=headers,
-                                        exchange=exchange, routing_key=routing_key)
+        if self.send_after:
+            signals.after_task_publish.send(sender=self.name, body=body, headers=headers,
+                                            exchange=exchange, routing_key=routing_key)
 
     def _publish(self, body: Any, headers: dict[str, Any], celery_props: dict[str, Any],
                  exchange: Any, routing_key: Any, serializer: Any, compression: Any,
