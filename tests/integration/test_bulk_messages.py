@@ -232,3 +232,98 @@ def test_a_router_reading_the_arguments_routes_each_job(
     wait_for(lambda: rec.hlen("bulk:route") >= 10, 60, "the routed jobs to run")
     assert {k.decode(): int(v) for k, v in rec.hgetall("bulk:route").items()} == {
         str(i): 1 for i in range(10)}
+
+
+def test_unique_jobs_in_every_mode_through_apply_many(
+        installed: redis.Redis, direct: list[str], rec: redis.Redis,
+        worker_factory: Callable[..., WorkerProcess]) -> None:
+    """Until started, until finished and debounced: one job per key, each result naming
+    the job that is pending, as a loop of ``apply_async`` would leave them."""
+    from tests.apps import proj_unique
+
+    rec.delete("runs:ak1", "runs:ak2", "runs:adeb", "runs:ast", "start:ak1", "start:ak2")
+    held = proj_unique.held.apply_many([("ak1",), ("ak1",), ("ak2",), ("ak1",)])
+    debounced = proj_unique.debounced.apply_many([("adeb", n) for n in (1, 2, 3)])
+    started = proj_unique.started.apply_many([("ast",), ("ast",)])
+    assert len(direct) == 9
+    assert [r.id for r in held] == [held[0].id, held[0].id, held[2].id, held[0].id]
+    assert [r.id for r in started] == [started[0].id] * 2
+    assert installed.llen(K.queue("tests.apps.proj_unique.held")) == 2
+    assert installed.llen(K.queue("tests.apps.proj_unique.started")) == 1
+    assert installed.zcard(K.scheduled) == 1  # the debounced job: the latest replaced the others
+    assert len({r.id for r in debounced}) == 3
+    # The stored unique job is what apply_async stores (its lock's digest aside).
+    single = proj_unique.held.apply_async(("ak3",))
+    payloads = stored(installed)
+    ours, theirs = fields(payloads[held[0].id]), fields(payloads[single.id])
+    assert [f for f in ours if f[:2] != ("headers", "celery_ext_unique")
+            and f[:2] != ("headers", "argsrepr") and f[0] != "body"] == [
+        f for f in theirs if f[:2] != ("headers", "celery_ext_unique")
+        and f[:2] != ("headers", "argsrepr") and f[0] != "body"]
+    assert ("headers", "celery_ext_unique_mode", "until_finished") in ours
+    worker_factory("tests.apps.proj_unique", pool="solo", concurrency=1).start()
+    wait_for(lambda: rec.llen("runs:ak1") and rec.llen("runs:ak2") and rec.llen("runs:adeb")
+             and rec.llen("runs:ast"), 60, "the jobs to run")
+    assert [r.decode().split(":")[1] for r in rec.lrange("start:ak1", 0, -1)] == [held[0].id]
+    assert [r.decode().split(":")[1] for r in rec.lrange("start:ak2", 0, -1)] == [held[2].id]
+    assert rec.lrange("runs:adeb", 0, -1) == [b"3"]
+    assert rec.lrange("runs:ast", 0, -1) == [b"s"]
+
+
+def test_fair_keys_hold_when_other_receivers_are_connected(
+        installed: redis.Redis, direct: list[str]) -> None:
+    """With a receiver of the user's, the signal is sent and celery_ext's receiver sets
+    the fair key, as for a single publish."""
+    seen: list[str] = []
+
+    def on_before(headers: Any = None, **kw: Any) -> None:
+        seen.append(headers["id"])
+
+    before_task_publish.connect(on_before, weak=False)
+    try:
+        results = proj_bulk.tenant_tally.apply_many(
+            [("fk", tenant, i) for tenant in "ab" for i in range(2)])
+    finally:
+        before_task_publish.disconnect(on_before)
+    assert seen == [r.id for r in results]
+    fair = "tests.apps.proj_bulk.tenant_tally"
+    assert installed.llen(K.fair_queue(fair, "a")) == 2
+    assert installed.llen(K.fair_queue(fair, "b")) == 2
+
+
+def test_a_job_publishing_apply_many_is_its_parent(
+        installed: redis.Redis, worker_factory: Callable[..., WorkerProcess]) -> None:
+    """Inside a worker: each job names the publishing job as its parent and root."""
+    parent = proj_bulk.fan_out.delay("fan", 5)
+    worker_factory("tests.apps.proj_bulk", pool="threads", concurrency=2,
+                   queues=["tests.apps.proj_bulk.fan_out"]).start()
+    wait_for(lambda: installed.llen(K.queue(TALLY)) >= 5, 60, "the fan-out to publish")
+    headers = [json.loads(p)["headers"] for p in installed.lrange(K.queue(TALLY), 0, -1)]
+    assert {(h["parent_id"], h["root_id"]) for h in headers} == {(parent.id, parent.id)}
+    assert sorted(h["argsrepr"] for h in headers) == [f"('fan', {i})" for i in range(5)]
+
+
+def test_a_task_class_overriding_apply_async_publishes_through_it(
+        broker_url: str, redis_client: redis.Redis, direct: list[str]) -> None:
+    """What the direct path skips must be Celery's own: a task whose class overrides
+    ``apply_async`` gets its ``apply_async`` per job, in one bulk."""
+    app = Celery("custom_apply", broker=broker_url, set_as_current=False)
+    app.conf.task_ignore_result = True
+    celery_ext.install(app)
+    calls: list[Any] = []
+
+    class Counted(app.Task):  # type: ignore[name-defined,misc]
+        def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+            calls.append(args)
+            return super().apply_async(args, kwargs, **options)
+
+    @app.task(name="custom.m", base=Counted, shared=False)
+    def m(i: int) -> None: ...
+
+    try:
+        results = m.apply_many([(i,) for i in range(3)])
+    finally:
+        app.close()
+    assert direct == [] and calls == [(0,), (1,), (2,)]
+    assert len(redis_client.lrange(K.queue("custom.m"), 0, -1)) == 3
+    assert len({r.id for r in results}) == 3
