@@ -265,3 +265,30 @@ def test_wait_replicas_waits_once_per_round_trip_of_a_bulk(
     with primary.client() as p, replica.client() as r:
         assert r.llen(K.queue("bulk.replicated")) == 2500
         assert p.info("commandstats")["cmdstat_wait"]["calls"] == 3
+
+
+def test_apply_many_retries_its_round_trips_under_the_calls_retry_options(
+        proxy: Proxy, redis_client: redis.Redis, writes: list[int]) -> None:
+    """``retry`` and ``retry_policy`` given to ``apply_many`` are its round trips' policy
+    (over the app's), as a single publish's are its write's: with ``max_retries=1`` a
+    round trip whose replies never come is sent twice, then the call raises; with
+    ``retry=False`` once."""
+    url = f"celery-ext://127.0.0.1:{proxy.port}/0"
+    proj.configure(url)
+    proj_bulk.tally.delay("warm-up", 0)  # connected, scripts loaded
+    redis_client.delete(K.queue(TALLY))
+    writes.clear()
+    proxy.cut_on_reply(b"('policy', 0)", times=100)
+    try:
+        with pytest.raises(redis.exceptions.ConnectionError):
+            proj_bulk.tally.apply_many([("policy", 0)], retry_policy={
+                "max_retries": 1, "interval_start": 0, "interval_step": 0})
+        assert writes == [1, 1]
+        writes.clear()
+        with pytest.raises(redis.exceptions.ConnectionError):
+            proj_bulk.tally.apply_many([("policy", 0)], retry=False)
+        assert writes == [1]
+    finally:
+        proxy.disarm()
+    # Every attempt reached Redis, and its marker kept each call's job single.
+    assert redis_client.llen(K.queue(TALLY)) == 2
