@@ -40,11 +40,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from types import ModuleType
 from typing import Any, cast
 
 from celery import Celery, signals
-from celery.app.amqp import AMQP as CeleryAMQP
-from celery.app.task import Task as CeleryTask
+from celery.app import amqp as celery_amqp
+from celery.app import base as celery_base
+from celery.app import task as celery_task
 from celery.utils.nodenames import anon_nodename
 from celery.utils.saferepr import saferepr
 from celery.utils.time import maybe_iso8601
@@ -109,32 +111,40 @@ def _wrapped_by_us(fn: Any) -> bool:
 
 def _unwrapped_send_task(app: Any) -> Any:
     """The function under celery_ext's own ``send_task`` wrappers (``install(app)``'s
-    option checks and unique jobs), or None when another wrapper is in the way."""
+    option checks and unique jobs)."""
     fn = app.send_task
     while _wrapped_by_us(fn):
         fn = fn.__wrapped__
     return fn
 
 
+def _celerys(fn: Any, module: ModuleType) -> bool:
+    """Whether ``fn`` is ``module``'s own code: not a subclass's override, nor a wrapper
+    another library put in its place (an APM's ``apply_async`` that adds trace headers
+    must run; a ``functools.wraps`` wrapper has its own code)."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return code is not None and code.co_filename == module.__file__
+
+
 def direct_path(app: Any, task: Any, options: Mapping[str, Any], producer: Any) -> bool:
     """Whether a call of ``apply_many`` can build its jobs itself: everything it skips
-    is Celery's and Kombu's own code (no subclass or wrapper overrides it) and the
-    channel is ours, on one node or Sentinel (a cluster writes each job at once)."""
-    send_task = _unwrapped_send_task(app)
+    is Celery's and Kombu's own code and the channel is ours, on one node or Sentinel (a
+    cluster writes each job at once)."""
     channel: Any = getattr(producer, "channel", None)
-    enqueuer = getattr(type(channel), "enqueuer", None)
-    conf = app.conf
-    return (getattr(send_task, "__func__", None) is Celery.send_task
-            and type(task).apply_async is CeleryTask.apply_async
-            and type(task).shadow_name is CeleryTask.shadow_name
+    if getattr(type(channel), "enqueuer", None) is None or channel.keys.cluster:
+        return False
+    amqp, conf = app.amqp, app.conf
+    return (_celerys(_unwrapped_send_task(app), celery_base)
+            and _celerys(task.apply_async, celery_task)
+            and _celerys(task.shadow_name, celery_task)
             and not getattr(task, "__v2_compat__", False)
             and getattr(task, "_dump_pydantic_arguments", None) is None
-            and type(app.amqp)._create_task_sender is CeleryAMQP._create_task_sender
-            and app.amqp.create_task_message == app.amqp.as_task_v2
-            and type(producer).publish is messaging.Producer.publish
-            and type(producer)._prepare is messaging.Producer._prepare
+            and _celerys(amqp.send_task_message, celery_amqp)
+            and _celerys(amqp.as_task_v2, celery_amqp)
+            and amqp.create_task_message == amqp.as_task_v2
+            and _celerys(producer.publish, messaging)
+            and _celerys(producer._prepare, messaging)
             and getattr(producer._batch_local, "current", None) is None
-            and enqueuer is not None and not channel.keys.cluster
             and not conf.task_always_eager and not conf.task_send_sent_event
             and not signals.task_sent.receivers
             and not PER_JOB_OPTIONS.intersection(options))
@@ -226,7 +236,9 @@ class Jobs:
         the bulk; returns its ``AsyncResult``."""
         task = self.task
         if task.typing:
-            task.__header__(*(args or ()), **(kwargs or {}))
+            check_arguments = getattr(task, "__header__", None)
+            if check_arguments is not None:
+                check_arguments(*(args or ()), **(kwargs or {}))
         task_id = uuid()
         options = self.router.route(dict(self.options), self.route_name, args, kwargs, task)
         expires = self.expires

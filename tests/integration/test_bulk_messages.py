@@ -327,3 +327,25 @@ def test_a_task_class_overriding_apply_async_publishes_through_it(
     assert direct == [] and calls == [(0,), (1,), (2,)]
     assert len(redis_client.lrange(K.queue("custom.m"), 0, -1)) == 3
     assert len({r.id for r in results}) == 3
+
+
+def test_a_library_wrapping_apply_async_keeps_its_wrapper(
+        installed: redis.Redis, direct: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An APM that wraps Celery's ``Task.apply_async`` in place (``functools.wraps``, as
+    tracing libraries do, to add a trace header) runs for each job of ``apply_many``."""
+    import functools
+
+    from celery.app import task as celery_task
+
+    original = celery_task.Task.apply_async
+
+    @functools.wraps(original)
+    def traced(self: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        options["headers"] = {**(options.get("headers") or {}), "trace": "apm"}
+        return original(self, args, kwargs, **options)
+
+    monkeypatch.setattr(celery_task.Task, "apply_async", traced)
+    results = proj_bulk.tally.apply_many([("apm", i) for i in range(3)])
+    assert direct == []
+    payloads = stored(installed)
+    assert [json.loads(payloads[r.id])["headers"]["trace"] for r in results] == ["apm"] * 3
