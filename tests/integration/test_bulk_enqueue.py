@@ -41,10 +41,10 @@ def writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     sizes: list[int] = []
     real = getattr(Enqueuer, "write", None)
 
-    def write(self: Enqueuer, batch: Any) -> list[Any]:
+    def write(self: Enqueuer, batch: Any, **kwargs: Any) -> list[Any]:
         sizes.append(len(batch))
         assert real is not None
-        return real(self, batch)
+        return real(self, batch, **kwargs)
 
     monkeypatch.setattr(Enqueuer, "write", write, raising=False)
     return sizes
@@ -292,3 +292,28 @@ def test_apply_many_retries_its_round_trips_under_the_calls_retry_options(
         proxy.disarm()
     # Every attempt reached Redis, and its marker kept each call's job single.
     assert redis_client.llen(K.queue(TALLY)) == 2
+
+
+def test_a_round_trip_in_flight_whose_replies_never_come_is_sent_again_whole(
+        proxy: Proxy, rec: redis.Redis, redis_client: redis.Redis, writes: list[int],
+        worker_factory: Callable[..., WorkerProcess]) -> None:
+    """``apply_many`` sends a full round trip and builds the next while Redis runs it.
+    When the replies of the one in flight are lost, and those of its resend through the
+    channel's client too, the bulk sends it again under its retry policy: each job is
+    stored once."""
+    url = f"celery-ext://127.0.0.1:{proxy.port}/0"
+    proj.configure(url)
+    rec.delete("bulk:flight")
+    proj_bulk.tally.delay("warm-up", 0)  # connected, scripts loaded
+    redis_client.delete(K.queue(TALLY))
+    writes.clear()
+    proxy.cut_on_reply(b"('flight', 500)", times=2)  # the first round trip, twice
+    results = proj_bulk.tally.apply_many([("flight", i) for i in range(2500)])
+    assert proxy.replies_cut == 2
+    assert writes[0] == 1000 and sorted(writes) == [500, 1000, 1000, 1000]
+    stored = [json.loads(p)["headers"]["id"] for p in redis_client.lrange(K.queue(TALLY), 0, -1)]
+    assert len(stored) == 2500 and set(stored) == {r.id for r in results}
+    worker_factory("tests.apps.proj_bulk", broker_url=url, pool="threads",
+                   concurrency=8).start()
+    wait_for(drained(rec, "flight", 2500), 120, "the jobs to run")
+    assert runs(rec, "flight") == {str(i): 1 for i in range(2500)}
