@@ -49,7 +49,8 @@ from celery.app import base as celery_base
 from celery.app import task as celery_task
 from celery.utils.nodenames import anon_nodename
 from celery.utils.saferepr import saferepr
-from celery.utils.time import maybe_iso8601
+from celery.utils.time import subtract_datetimes
+from dateutil.parser import isoparse
 from kombu import Queue, messaging
 from kombu.common import Broadcast
 from kombu.utils.functional import maybe_list
@@ -272,9 +273,9 @@ class Jobs:
     def _expiration(self, expires: Any) -> float:
         """Seconds until ``expires``, as ``send_task`` computes them (0 when past)."""
         if isinstance(expires, datetime):
-            seconds = (expires - self.app.now()).total_seconds()
+            seconds = subtract_datetimes(expires, self.app.now()).total_seconds()
         elif isinstance(expires, str):
-            seconds = (maybe_iso8601(expires) - self.app.now()).total_seconds()
+            seconds = subtract_datetimes(isoparse(expires), self.app.now()).total_seconds()
         else:
             seconds = expires
         return 0 if seconds < 0 else seconds

@@ -349,3 +349,19 @@ def test_a_library_wrapping_apply_async_keeps_its_wrapper(
     assert direct == []
     payloads = stored(installed)
     assert [json.loads(payloads[r.id])["headers"]["trace"] for r in results] == ["apm"] * 3
+
+
+@pytest.mark.parametrize("expires", [
+    datetime.now(UTC).replace(tzinfo=None) + timedelta(hours=2),  # naive: taken as UTC
+    datetime.now(UTC) + timedelta(hours=2),
+    (datetime.now(UTC) + timedelta(hours=2)).isoformat()], ids=["naive", "aware", "iso"])
+def test_an_expiry_given_as_a_date_is_stored_as_apply_async_stores_it(
+        installed: redis.Redis, direct: list[str], expires: Any) -> None:
+    """The same ``expires`` header, and a broker ``expiration`` counted at each publish."""
+    single, many = one_each_way(installed, proj_bulk.tally, ("x", 1), {}, expires=expires)
+    assert direct == [TALLY]
+    a, b = json.loads(single), json.loads(many)
+    assert a["headers"]["expires"] == b["headers"]["expires"]
+    assert abs(int(a["properties"]["expiration"]) - int(b["properties"]["expiration"])) < 5000
+    assert [f for f in fields(many) if f[:2] != ("properties", "expiration")] == [
+        f for f in fields(single) if f[:2] != ("properties", "expiration")]
