@@ -103,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in scenarios:
         if name not in SCENARIOS:
             parser.error(f"unknown scenario {name!r}")
+    args.out = args.out.resolve()  # the servers run in their own working directory
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
     t0 = time.monotonic()
