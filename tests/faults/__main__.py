@@ -1,7 +1,8 @@
 """``python -m tests.faults``: every fault scenario, stock vs ours, side by side.
 
 Prints a table, writes ``results.json`` and ``table.md`` to ``--out``; logs and
-each run's append-only record stay there too.
+each run's append-only record stay there too. ``--scale-soak`` runs the scale soak
+(tests/faults/scale.py) at its own sizes, unless given, and also writes ``scale.md``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from tests.faults.harness import MODES, Options, Result, Run
+from tests.faults.scale import SCALE_DEFAULTS, SCALE_SCENARIOS, ScaleRun, scale_table
 from tests.faults.scenarios import SCENARIOS
+
+#: Scenarios only named runs include: the long soak and the scale soak.
+NOT_BY_DEFAULT = ("soak", *SCALE_SCENARIOS)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -66,24 +71,39 @@ def table(results: list[Result]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     defaults = Options()
     parser = argparse.ArgumentParser(prog="python -m tests.faults", description=__doc__)
-    parser.add_argument("--scenarios", default=",".join(n for n in SCENARIOS if n != "soak"),
+    parser.add_argument("--scenarios", default=None,
                         help=f"comma-separated, from: {', '.join(SCENARIOS)} (default: all "
-                             "but soak; 'soak' runs every fault kind in one long run)")
+                             "but soak and scale_soak_*; 'soak' runs every fault kind in one "
+                             "long run)")
+    parser.add_argument("--scale-soak", action="store_true",
+                        help="run " + " and ".join(SCALE_SCENARIOS) + " with "
+                             + ", ".join(f"--{k.replace('_', '-')} {v}"
+                                         for k, v in SCALE_DEFAULTS.items())
+                             + " unless given (4 runs: 1,000,000 jobs, 300 kills)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     for f in fields(Options):
         value = getattr(defaults, f.name)
         if isinstance(value, tuple):
             continue
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value)
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=None,
+                            help=f"default {SCALE_DEFAULTS.get(f.name, value)} with "
+                                 f"--scale-soak, else {value}" if f.name in SCALE_DEFAULTS
+                            else f"default {value}")
     args = parser.parse_args(argv)
-    opts = Options(**{f.name: getattr(args, f.name) for f in fields(Options)
-                      if hasattr(args, f.name)})
+    preset = SCALE_DEFAULTS if args.scale_soak else {}
+    opts = Options(**{f.name: preset.get(f.name, getattr(defaults, f.name))
+                      if getattr(args, f.name, None) is None else getattr(args, f.name)
+                      for f in fields(Options) if hasattr(args, f.name)})
+    if args.scenarios is None:
+        args.scenarios = ",".join(SCALE_SCENARIOS) if args.scale_soak else ",".join(
+            n for n in SCENARIOS if n not in NOT_BY_DEFAULT)
     scenarios = [s for s in args.scenarios.split(",") if s]
     modes = [m for m in args.modes.split(",") if m]
     for name in scenarios:
         if name not in SCENARIOS:
             parser.error(f"unknown scenario {name!r}")
+    args.out = args.out.resolve()  # the servers run in their own working directory
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
     t0 = time.monotonic()
@@ -91,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Alternate which transport goes first, as the benchmark does.
         for mode in (modes if i % 2 == 0 else modes[::-1]):
             print(f"{name} / {mode}: {SCENARIOS[name].title}", flush=True)
-            result = Run(SCENARIOS[name], mode, opts, args.out).run()
+            runner = ScaleRun if name in SCALE_SCENARIOS else Run
+            result = runner(SCENARIOS[name], mode, opts, args.out).run()
             results.append(result)
             if result.not_run:
                 print(f"  not run: {result.not_run}", flush=True)
@@ -116,6 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(text)
     (args.out / "table.md").write_text(text + "\n")
+    scaled = [r for r in results if r.scenario in SCALE_SCENARIOS and not r.not_run]
+    if scaled:
+        text = scale_table(scaled)
+        print()
+        print(text)
+        (args.out / "scale.md").write_text(text + "\n")
     (args.out / "results.json").write_text(json.dumps(
         {"options": asdict(opts), "minutes": round((time.monotonic() - t0) / 60, 1),
          "results": [r.as_dict() for r in results]}, indent=1))

@@ -17,6 +17,8 @@ One module for both contenders, chosen by environment variables the harness sets
   with the ``cluster`` transport option)
 - ``FAULTS_NAMES``           how many job names (each its own job queue with
   ``install``): ``faults.job`` alone by default, else ``faults.job.0`` ... ``.N-1``
+- ``FAULTS_QUIET``           ``1``: no log line per job received and succeeded (the
+  scale soak's hundreds of thousands of jobs); the pools still log what the harness reads
 
 Every execution appends ``S <job> <pid> <time> <first|again>`` when it starts
 (``again``: the message was redelivered, e.g. requeued from a dead pool) and
@@ -28,6 +30,7 @@ twice as ``first`` was stored twice: a publish retried after its write landed. O
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -100,6 +103,11 @@ def job(task: Any, job_id: str, seconds: float) -> None:
     time.sleep(seconds)
     _record("D", job_id)
 
+
+if os.environ.get("FAULTS_QUIET") == "1":
+    # Celery reads these levels when a worker builds its job strategy and tracer.
+    for _name in ("celery.worker.strategy", "celery.app.trace"):
+        logging.getLogger(_name).setLevel(logging.WARNING)
 
 if "FAULTS_MODE" in os.environ:
     app = make_app(os.environ["FAULTS_MODE"],

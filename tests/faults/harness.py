@@ -112,6 +112,13 @@ class Options:
     #: dead_after.
     stall: float = 0.0
     seed: int = 1
+    #: Every job takes this many ms (the scale soak's near-no-op jobs); negative: the
+    #: mix above.
+    job_ms: float = -1.0
+    #: The scale soak's producer processes, and how many jobs they keep sent and not
+    #: yet done at most.
+    producers: int = 2
+    max_queued: int = 5000
 
 
 @dataclass

@@ -98,6 +98,16 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              stock_not_run="Kombu's redis transport has no cluster support (celery#2852)"),
 )}
 
+#: The scale soak (``--scale-soak``, tests/faults/scale.py): near-no-op jobs, a SIGKILL of a
+#: pool's main process spread over them, prefork and threads in turn; no countdowns (the
+#: scheduled set is not what it measures).
+SCENARIOS.update((s.name, s) for s in (
+    Scenario("scale_soak_prefork", "scale soak: SIGKILL prefork pools' main processes "
+             "under a stream of near-no-op jobs", ("kill_main",), countdowns=False),
+    Scenario("scale_soak_threads", "scale soak: SIGKILL threads pools under a stream of "
+             "near-no-op jobs", ("kill_main",), pool=("threads", 4), countdowns=False),
+))
+
 #: The execution pool of the green variants: jobs are greenlets of the main process, as
 #: many as a gevent user runs (issue 29).
 GEVENT = ("gevent", 50)

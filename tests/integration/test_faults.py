@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.harness import Options, Result, Run
+from tests.faults.scale import SCALE_SCENARIOS, RecordTail, ScaleRun, scale_table
 from tests.faults.scenarios import SCENARIOS
 
 pytestmark = pytest.mark.faults
@@ -86,7 +87,8 @@ def run(name: str, mode: str, tmp_path: Path) -> Result:
 # sentinel_failover and cluster_failover: their own tests (tests/integration/test_sentinel.py,
 # tests/integration/test_cluster_workers.py) cover what they show.
 @pytest.mark.parametrize("name", [n for n in SCENARIOS
-                                  if n not in ("soak", "sentinel_failover", "cluster_failover")])
+                                  if n not in ("soak", "sentinel_failover", "cluster_failover",
+                                               *SCALE_SCENARIOS)])
 def test_ours_loses_nothing_and_duplicates_at_most_what_was_in_flight(
         name: str, tmp_path: Path) -> None:
     r = run(name, "ours", tmp_path)
@@ -154,3 +156,35 @@ def test_stock_runs_in_the_same_harness(tmp_path: Path) -> None:
     assert len(r.faults) == SHORT.faults, r.notes
     assert r.accepted == SHORT.jobs
     assert r.done + r.lost == r.accepted
+
+
+def test_the_scale_soak_counts_a_tiny_run(tmp_path: Path) -> None:
+    """``--scale-soak`` at a tiny size: producer processes behind the backlog gate, kills
+    spread over the jobs, the record read as it grows; ours loses nothing."""
+    options = replace(SHORT, jobs=1500, faults=2, interval=1.0, job_ms=0.0, max_queued=300,
+                      settle=10.0)
+    r = ScaleRun(SCENARIOS["scale_soak_prefork"], "ours", options, tmp_path).run()
+    print(f"scale_soak_prefork/ours: {r.as_dict()}")
+    assert len(r.faults) == 2, r.notes
+    assert r.accepted == 1500 and r.refused == 0
+    assert r.lost == 0 and r.dead == 0, r.lost_sample
+    assert r.done == 1500
+    assert r.duplicates <= r.in_flight_at_faults
+    assert r.unexplained_duplicates == 0
+    assert "| ours | prefork | 1,500 | 2 | 0 |" in scale_table([r])
+
+
+def test_the_record_tail_folds_only_complete_lines(tmp_path: Path) -> None:
+    path = tmp_path / "record.log"
+    tail = RecordTail(path)
+    tail.poll()  # no record yet
+    path.write_text("S job-1 10 1.0 first\nS job-2 11 1.1 first\nD job-1 10 1.2\nS job-")
+    tail.poll()
+    assert tail.lines == 3 and set(tail.done) == {"job-1"}
+    assert tail.running({10, 11}) == ["job-2"]
+    with path.open("a") as f:
+        f.write("2 12 2.0 again\nD job-2 12 2.1\n")
+    tail.poll()
+    assert tail.starts["job-2"] == 2 and tail.first_starts["job-2"] == 1
+    assert tail.done["job-2"] == [2.1]
+    assert tail.running({11}) == ["job-2"] and tail.running({12}) == []  # 11 was killed
