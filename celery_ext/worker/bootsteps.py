@@ -13,6 +13,8 @@ needs Celery's worker objects, in every mode unless said otherwise:
   written (Celery's per-process rate limit is off for the tasks whose limit holds in
   all pools), with one line per queue shared by tasks of different limits;
 - ``DeadLetters``: unknown and invalid messages go to the dead set;
+- ``LazyStrategies`` (``install(app)`` only): each task's strategy and tracer built on
+  its first message, not every task's at start (``strategy.py``);
 - ``PeriodicJobs``: the app's ``beat_schedule`` handed to the worker pool's periodic leader;
 - ``celery inspect scheduled`` answered from the scheduled and retry sets in Redis
   (``inspect_scheduled.py``);
@@ -78,6 +80,7 @@ from celery_ext.store.dead_set import wrap_consumer_handlers
 from celery_ext.store.keys import Keys
 from celery_ext.worker import worker_pool as _pool
 from celery_ext.worker.green import cooperative_retry_sleep, share_result_backend
+from celery_ext.worker.strategy import lazy_strategies
 
 logger = logging.getLogger("celery_ext.worker.bootsteps")
 
@@ -300,6 +303,7 @@ def add_worker_parts(app: Any) -> None:
     app.steps["consumer"].add(RevokedEvents)
     app.steps["consumer"].add(PeriodicJobs)
     app.steps["consumer"].add(NewTasks)
+    app.steps["consumer"].add(LazyStrategies)
     if "on_bound" not in vars(app.Task):
         app.Task.on_bound = classmethod(task_bound)
     if app.Task.Request in (CELERY_DEFAULT_REQUEST, None):
@@ -489,6 +493,19 @@ class DeadLetters(bootsteps.Step):
         if not getattr(c, "_celery_ext_dead_letters", False):
             wrap_consumer_handlers(c)
             c._celery_ext_dead_letters = True
+
+
+class LazyStrategies(bootsteps.Step):
+    """Consumer step (``install(app)`` only, as the shared Request classes are): the
+    consumer builds a task's strategy and tracer on its first message instead of every
+    task's at start (``strategy.LazyStrategies``); an unregistered task name still
+    takes Celery's unknown-task path (and ``DeadLetters``')."""
+
+    name = "celery_ext.LazyStrategies"
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        if getattr(c.app, "_celery_ext_installed", False):
+            lazy_strategies(c)
 
 
 class RevokedEvents(bootsteps.Step):
