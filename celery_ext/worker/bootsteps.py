@@ -44,6 +44,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import redis
@@ -114,12 +115,15 @@ def job_queues(app: Any, finalize: bool = True, strict: bool = True) -> dict[str
     return result
 
 
-def declare_job_queues(app: Any) -> None:
+def declare_job_queues(app: Any, weights: Mapping[str, int] | None = None) -> None:
     """Make every job queue known to ``app.amqp.queues`` in every process (so that
     ``celery purge``, ``-X`` and inspection see them); consuming them is decided in
-    the worker (:class:`JobQueues`)."""
+    the worker (:class:`JobQueues`). ``weights``: :func:`job_queues`' answer, when the
+    caller has it (a pass over every task less at a worker's start)."""
     queues = app.amqp.queues
-    for name in job_queues(app, finalize=False, strict=False):
+    if weights is None:
+        weights = job_queues(app, finalize=False, strict=False)
+    for name in weights:
         if name not in queues:
             queues.add(Queue(name, routing_key=name))
 
@@ -142,7 +146,7 @@ class JobQueues(bootsteps.Step):
         except ValueError as exc:  # a bad weight= stops the worker with one line
             raise SystemExit(str(exc)) from None
         set_weights(weights)
-        declare_job_queues(app)
+        declare_job_queues(app, weights)
         queues = app.amqp.queues
         if getattr(queues, "_consume_from", None) is None:  # no -Q/-X: consume them all
             worker._celery_ext_every_job_queue = True

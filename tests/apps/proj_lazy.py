@@ -30,3 +30,11 @@ def _run(key: str) -> None:
 jobs = [app.task(name=f"tests.apps.proj_lazy.job_{i:02d}", ignore_result=True,
                  Strategy="tests.apps.proj_lazy:counting")(_run)
         for i in range(20)]
+
+
+@app.task(ignore_result=True)
+def frozen() -> None:
+    """Records how many objects the worker froze out of the garbage collector's passes."""
+    import gc
+
+    recorder().set("frozen", gc.get_freeze_count())

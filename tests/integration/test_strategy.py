@@ -89,7 +89,8 @@ def test_strategies_are_built_on_a_tasks_first_message(
     on its first message (the tracer with it: the threads executor's fast path reads
     it); a later message of the same task reuses it. An unregistered task name on one of
     those queues still takes the unknown-task path (the dead set, its result failed
-    with ``NotRegistered``) and builds nothing."""
+    with ``NotRegistered``) and builds nothing. What the start built is frozen out of the
+    garbage collector's passes once the worker consumes."""
     proj.configure(broker_url)
     from tests.apps import proj_lazy
 
@@ -117,3 +118,6 @@ def test_strategies_are_built_on_a_tasks_first_message(
     second.delay("c")
     wait_for(lambda: rec.llen("ran:c"), 15, "the other task's job to run")
     assert built() == [first.name, second.name]
+
+    proj_lazy.frozen.delay()
+    assert int(wait_for(lambda: rec.get("frozen"), 15, "the frozen count")) > 0
