@@ -13,8 +13,8 @@ needs Celery's worker objects, in every mode unless said otherwise:
   written (Celery's per-process rate limit is off for the tasks whose limit holds in
   all pools), with one line per queue shared by tasks of different limits;
 - ``DeadLetters``: unknown and invalid messages go to the dead set;
-- ``LazyStrategies`` (``install(app)`` only): each task's strategy and tracer built on
-  its first message, not every task's at start (``strategy.py``);
+- ``QuietStrategies`` (``install(app)`` only): every task's strategy and tracer built
+  with the garbage collector paused (``strategy.py``);
 - ``PeriodicJobs``: the app's ``beat_schedule`` handed to the worker pool's periodic leader;
 - ``celery inspect scheduled`` answered from the scheduled and retry sets in Redis
   (``inspect_scheduled.py``);
@@ -83,7 +83,7 @@ from celery_ext.store.dead_set import wrap_consumer_handlers
 from celery_ext.store.keys import Keys
 from celery_ext.worker import worker_pool as _pool
 from celery_ext.worker.green import cooperative_retry_sleep, share_result_backend
-from celery_ext.worker.strategy import lazy_strategies
+from celery_ext.worker.strategy import build_without_collector
 
 logger = logging.getLogger("celery_ext.worker.bootsteps")
 
@@ -251,12 +251,12 @@ def describe_pool(sender: Any = None, **kwargs: Any) -> None:
 def freeze_start(sender: Any = None, **kwargs: Any) -> None:
     """``install(app)``: the worker consumes; what its start built (task classes, Kombu
     queues, the app) lives as long as the process, so it leaves the garbage collector's
-    passes (``gc.freeze``). With 10,000 job names each full pass walked 10,000 task
-    classes, and the strategies and tracers built on each task's first message
-    (``LazyStrategies``) set those passes off again and again: building 10,000 tracers
-    took 0.59 s of CPU with the collector, 0.33 s with the start frozen. The collector
-    still runs on whatever is made after; only cyclic garbage made at start and not
-    yet collected stays (the pattern Python's ``gc.freeze`` documents for servers)."""
+    passes (``gc.freeze``): with 10,000 job names a full pass walked 10,000 task
+    classes with their strategies and tracers (building 10,000 tracers in one process
+    took 0.59 s of CPU with the collector, 0.33 s with the start frozen). The
+    collector still runs on whatever is made after; only cyclic garbage made at start
+    and not yet collected stays (the pattern Python's ``gc.freeze`` documents for
+    servers)."""
     app = getattr(sender, "app", None)
     if app is not None and getattr(app, "_celery_ext_installed", False):
         gc.freeze()
@@ -324,7 +324,7 @@ def add_worker_parts(app: Any) -> None:
     app.steps["consumer"].add(RevokedEvents)
     app.steps["consumer"].add(PeriodicJobs)
     app.steps["consumer"].add(NewTasks)
-    app.steps["consumer"].add(LazyStrategies)
+    app.steps["consumer"].add(QuietStrategies)
     if "on_bound" not in vars(app.Task):
         app.Task.on_bound = classmethod(task_bound)
     if app.Task.Request in (CELERY_DEFAULT_REQUEST, None):
@@ -516,17 +516,17 @@ class DeadLetters(bootsteps.Step):
             c._celery_ext_dead_letters = True
 
 
-class LazyStrategies(bootsteps.Step):
-    """Consumer step (``install(app)`` only, as the shared Request classes are): the
-    consumer builds a task's strategy and tracer on its first message instead of every
-    task's at start (``strategy.LazyStrategies``); an unregistered task name still
-    takes Celery's unknown-task path (and ``DeadLetters``')."""
+class QuietStrategies(bootsteps.Step):
+    """Consumer step (``install(app)`` only, as the shared Request classes are): Celery
+    builds every task's strategy and tracer (``Consumer.update_strategies``) with the
+    garbage collector paused, most of that build's cost at 10,000 job names
+    (``strategy.build_without_collector``)."""
 
-    name = "celery_ext.LazyStrategies"
+    name = "celery_ext.QuietStrategies"
 
     def __init__(self, c: Any, **kwargs: Any) -> None:
         if getattr(c.app, "_celery_ext_installed", False):
-            lazy_strategies(c)
+            build_without_collector(c)
 
 
 class RevokedEvents(bootsteps.Step):

@@ -12,7 +12,6 @@ from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request as CeleryRequest
 from celery.worker.request import create_request_cls
 
-from celery_ext.client import Client
 from celery_ext.worker.strategy import shared_factory
 from tests.apps import proj
 from tests.helpers import Factory, inflight, only_pool, wait_for
@@ -82,42 +81,28 @@ def test_tasks_keep_their_own_settings_in_a_worker(
     rec.close()
 
 
-def test_strategies_are_built_on_a_tasks_first_message(
+def test_strategies_are_built_once_per_task_with_the_collector_paused(
         broker_url: str, redis_client: redis.Redis, rec: redis.Redis,
         worker_factory: Factory) -> None:
-    """A threads worker of twenty job names builds no strategy at start, and one per task
-    on its first message (the tracer with it: the threads executor's fast path reads
-    it); a later message of the same task reuses it. An unregistered task name on one of
-    those queues still takes the unknown-task path (the dead set, its result failed
-    with ``NotRegistered``) and builds nothing. What the start built is frozen out of the
-    garbage collector's passes once the worker consumes."""
+    """A threads worker of twenty counted job names builds each task's strategy once, at
+    start, with the garbage collector paused; its jobs then run on those (no build
+    per message), the collector runs again, and what the start built is frozen out of
+    its passes."""
     proj.configure(broker_url)
-    from tests.apps import proj_lazy
+    from tests.apps import proj_counted
 
     def built() -> list[str]:
-        return [n.decode() for n in rec.lrange(proj_lazy.BUILT_KEY, 0, -1)]
+        return sorted(b.decode() for b in rec.lrange(proj_counted.BUILT_KEY, 0, -1))
 
-    worker_factory("tests.apps.proj_lazy", pool="threads", concurrency=2).start()
+    worker_factory("tests.apps.proj_counted", pool="threads", concurrency=2).start()
     only_pool(redis_client)
-    assert built() == []
-    first, second = proj_lazy.jobs[3], proj_lazy.jobs[5]
-    first.delay("a")
-    first.delay("b")
-    wait_for(lambda: rec.llen("ran:a") and rec.llen("ran:b"), 15, "both jobs to run")
-    assert built() == [first.name]
+    names = sorted(job.name for job in proj_counted.jobs)
+    assert built() == [f"{name} 0" for name in names]
+    for i, job in enumerate(proj_counted.jobs[:3]):
+        job.delay(f"k{i}")
+    wait_for(lambda: all(rec.llen(f"ran:k{i}") for i in range(3)), 15, "the jobs to run")
+    assert len(built()) == len(names)
 
-    unknown = proj.app.send_task("tests.apps.proj_lazy.no_such_task", queue=first.name)
-    client = Client(redis_client)
-    page = wait_for(lambda: (p := client.dead())["total"] == 1 and p, 15, "the dead job")
-    (dead,) = page["items"]
-    assert (dead["reason"], dead["name"], dead["task_id"]) == (
-        "unknown_task", "tests.apps.proj_lazy.no_such_task", unknown.id)
-    wait_for(lambda: unknown.state == "FAILURE", 10, "the unknown task's result")
-    assert type(unknown.result).__name__ == "NotRegistered"
-
-    second.delay("c")
-    wait_for(lambda: rec.llen("ran:c"), 15, "the other task's job to run")
-    assert built() == [first.name, second.name]
-
-    proj_lazy.frozen.delay()
-    assert int(wait_for(lambda: rec.get("frozen"), 15, "the frozen count")) > 0
+    proj_counted.collector.delay()
+    enabled, frozen = wait_for(lambda: rec.get("collector"), 15, "the collector").split()
+    assert enabled == b"1" and int(frozen) > 0
