@@ -19,8 +19,7 @@ needs Celery's worker objects, in every mode unless said otherwise:
 - ``celery inspect scheduled`` answered from the scheduled and retry sets in Redis
   (``inspect_scheduled.py``);
 - ``worker_ready``: the pool's registration details (node, concurrency, pool type,
-  queues) and the job queues' weights; with ``install(app)``, what the start built
-  frozen out of the garbage collector's passes (:func:`freeze_start`);
+  queues) and the job queues' weights;
 - ``worker_shutting_down`` / ``worker_shutdown``: the pool says "stopping", then stops.
 
 Drop-in mode (the broker URL is ours, no ``install(app)``): ``celeryd_init`` adds the
@@ -39,7 +38,6 @@ every promise a ``celery worker`` process keeps and leaves nothing running.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import threading
 import time
@@ -245,21 +243,6 @@ def describe_pool(sender: Any = None, **kwargs: Any) -> None:
             # Only the dashboard reads them; the pool must start and drain a full Redis.
             logger.warning("celery_ext: Redis is at maxmemory: job queue weights not "
                            "published for the dashboard (the pool runs with them)")
-
-
-@worker_ready.connect(weak=False)
-def freeze_start(sender: Any = None, **kwargs: Any) -> None:
-    """``install(app)``: the worker consumes; what its start built (task classes, Kombu
-    queues, the app) lives as long as the process, so it leaves the garbage collector's
-    passes (``gc.freeze``). With 10,000 job names the start leaves 1.06 million
-    objects (task classes, their strategies and tracers): a full pass over them took
-    0.40-0.53 s of CPU, holding up every thread, each time the collector decided on
-    one during a drain; after the freeze it takes nothing. The collector still runs
-    on whatever is made after; only cyclic garbage made at start and not yet
-    collected stays (the pattern Python's ``gc.freeze`` documents for servers)."""
-    app = getattr(sender, "app", None)
-    if app is not None and getattr(app, "_celery_ext_installed", False):
-        gc.freeze()
 
 
 def validate_settings(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
