@@ -13,6 +13,8 @@ needs Celery's worker objects, in every mode unless said otherwise:
   written (Celery's per-process rate limit is off for the tasks whose limit holds in
   all pools), with one line per queue shared by tasks of different limits;
 - ``DeadLetters``: unknown and invalid messages go to the dead set;
+- ``QuietStrategies`` (``install(app)`` only): every task's strategy and tracer built
+  with the garbage collector paused (``strategy.py``);
 - ``PeriodicJobs``: the app's ``beat_schedule`` handed to the worker pool's periodic leader;
 - ``celery inspect scheduled`` answered from the scheduled and retry sets in Redis
   (``inspect_scheduled.py``);
@@ -40,6 +42,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import redis
@@ -78,6 +81,7 @@ from celery_ext.store.dead_set import wrap_consumer_handlers
 from celery_ext.store.keys import Keys
 from celery_ext.worker import worker_pool as _pool
 from celery_ext.worker.green import cooperative_retry_sleep, share_result_backend
+from celery_ext.worker.strategy import build_without_collector
 
 logger = logging.getLogger("celery_ext.worker.bootsteps")
 
@@ -109,12 +113,15 @@ def job_queues(app: Any, finalize: bool = True, strict: bool = True) -> dict[str
     return result
 
 
-def declare_job_queues(app: Any) -> None:
+def declare_job_queues(app: Any, weights: Mapping[str, int] | None = None) -> None:
     """Make every job queue known to ``app.amqp.queues`` in every process (so that
     ``celery purge``, ``-X`` and inspection see them); consuming them is decided in
-    the worker (:class:`JobQueues`)."""
+    the worker (:class:`JobQueues`). ``weights``: :func:`job_queues`' answer, when the
+    caller has it (a pass over every task less at a worker's start)."""
     queues = app.amqp.queues
-    for name in job_queues(app, finalize=False, strict=False):
+    if weights is None:
+        weights = job_queues(app, finalize=False, strict=False)
+    for name in weights:
         if name not in queues:
             queues.add(Queue(name, routing_key=name))
 
@@ -137,7 +144,7 @@ class JobQueues(bootsteps.Step):
         except ValueError as exc:  # a bad weight= stops the worker with one line
             raise SystemExit(str(exc)) from None
         set_weights(weights)
-        declare_job_queues(app)
+        declare_job_queues(app, weights)
         queues = app.amqp.queues
         if getattr(queues, "_consume_from", None) is None:  # no -Q/-X: consume them all
             worker._celery_ext_every_job_queue = True
@@ -300,6 +307,7 @@ def add_worker_parts(app: Any) -> None:
     app.steps["consumer"].add(RevokedEvents)
     app.steps["consumer"].add(PeriodicJobs)
     app.steps["consumer"].add(NewTasks)
+    app.steps["consumer"].add(QuietStrategies)
     if "on_bound" not in vars(app.Task):
         app.Task.on_bound = classmethod(task_bound)
     if app.Task.Request in (CELERY_DEFAULT_REQUEST, None):
@@ -489,6 +497,19 @@ class DeadLetters(bootsteps.Step):
         if not getattr(c, "_celery_ext_dead_letters", False):
             wrap_consumer_handlers(c)
             c._celery_ext_dead_letters = True
+
+
+class QuietStrategies(bootsteps.Step):
+    """Consumer step (``install(app)`` only, as the shared Request classes are): Celery
+    builds every task's strategy and tracer (``Consumer.update_strategies``) with the
+    garbage collector paused, most of that build's cost at 10,000 job names
+    (``strategy.build_without_collector``)."""
+
+    name = "celery_ext.QuietStrategies"
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        if getattr(c.app, "_celery_ext_installed", False):
+            build_without_collector(c)
 
 
 class RevokedEvents(bootsteps.Step):

@@ -79,3 +79,28 @@ def test_tasks_keep_their_own_settings_in_a_worker(
     time.sleep(1.5)  # the limited job would have ended by now
     assert rec.llen("end:limited") == 0
     rec.close()
+
+
+def test_strategies_are_built_once_per_task_with_the_collector_paused(
+        broker_url: str, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """A threads worker of twenty counted job names builds each task's strategy once, at
+    start, with the garbage collector paused; its jobs then run on those (no build
+    per message), and the collector runs again."""
+    proj.configure(broker_url)
+    from tests.apps import proj_counted
+
+    def built() -> list[str]:
+        return sorted(b.decode() for b in rec.lrange(proj_counted.BUILT_KEY, 0, -1))
+
+    worker_factory("tests.apps.proj_counted", pool="threads", concurrency=2).start()
+    only_pool(redis_client)
+    names = sorted(job.name for job in proj_counted.jobs)
+    assert built() == [f"{name} 0" for name in names]
+    for i, job in enumerate(proj_counted.jobs[:3]):
+        job.delay(f"k{i}")
+    wait_for(lambda: all(rec.llen(f"ran:k{i}") for i in range(3)), 15, "the jobs to run")
+    assert len(built()) == len(names)
+
+    proj_counted.collector.delay()
+    assert wait_for(lambda: rec.get("collector"), 15, "the collector") == b"1"
