@@ -85,24 +85,31 @@ PROPERTIES: tuple[tuple[str, Any], ...] = (
     ("correlation_id", TASK_ID), ("reply_to", ""), ("delivery_mode", 2),
     ("delivery_info", QUEUE), ("priority", 0), ("body_encoding", "base64"),
 )
-#: Each template's keys and their places (by the template's id).
+#: Each template's keys and their places, and its keys in order (by the template's id).
 _POSITIONS = {id(t): {k: i for i, (k, _) in enumerate(t)} for t in (HEADERS, PROPERTIES)}
+_KEYS = {id(t): tuple(k for k, _ in t) for t in (HEADERS, PROPERTIES)}
 
 
 def _default(default: Any, task_id: Any, queue: str) -> Any:
+    """A dropped value put back (a list or object a new one: a reader may change it)."""
     if default is TASK_ID:
         return task_id
     if default is QUEUE:
         return {"exchange": "", "routing_key": queue}
+    if isinstance(default, list | dict):
+        return default.copy()
     return default
 
 
-def _same(value: Any, default: Any) -> bool:
-    """Whether ``value`` is ``default`` as JSON writes it: same type, same value, and
-    for an object the same keys in the same order."""
-    if type(value) is not type(default) or value != default:
-        return False
-    return not isinstance(value, dict) or list(value) == list(default)
+def _at_default(value: Any, default: Any, task_id: Any, queue: str) -> bool:
+    """Whether ``value`` is the default as JSON writes it: same type, same value, and for
+    an object the same keys in the same order."""
+    if default is TASK_ID:
+        return type(value) is type(task_id) and value == task_id
+    if default is QUEUE:
+        return type(value) is dict and list(value.items()) == [("exchange", ""),
+                                                               ("routing_key", queue)]
+    return type(value) is type(default) and value == default
 
 
 def _rebuild(kept: dict[str, Any], template: tuple[tuple[str, Any], ...],
@@ -141,8 +148,19 @@ def _pack_section(section: dict[str, Any], template: tuple[tuple[str, Any], ...]
                   task_id: Any, queue: str) -> dict[str, Any] | None:
     """``section`` without its values at their defaults, or None when it cannot be
     rebuilt exactly (a template key missing or out of order, a ``__type__`` key)."""
-    positions = _POSITIONS[id(template)]
+    if "__type__" in section:
+        return None
     kept: dict[str, Any] = {}
+    if tuple(section)[:len(template)] == _KEYS[id(template)]:
+        # As Celery and Kombu write it: the template's keys first, in order (then any
+        # others), which the rebuild gives back as they are.
+        items = iter(section.items())
+        for (key, default), (_, value) in zip(template, items, strict=False):
+            if default is KEPT or not _at_default(value, default, task_id, queue):
+                kept[key] = value
+        kept.update(items)
+        return kept
+    positions = _POSITIONS[id(template)]
     found = 0
     for key, value in section.items():
         at = positions.get(key)
@@ -151,9 +169,9 @@ def _pack_section(section: dict[str, Any], template: tuple[tuple[str, Any], ...]
             continue
         found += 1
         default = template[at][1]
-        if default is KEPT or not _same(value, _default(default, task_id, queue)):
+        if default is KEPT or not _at_default(value, default, task_id, queue):
             kept[key] = value
-    if found != len(template) or "__type__" in section:
+    if found != len(template):
         return None
     if list(_rebuild(kept, template, task_id, queue)) != list(section):
         return None  # its keys are in an order the rebuild would not give back
@@ -194,7 +212,7 @@ def pack(message: Any, queue: str) -> str:
     compact: dict[str, Any] = {MARKER: flags, "headers": headers}
     for key, default in (("content-encoding", CONTENT_ENCODING),
                          ("content-type", CONTENT_TYPE)):
-        if not _same(message[key], default):
+        if not _at_default(message[key], default, None, queue):
             compact[key] = message[key]
     text = _text_of(message["body"], props)
     if text is not None:
@@ -202,7 +220,10 @@ def pack(message: Any, queue: str) -> str:
     else:
         compact["body"] = message["body"]
     compact["properties"] = props if packed_props is None else packed_props
-    return str(dumps(compact))
+    try:
+        return json.dumps(compact)  # the C encoder: Kombu's writes the same JSON values
+    except TypeError:
+        return str(dumps(compact))  # a value Kombu's encoder writes (a datetime, a UUID...)
 
 
 def parse(payload: str | bytes) -> Any:
