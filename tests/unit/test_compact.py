@@ -118,7 +118,7 @@ def as_stored(value: Any) -> Any:
     return json.loads(dumps(value))
 
 
-@settings(max_examples=400)
+@settings(max_examples=400, deadline=None)
 @given(messages())
 def test_generated_messages_come_back_whole(case: Any) -> None:
     queue, message = case if isinstance(case, tuple) else (QUEUE, case)
@@ -127,6 +127,7 @@ def test_generated_messages_come_back_whole(case: Any) -> None:
     assert dumps(back) == dumps(as_stored(message))  # the same keys in the same order
 
 
+@settings(deadline=None)
 @given(json_values)
 def test_old_payloads_read_as_they_are(value: Any) -> None:
     text = dumps(value)
