@@ -10,7 +10,7 @@ The compact form is still one JSON object, written with Kombu's separators, so t
 scripts that read fields by their text keep reading them::
 
     {"c": "hp", "headers": {<headers not at their default>},
-     ["content-encoding": ..., "content-type": ...,] "text": "<the body, decoded>",
+     ["content-encoding": ..., "content-type": ...,] "args": "[[1, 2], {}",
      "properties": {<properties not at their default>, "delivery_tag": "...", ...}}
 
 - ``c`` (first, the marker) says which sections dropped their defaults: ``h`` the
@@ -20,8 +20,9 @@ scripts that read fields by their text keep reading them::
   keys, where ``include/job_index.lua`` and ``search.lua`` find them without a scan;
   the ``celery_ext_unique`` header is kept as it is.
 - ``text`` is a base64 body decoded (a JSON body becomes its JSON text, escaped inside
-  the string) when re-encoding it gives the stored body exactly; any other body is kept
-  as ``body``.
+  the string) when re-encoding it gives the stored body exactly; ``args`` is such a text
+  without the end every protocol 2 body without callbacks has (:data:`NO_CALLBACKS`:
+  ``[args, kwargs`` is left); any other body is kept as ``body``.
 - ``properties`` comes last and keeps its order, so the delivery tag, ``enqueued_at``
   and ``fair_key`` stay at the payload's end (``include/delivery_tag.lua``,
   ``include/fair.lua``, ``queue_info.lua``).
@@ -50,6 +51,9 @@ MARKER = "c"
 COMPACT_START = '{"c": "'
 #: The flags of a message kept whole under "message" (its first key is the marker's).
 WHOLE = "whole"
+#: How a protocol 2 body without callbacks, errbacks, chain or chord ends (Kombu's JSON
+#: of ``[args, kwargs, embed]``): a body stored as "args" is its text without this end.
+NO_CALLBACKS = ', {"callbacks": null, "errbacks": null, "chain": null, "chord": null}]'
 #: Kombu's envelope, in Kombu's order: a message with other top-level keys is kept whole.
 ENVELOPE = ("body", "content-encoding", "content-type", "headers", "properties")
 #: Defaults of the envelope's fields.
@@ -215,7 +219,9 @@ def pack(message: Any, queue: str) -> str:
         if not _at_default(message[key], default, None, queue):
             compact[key] = message[key]
     text = _text_of(message["body"], props)
-    if text is not None:
+    if text is not None and text.endswith(NO_CALLBACKS) and text.startswith("["):
+        compact["args"] = text[:-len(NO_CALLBACKS)]
+    elif text is not None:
         compact["text"] = text
     else:
         compact["body"] = message["body"]
@@ -262,8 +268,9 @@ def expand(stored: Any, queue: str) -> Any:
         if "p" in flags:
             task_id = headers.get("id", TASK_ID) if isinstance(headers, dict) else TASK_ID
             props = _rebuild(props, PROPERTIES, task_id, queue)
-        if "text" in stored:
-            body = base64.b64encode(stored["text"].encode("utf-8")).decode("ascii")
+        text = stored["args"] + NO_CALLBACKS if "args" in stored else stored.get("text")
+        if text is not None:
+            body = base64.b64encode(text.encode("utf-8")).decode("ascii")
         else:
             body = stored["body"]
     except (KeyError, TypeError, AttributeError) as exc:

@@ -114,9 +114,12 @@ local function base64Body(payload)
 end
 
 -- A compact payload (store/compact.py) starts with its marker; it is decoded whole:
--- its "text" is the body decoded (JSON text, escaped in the payload), its "body" is
--- base64 when its properties say so or dropped body_encoding at its default ("p" flag).
+-- its "text" is the body decoded (JSON text, escaped in the payload), its "args" that
+-- text without the end of a body without callbacks (NO_CALLBACKS in compact.py), its
+-- "body" is base64 when its properties say so or dropped body_encoding at its default
+-- ("p" flag).
 local COMPACT_START = '{"c": "'
+local NO_CALLBACKS = ', {"callbacks": null, "errbacks": null, "chain": null, "chord": null}]'
 local function compactBodyOf(payload)
   local ok, m = pcall(cjson.decode, payload)
   if not ok or type(m) ~= 'table' or type(m.c) ~= 'string' then return nil end
@@ -125,6 +128,7 @@ local function compactBodyOf(payload)
     m, flags = m.message, ''
     if type(m) ~= 'table' then return nil end
   end
+  if type(m.args) == 'string' then return m.args .. NO_CALLBACKS, false end
   if type(m.text) == 'string' then return m.text, false end
   if type(m.body) ~= 'string' then return nil end
   local props = type(m.properties) == 'table' and m.properties or {}
