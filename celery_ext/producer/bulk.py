@@ -26,7 +26,10 @@ round trip), and exactly once: every job carries its publish marker, so a round 
 whose reply was lost is sent again whole under the retry policy (the app's
 ``task_publish_retry_policy``, else ``BULK_RETRY_POLICY``) and the jobs it wrote the
 first time are no-ops the second. Redis runs a pipeline command by command: the longest
-it is busy for a bulk is one job's script, whatever the bulk's size.
+it is busy for a bulk is one job's script, whatever the bulk's size. ``apply_many``
+keeps one round trip in flight: it sends a full buffer and reads its replies when the
+next one is full (or at the end), building that one while Redis runs the first
+(``Enqueuer.start`` and ``finish``); round trips still run one after the other, in order.
 
 A bulk is written when its block ends, also when the block raises (what was published
 before the error is written; Kombu's ``Producer.batch()`` discards instead, as Kombu
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis
+from celery.local import Proxy
 
 from celery_ext.config import BULK_PIPELINE_SIZE, BULK_RETRY_POLICY
 
@@ -80,7 +84,8 @@ class Bulk:
     ``publish``, ``flush``, ``discard``, ``close``)."""
 
     def __init__(self, size: int = BULK_PIPELINE_SIZE, retry: bool = True,
-                 retry_policy: Mapping[str, Any] | None = None, channel: Any = None) -> None:
+                 retry_policy: Mapping[str, Any] | None = None, channel: Any = None,
+                 overlap: bool = False) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"celery_ext: a bulk's size must be a whole number > 0, not {size!r}")
         self.size = size
@@ -88,6 +93,10 @@ class Bulk:
         self.retry_policy = {**BULK_RETRY_POLICY, **(retry_policy or {})}
         self.channel = channel
         self._pending: dict[int, tuple[Writer, list[Write]]] = {}
+        #: Send a full buffer and read its replies when the next one is full (or at the
+        #: flush), building the next while Redis runs it (``apply_many``'s direct path).
+        self.overlap = overlap
+        self._inflight: tuple[Writer, list[Write]] | None = None
         #: Jobs written so far and round trips made (read by tests and the bench).
         self.written = 0
         self.round_trips = 0
@@ -102,12 +111,16 @@ class Bulk:
             entry = self._pending[id(writer)] = (writer, [])
         entry[1].append(write)
         if len(entry[1]) >= self.size:
-            self._write(writer, entry[1][:self.size])
+            if self.overlap:
+                self._start(writer, entry[1][:self.size])
+            else:
+                self._write(writer, entry[1][:self.size])
             del entry[1][:self.size]
 
     def flush(self) -> None:
         """Write every buffered job, ``size`` per round trip; what a failed round trip
         left stays buffered."""
+        self._settle()
         for key in list(self._pending):
             writer, writes = self._pending[key]
             while writes:
@@ -115,14 +128,55 @@ class Bulk:
                 del writes[:self.size]
             del self._pending[key]
 
-    def _write(self, writer: Writer, writes: list[Write]) -> None:
+    def _start(self, writer: Writer, writes: list[Write]) -> None:
+        """Send the round trip of ``writes`` without waiting for its replies (the one
+        sent before is finished first: one round trip in flight, in order), or write it
+        when the writer cannot (its connection busy, a cluster)."""
+        self._settle()
+        start = getattr(writer, "start", None)
+        if start is not None and start(writes):
+            self._inflight = (writer, writes)
+        else:
+            self._write(writer, writes)
+
+    def _settle(self) -> None:
+        """Read the replies of the round trip in flight. One whose replies did not come
+        is sent again under the retry policy, as :meth:`_write` sends one; when that
+        fails too its writes go back to the buffer, first."""
+        if self._inflight is None:
+            return
+        writer, writes = self._inflight
+        self._inflight = None
+        try:
+            try:
+                writer.finish(writes)  # type: ignore[attr-defined]
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                    OSError):
+                if not self.retry or self.retry_policy.get("max_retries") == 0:
+                    raise
+                self._pause(0)
+                self._write(writer, writes, attempt=1)
+                return
+        except BaseException:
+            entry = self._pending.setdefault(id(writer), (writer, []))
+            entry[1][:0] = writes
+            raise
+        self.written += len(writes)
+        self.round_trips += 1
+
+    def _pause(self, attempt: int) -> None:
+        policy = self.retry_policy
+        time.sleep(min(float(policy["interval_start"])
+                       + attempt * float(policy["interval_step"]),
+                       float(policy["interval_max"])))
+
+    def _write(self, writer: Writer, writes: list[Write], attempt: int = 0) -> None:
         """One round trip, sent again under the retry policy when the connection failed
-        (the publish markers make it a no-op for what the failed attempt wrote)."""
+        (the publish markers make it a no-op for what the failed attempt wrote);
+        ``attempt``: the attempts made already."""
         if not writes:
             return
-        policy = self.retry_policy
-        max_retries = policy.get("max_retries")
-        attempt = 0
+        max_retries = self.retry_policy.get("max_retries")
         while True:
             try:
                 writer.write(writes)
@@ -131,9 +185,7 @@ class Bulk:
                     OSError):
                 if not self.retry or (max_retries is not None and attempt >= max_retries):
                     raise
-                time.sleep(min(float(policy["interval_start"])
-                               + attempt * float(policy["interval_step"]),
-                               float(policy["interval_max"])))
+                self._pause(attempt)
                 attempt += 1
         self.written += len(writes)
         self.round_trips += 1
@@ -143,10 +195,11 @@ class Bulk:
         return self.channel.basic_publish(message, _publish_batch=self, **kwargs)
 
     def discard(self) -> None:
+        self._settle()  # (sent already: its replies are read, the connection freed)
         self._pending.clear()
 
     def close(self) -> None:
-        self._pending.clear()
+        self.discard()
 
 
 def _retry_policy(app: Any) -> tuple[bool, Mapping[str, Any] | None]:
@@ -189,14 +242,38 @@ def apply_many(task: Any, args_list: Iterable[Any], *, size: int = BULK_PIPELINE
                **options: Any) -> list[Any]:
     """``task.apply_async(args, **options)`` for each item of ``args_list`` (a tuple of
     positional arguments, or a dict of keyword arguments), written in round trips of
-    ``size`` jobs; returns their ``AsyncResult``, in order, once every job is written."""
+    ``size`` jobs; returns their ``AsyncResult``, in order, once every job is written.
+
+    Each job's message is built by :class:`~celery_ext.producer.bulk_jobs.Jobs` (the
+    direct path) when :func:`~celery_ext.producer.bulk_jobs.direct_path` allows it,
+    else by ``apply_async``. The round trips are retried under the call's ``retry``
+    and ``retry_policy`` over the app's."""
+    from celery_ext.producer.bulk_jobs import Jobs, direct_path
+
     app = task._get_app()
+    if isinstance(task, Proxy):  # a task of an app not finalized yet
+        task = task._get_current_object()
     producer = options.pop("producer", None)
-    with app.producer_or_acquire(producer) as producer, bulk(app, size):
-        results = []
-        for item in args_list:
-            args, kwargs = _call_args(item)
-            results.append(task.apply_async(args, kwargs, producer=producer, **options))
+    retry, policy = _retry_policy(app)
+    if options.get("retry") is not None:
+        retry = bool(options["retry"])
+    if options.get("retry_policy"):
+        policy = {**(policy or {}), **options["retry_policy"]}
+    with app.producer_or_acquire(producer) as producer:
+        if direct_path(app, task, options, producer):
+            outer = _current.get()  # a bulk inside a bulk is the outer one
+            buffer = outer or Bulk(size, retry=retry, retry_policy=policy, overlap=True)
+            jobs = Jobs(app, task, options, producer, buffer)
+            try:
+                return [jobs.publish(*_call_args(item)) for item in args_list]
+            finally:
+                if outer is None:
+                    buffer.flush()
+        with bulk(app, size):
+            results = []
+            for item in args_list:
+                args, kwargs = _call_args(item)
+                results.append(task.apply_async(args, kwargs, producer=producer, **options))
     return results
 
 

@@ -172,20 +172,45 @@ class PublishConnection:
         self._connections: Any = None
         self._conn: Any = None
         self._pid = 0
+        #: Replies :meth:`start` left for :meth:`finish` to read.
+        self._sent = 0
 
     def send(self, commands: list[bytes]) -> Any:
         """Send the packed ``commands`` on the kept connection in one write and return
         their replies, an error reply (NOSCRIPT, out of memory, ...) as its exception in
         place; or :data:`NOT_SENT` when the connection is busy in another thread or failed
         (the caller then sends them through its client, with redis-py's retries)."""
-        if not self._lock.acquire(blocking=False):
+        if not self.start(commands):
             return NOT_SENT
+        return self.finish()
+
+    def start(self, commands: list[bytes]) -> bool:
+        """:meth:`send` without reading the replies: the connection stays busy until
+        :meth:`finish` does (a bulk builds its next round trip meanwhile)."""
+        if not self._lock.acquire(blocking=False):
+            return False
         try:
             conn = self._connection()
             try:
                 conn.send_packed_command([b"".join(commands)], check_health=False)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+                with suppress(Exception):
+                    conn.disconnect()
+                self._lock.release()
+                return False
+        except BaseException:
+            self._lock.release()
+            raise
+        self._sent = len(commands)
+        return True
+
+    def finish(self) -> Any:
+        """The replies of what :meth:`start` sent, as :meth:`send` returns them."""
+        try:
+            conn = self._conn
+            try:
                 replies: list[Any] = []
-                for _ in commands:
+                for _ in range(self._sent):
                     try:
                         replies.append(conn.read_response())
                     except redis.exceptions.ResponseError as exc:
@@ -196,6 +221,7 @@ class PublishConnection:
                     conn.disconnect()  # its replies may still come: never read them later
                 return NOT_SENT
         finally:
+            self._sent = 0
             self._lock.release()
 
     def _connection(self) -> Any:
@@ -447,14 +473,27 @@ class Enqueuer:
         return (copy.unique(uniq.digest), value, ttl_ms,
                 "1" if retry else "d" if uniq.debounce is not None else "0")
 
-    def write(self, writes: Sequence[Write]) -> list[Any]:
+    def start(self, writes: Sequence[Write]) -> bool:
+        """Send the round trip of ``writes`` on the kept connection, its replies left for
+        :meth:`finish`; False when not sent (the caller writes them instead)."""
+        if self._line is None or self.keys.cluster:
+            return False
+        return self._line.start(self._commands(writes))
+
+    def finish(self, writes: Sequence[Write]) -> list[Any]:
+        """:meth:`write` for the ``writes`` :meth:`start` sent, from their replies."""
+        assert self._line is not None
+        return self.write(writes, sent=self._line.finish())
+
+    def write(self, writes: Sequence[Write], sent: Any = None) -> list[Any]:
         """The one way jobs are written: one round trip for ``writes`` (a single publish
         is a list of one), then each write's ``done`` with its script's reply.
 
         The round trip is the writes' EVALSHAs, followed by ``WAIT`` when
         ``wait_replicas`` is set (the producer's only ``WAIT``: see "Surviving a
         failover"), sent in one buffer on the kept connection (:class:`PublishConnection`),
-        or as a pipeline of the channel's client when that one is busy or failed. Writes
+        or as a pipeline of the channel's client when that one is busy or failed (or
+        ``sent``: the replies of the round trip :meth:`start` sent). Writes
         whose script the server did not know (it restarted) are sent again once it is
         loaded. A connection error is raised to the caller (Kombu's publish retry for a
         single publish, the bulk's retry policy for a bulk), which sends the same writes
@@ -463,7 +502,8 @@ class Enqueuer:
         replies: list[Any] = [None] * len(writes)
         todo = list(range(len(writes)))
         for attempt in (1, 2):
-            out = self._round_trip([writes[i] for i in todo])
+            out = self._round_trip([writes[i] for i in todo], sent)
+            sent = None
             acked: Any = out.pop() if wanted else 0
             unknown: list[int] = []
             for i, reply in zip(todo, out, strict=True):
@@ -490,16 +530,23 @@ class Enqueuer:
                 w.done(reply)
         return replies
 
-    def _round_trip(self, writes: Sequence[Write]) -> list[Any]:
-        """The replies of the writes' scripts (and of ``WAIT``), errors in place."""
+    def _commands(self, writes: Sequence[Write]) -> list[bytes]:
+        """The round trip of ``writes`` in the Redis protocol: their EVALSHAs, and ``WAIT``
+        when ``wait_replicas`` is set."""
+        commands = [pack_evalsha(_scripts.sha(w.script), w.keys, w.args) for w in writes]
+        if self.settings.wait_replicas:
+            commands.append(pack_command("WAIT", self.settings.wait_replicas,
+                                         self.settings.wait_timeout_ms))
+        return commands
+
+    def _round_trip(self, writes: Sequence[Write], sent: Any = None) -> list[Any]:
+        """The replies of the writes' scripts (and of ``WAIT``), errors in place; ``sent``:
+        the replies of the round trip :meth:`start` sent (:data:`NOT_SENT`: none came)."""
+        if sent is None and self._line is not None:
+            sent = self._line.send(self._commands(writes))
+        if sent is not None and sent is not NOT_SENT:
+            return cast("list[Any]", sent)
         wanted, timeout_ms = self.settings.wait_replicas, self.settings.wait_timeout_ms
-        if self._line is not None:
-            commands = [pack_evalsha(_scripts.sha(w.script), w.keys, w.args) for w in writes]
-            if wanted:
-                commands.append(pack_command("WAIT", wanted, timeout_ms))
-            replies = self._line.send(commands)
-            if replies is not NOT_SENT:
-                return cast("list[Any]", replies)
         if self.keys.cluster:  # no EVALSHA in a cluster pipeline (and no bulk, no WAIT)
             with self._acquire() as client:
                 return [self._one(client, w) for w in writes]

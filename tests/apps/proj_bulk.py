@@ -25,3 +25,9 @@ def tenant_tally(key: str, tenant: str, i: int) -> None:
 def unique_tally(key: str, name: str) -> Any:
     """As ``tally``, unique by ``name``."""
     recorder().hincrby(f"bulk:{key}", name, 1)
+
+
+@app.task(ignore_result=True)
+def fan_out(key: str, n: int) -> None:
+    """Publishes ``n`` ``tally`` jobs with ``apply_many`` from inside a job (their parent)."""
+    tally.apply_many([(key, i) for i in range(n)])

@@ -42,10 +42,10 @@ def writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     sizes: list[int] = []
     real = getattr(Enqueuer, "write", None)
 
-    def write(self: Enqueuer, batch: Any) -> list[Any]:
+    def write(self: Enqueuer, batch: Any, **kwargs: Any) -> list[Any]:
         sizes.append(len(batch))
         assert real is not None
-        return real(self, batch)
+        return real(self, batch, **kwargs)
 
     monkeypatch.setattr(Enqueuer, "write", write, raising=False)
     return sizes
@@ -266,3 +266,55 @@ def test_wait_replicas_waits_once_per_round_trip_of_a_bulk(
     with primary.client() as p, replica.client() as r:
         assert r.llen(K.queue("bulk.replicated")) == 2500
         assert p.info("commandstats")["cmdstat_wait"]["calls"] == 3
+
+
+def test_apply_many_retries_its_round_trips_under_the_calls_retry_options(
+        proxy: Proxy, redis_client: redis.Redis, writes: list[int]) -> None:
+    """``retry`` and ``retry_policy`` given to ``apply_many`` are its round trips' policy
+    (over the app's), as a single publish's are its write's: with ``max_retries=1`` a
+    round trip whose replies never come is sent twice, then the call raises; with
+    ``retry=False`` once."""
+    url = f"celery-ext://127.0.0.1:{proxy.port}/0"
+    proj.configure(url)
+    proj_bulk.tally.delay("warm-up", 0)  # connected, scripts loaded
+    redis_client.delete(K.queue(TALLY))
+    writes.clear()
+    proxy.cut_on_reply(b"('policy', 0)", times=100)
+    try:
+        with pytest.raises(redis.exceptions.ConnectionError):
+            proj_bulk.tally.apply_many([("policy", 0)], retry_policy={
+                "max_retries": 1, "interval_start": 0, "interval_step": 0})
+        assert writes == [1, 1]
+        writes.clear()
+        with pytest.raises(redis.exceptions.ConnectionError):
+            proj_bulk.tally.apply_many([("policy", 0)], retry=False)
+        assert writes == [1]
+    finally:
+        proxy.disarm()
+    # Every attempt reached Redis, and its marker kept each call's job single.
+    assert redis_client.llen(K.queue(TALLY)) == 2
+
+
+def test_a_round_trip_in_flight_whose_replies_never_come_is_sent_again_whole(
+        proxy: Proxy, rec: redis.Redis, redis_client: redis.Redis, writes: list[int],
+        worker_factory: Callable[..., WorkerProcess]) -> None:
+    """``apply_many`` sends a full round trip and builds the next while Redis runs it.
+    When the replies of the one in flight are lost, and those of its resend through the
+    channel's client too, the bulk sends it again under its retry policy: each job is
+    stored once."""
+    url = f"celery-ext://127.0.0.1:{proxy.port}/0"
+    proj.configure(url)
+    rec.delete("bulk:flight")
+    proj_bulk.tally.delay("warm-up", 0)  # connected, scripts loaded
+    redis_client.delete(K.queue(TALLY))
+    writes.clear()
+    proxy.cut_on_reply(b"('flight', 500)", times=2)  # the first round trip, twice
+    results = proj_bulk.tally.apply_many([("flight", i) for i in range(2500)])
+    assert proxy.replies_cut == 2
+    assert writes[0] == 1000 and sorted(writes) == [500, 1000, 1000, 1000]
+    stored = [json.loads(p)["headers"]["id"] for p in redis_client.lrange(K.queue(TALLY), 0, -1)]
+    assert len(stored) == 2500 and set(stored) == {r.id for r in results}
+    worker_factory("tests.apps.proj_bulk", broker_url=url, pool="threads",
+                   concurrency=8).start()
+    wait_for(drained(rec, "flight", 2500), 120, "the jobs to run")
+    assert runs(rec, "flight") == {str(i): 1 for i in range(2500)}
