@@ -19,6 +19,7 @@ from kombu.utils.json import dumps
 
 from celery_ext.admin.api_types import DeadJob, ScheduledJob
 from celery_ext.options.fair import message_fair_key
+from celery_ext.store.compact import COMPACT_START, pack
 from celery_ext.store.dead_set import split_record
 from celery_ext.store.envelope import decode_message
 
@@ -74,15 +75,21 @@ def name_of(raw: bytes) -> str:
     meta, queue, payload = split_record(raw)
     if meta.get("name"):
         return str(meta["name"])
-    return _job_name(meta, queue, decode_message(payload))
+    return _job_name(meta, queue, decode_message(payload, queue))
 
 
-def manual_retry_payload(payload: str, now: float) -> str:
+def _shown(payload: str, message: dict[str, Any]) -> str:
+    """The raw message of a dead job as its sender wrote it: a compact payload
+    (``store/compact.py``) is shown as the message it stands for."""
+    return str(dumps(message)) if message and payload.startswith(COMPACT_START) else payload
+
+
+def manual_retry_payload(payload: str, queue: str, now: float) -> str:
     """The message a manual retry enqueues: attempts reset, no eta or expiry left
     over from the failed run, one more manual retry counted, and enqueued ``now``
     (Redis seconds), so its queue's latency counts from the retry, not the first
-    enqueue."""
-    message = decode_message(payload)
+    enqueue. Stored compact, as the producer stores a job (``store/compact.py``)."""
+    message = decode_message(payload, queue)
     headers = message.get("headers")
     if not isinstance(headers, dict):
         return payload  # undecodable: requeued as it is
@@ -93,13 +100,13 @@ def manual_retry_payload(payload: str, now: float) -> str:
     props = message.get("properties")
     if isinstance(props, dict):  # (kept in place: it stays after the delivery tag)
         props["enqueued_at"] = round(now, 3)
-    return str(dumps(message))  # kombu's separators: fetch finds the delivery tag by them
+    return pack(message, queue)
 
 
 def scheduled_job(job_id: str, score: float, raw: bytes) -> ScheduledJob:
     """A job of the scheduled or retry set; ``score`` is its due time (ms)."""
     meta, queue, payload = split_record(raw)
-    message = decode_message(payload)
+    message = decode_message(payload, queue)
     headers = _headers(message)
     args, kwargs = _body_args(message)
     scheduled_at = meta.get("scheduled_at")
@@ -126,7 +133,7 @@ def dead_job(job_id: str, score: float, raw: bytes, with_payload: bool = False) 
     """A job of the dead set; ``score`` is when it failed (ms). The raw message only
     ``with_payload`` (one job's page, not a list)."""
     meta, queue, payload = split_record(raw)
-    message = decode_message(payload)
+    message = decode_message(payload, queue)
     headers = _headers(message)
     args, kwargs = (meta["args"], meta["kwargs"]) if "args" in meta else _body_args(message)
     attempts = meta.get("attempts")
@@ -149,6 +156,6 @@ def dead_job(job_id: str, score: float, raw: bytes, with_payload: bool = False) 
         hostname=meta.get("hostname"),
         failed_at=score / 1000,
         manual_retries=whole_number(headers.get(MANUAL_RETRIES_HEADER)),
-        payload=payload if with_payload else None,
+        payload=_shown(payload, message) if with_payload else None,
         fair_key=message_fair_key(message),
     )

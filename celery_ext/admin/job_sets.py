@@ -269,7 +269,8 @@ class JobSets:
                 lifted.append(task_id)
             keys.append(k.queue_level(queue, level(payload_priority(payload),
                                                    self.settings.priority_steps)))
-            args += [job_id, hashlib.sha1(raw).hexdigest(), manual_retry_payload(payload, now)]
+            args += [job_id, hashlib.sha1(raw).hexdigest(),
+                     manual_retry_payload(payload, queue, now)]
         if not keys:
             return set()
         lift(self.client, self.keys, lifted)  # (before: its fetch would drop it again)

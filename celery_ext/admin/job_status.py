@@ -37,6 +37,7 @@ from celery_ext.admin.api_types import JobStatus, UniqueLock
 from celery_ext.config import Settings
 from celery_ext.options.unique import UNTIL_FINISHED, UNTIL_STARTED, finished_lock, lock_of
 from celery_ext.store.clock import now_ms
+from celery_ext.store.compact import headers_of
 from celery_ext.store.copies import copies
 from celery_ext.store.dead_set import split_record
 from celery_ext.store.job_index import IndexEntry, lookup
@@ -86,22 +87,14 @@ def _error_text(value: Any) -> str | None:
 
 
 def _payload_task_id(payload: str) -> str | None:
-    try:
-        headers = json.loads(payload).get("headers") or {}
-    except (ValueError, AttributeError):
-        return None
-    value = headers.get("id") if isinstance(headers, dict) else None
+    value = headers_of(payload).get("id")
     return str(value) if value is not None else None
 
 
 def _payload_task_name(payload: str) -> str | None:
     """The task name of a Kombu payload (``headers.task``), or None."""
-    try:
-        headers = json.loads(payload.partition("\n")[2] if payload[:1] != "{" else payload
-                             ).get("headers") or {}
-    except (ValueError, AttributeError):
-        return None
-    value = headers.get("task") if isinstance(headers, dict) else None
+    value = headers_of(payload.partition("\n")[2] if payload[:1] != "{" else payload
+                       ).get("task")
     return str(value) if value is not None else None
 
 
@@ -305,7 +298,7 @@ class JobLookup:
         if found is None:
             return None
         digest, task_id = found
-        mode = UNTIL_FINISHED if finished_lock(json.loads(payload).get("headers")) \
+        mode = UNTIL_FINISHED if finished_lock(headers_of(payload)) \
             else UNTIL_STARTED
         with self.client.pipeline(transaction=False) as pipe:
             key = self.keys.of(queue).unique(digest)

@@ -3,7 +3,6 @@ Redis and the result backend until they ran again on the surviving pool."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +11,7 @@ from kombu.utils.encoding import bytes_to_str
 from celery_ext.client import Client
 from celery_ext.demo.show import Out, job_label
 from celery_ext.store.clock import now_ms
+from celery_ext.store.compact import headers_of
 from celery_ext.store.job_index import lookup
 
 
@@ -42,7 +42,7 @@ class Recovery:
         jobs: dict[str, tuple[str, str]] = {}
         for tag, record in admin.client.hgetall(admin.keys.inflight(pool_id)).items():
             _queue, payload = bytes_to_str(record).split("\n", 1)
-            headers = json.loads(payload).get("headers") or {}
+            headers = headers_of(payload)
             jobs[bytes_to_str(tag)] = (str(headers.get("id")), str(headers.get("task")))
         return cls(admin, pool_id, node, now_ms(admin.client), jobs)
 

@@ -51,11 +51,11 @@ from typing import Any, TypedDict
 
 from celery import signals
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import loads
 
 from celery_ext.options.limits import job_limits, write_limits
 from celery_ext.options.rate_limits import format_rate, task_interval
 from celery_ext.options.routing import task_queues
+from celery_ext.store.compact import unpack
 from celery_ext.store.keys import Keys
 from celery_ext.text import one_line
 
@@ -105,7 +105,7 @@ def message_fair_key(message: Mapping[str, Any]) -> str | None:
 def payload_fair_key(payload: bytes | str) -> str | None:
     """The fair key of a stored payload, or None (also when it cannot be read)."""
     try:
-        message = loads(bytes_to_str(payload))
+        message = unpack(bytes_to_str(payload), "")  # (nor does the key on the queue)
     except Exception:
         return None
     return message_fair_key(message) if isinstance(message, Mapping) else None

@@ -25,7 +25,7 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kombu.utils.json import loads
+from celery_ext.store.compact import unpack
 
 #: Kombu's bounds of a message priority (``virtual.Channel.min/max_priority``).
 MIN_PRIORITY, MAX_PRIORITY = 0, 9
@@ -57,8 +57,8 @@ def payload_priority(payload: bytes | str) -> int:
     """The clamped priority of a stored payload (0 when it cannot be read: such a job
     still goes back to its queue, at the default level)."""
     try:
-        message = loads(payload.decode("utf-8", "replace") if isinstance(payload, bytes)
-                        else payload)
+        message = unpack(payload.decode("utf-8", "replace") if isinstance(payload, bytes)
+                         else payload, "")  # (the priority does not depend on the queue)
     except Exception:
         return DEFAULT_PRIORITY
     return message_priority(message) if isinstance(message, Mapping) else DEFAULT_PRIORITY

@@ -58,6 +58,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+from celery_ext.store.compact import headers_of
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
 from celery_ext.text import one_line
@@ -151,12 +152,7 @@ def lock_of(payload: str | bytes) -> tuple[str, str] | None:
 
     The digest travels in the message's ``celery_ext_unique`` header; the lock's value
     while this job holds it is the task id."""
-    try:
-        headers = json.loads(payload).get("headers")
-    except (ValueError, AttributeError, UnicodeDecodeError):
-        return None
-    if not isinstance(headers, dict):
-        return None
+    headers = headers_of(payload)
     digest, task_id = headers.get(HEADER), headers.get("id")
     if isinstance(digest, str) and digest and isinstance(task_id, str) and task_id:
         return digest, task_id

@@ -97,7 +97,6 @@ import redis
 from kombu import messaging, pools
 from kombu.resource import Resource
 from kombu.utils.functional import ChannelPromise
-from kombu.utils.json import dumps
 from redis.exceptions import NoScriptError
 
 from celery_ext.config import Settings
@@ -110,6 +109,7 @@ from celery_ext.producer.bulk import Bulk, Write, current_bulk
 from celery_ext.producer.periodic_run import PeriodicRun, current_run, run_marker, write_run_apart
 from celery_ext.producer.scheduled import eta_delay_ms, retries_of, schedule_args
 from celery_ext.store import scripts as _scripts
+from celery_ext.store.compact import pack
 from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import STAT_UNIQUE_HITS, Keys
 
@@ -454,7 +454,7 @@ class Enqueuer:
 
     def _queue_args(self, queue: str, message: dict[str, Any]) -> list[Any]:
         """ARGV the ``enqueue`` and ``enqueue_unique`` scripts share, payload first."""
-        payload = dumps(message)
+        payload = pack(message, queue)  # the compact form (store/compact.py)
         check_payload_size(payload, message, queue, self.settings.max_payload_bytes)
         return [payload, queue, self.keys.wake_channel, self._expires.get(queue, 0)]
 

@@ -26,6 +26,7 @@ from kombu.utils.json import dumps
 
 from celery_ext.errors import check_payload_size
 from celery_ext.options.priority import message_priority
+from celery_ext.store.compact import pack
 from celery_ext.store.dead_set import MAX_TRACEBACK
 from celery_ext.store.keys import Keys
 
@@ -102,7 +103,7 @@ def schedule_args(keys: Keys, queue: str, message: dict[str, Any], delay_ms: int
     target, other = (keys.retry, keys.scheduled) if retry else (keys.scheduled, keys.retry)
     tag = message["properties"]["delivery_tag"]
     meta = dumps(schedule_meta(message))
-    payload = dumps(message)
+    payload = pack(message, queue)  # the compact form (store/compact.py)
     check_payload_size(payload, message, queue, max_payload)
     script_keys = [target, keys.scheduled_jobs, other, keys.queues, keys.job_index,
                    keys.job_index_done]

@@ -25,7 +25,6 @@ from celery.utils.log import get_logger
 from kombu.serialization import loads
 
 from celery_ext.errors import DeadJob
-from celery_ext.store.envelope import decode_message
 
 logger = get_logger(__name__)
 
@@ -39,11 +38,10 @@ class DeadJobResults:
 
     app: Any
 
-    def __call__(self, payload: str, meta: dict[str, Any]) -> None:
+    def __call__(self, envelope: dict[str, Any], meta: dict[str, Any]) -> None:
         reason = str(meta.get("reason") or "dead")
         if reason in CELERY_REPORTS:
             return
-        envelope = decode_message(payload)
         found = envelope.get("headers")
         headers: dict[str, Any] = found if isinstance(found, dict) else {}
         task_id = headers.get("id") or meta.get("task_id")

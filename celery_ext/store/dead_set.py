@@ -21,6 +21,7 @@ from celery.exceptions import NotRegistered
 
 from celery_ext.config import Settings
 from celery_ext.errors import CONNECTION_ERRORS
+from celery_ext.store.envelope import decode_message
 from celery_ext.store.job_index import index_keys, index_ttl_ms
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
@@ -44,10 +45,11 @@ REASONS = {
 }
 
 
-#: Called with ``(payload, record meta)`` for each job this process moved to the dead set;
+#: Called with ``(message, record meta)`` for each job this process moved to the dead set
+#: (the message as ``envelope.decode_message`` reads it: {} when it is not an object);
 #: the result backend (``celery_ext/results/dead_jobs.py``) registers one, so the job's
 #: waiters and chord learn why. Nothing is read back when none is registered.
-DeadListener = Callable[[str, dict[str, Any]], None]
+DeadListener = Callable[[dict[str, Any], dict[str, Any]], None]
 _listeners: list[DeadListener] = []
 
 
@@ -71,10 +73,11 @@ def notify_dead(client: Any, keys: Keys, tags: list[str]) -> None:
     for raw in raws:
         if raw is None:
             continue
-        meta, _queue, payload = split_record(raw)
+        meta, queue, payload = split_record(raw)
+        message = decode_message(payload, queue)
         for listener in list(_listeners):
             try:
-                listener(payload, meta)
+                listener(message, meta)
             except Exception as exc:
                 logger.warning("celery_ext: a dead-set listener failed: %s", one_line(str(exc)))
 

@@ -20,6 +20,8 @@ import binascii
 import json
 from typing import Any
 
+from celery_ext.store.compact import unpack
+
 #: Top-level fields that must be strings when present.
 _STRING_FIELDS = ("content-type", "content-encoding")
 #: Properties that must be strings when present.
@@ -35,11 +37,12 @@ def _kind(value: Any) -> str:
             type(None): "null"}.get(type(value), "a number")
 
 
-def decode_message(payload: str) -> dict[str, Any]:
-    """The Kombu message of a stored payload (a dead or scheduled job's) as a dict; empty
-    when it is not a JSON object. Read by the admin side and the result backend."""
+def decode_message(payload: str | bytes, queue: str) -> dict[str, Any]:
+    """The Kombu message of a payload stored in ``queue``'s records (a queued, in-flight,
+    dead or scheduled job's: compact or not, see ``compact.py``) as a dict; empty when
+    it is not a JSON object. Read by the admin side, the result backend, the worker."""
     try:
-        message = json.loads(payload)
+        message = unpack(payload, queue)
     except ValueError:
         return {}
     return message if isinstance(message, dict) else {}

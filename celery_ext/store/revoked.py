@@ -38,7 +38,6 @@ last revoke lapses (a copy no later revoke visits goes whole).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -49,6 +48,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from celery_ext.config import REVOKE_SCAN_MAX, Settings
 from celery_ext.store.clock import now_ms
+from celery_ext.store.compact import headers_of
 from celery_ext.store.copies import copies, per_copy, run_scripts
 from celery_ext.store.job_index import index_ttl_ms
 from celery_ext.store.keys import Keys
@@ -183,7 +183,5 @@ def revoked_task_id(meta: dict[str, Any], payload: str) -> str | None:
     """The task id of a dead job whose record says it was revoked, else None."""
     if meta.get("reason") != "revoked":
         return None
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
-        task_id = json.loads(payload)["headers"]["id"]
-        return task_id if isinstance(task_id, str) else None
-    return None
+    task_id = headers_of(payload).get("id")
+    return task_id if isinstance(task_id, str) else None

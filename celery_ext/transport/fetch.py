@@ -25,7 +25,6 @@ every job of a reply at once. Either way a fetch still takes up to ``fetch_batch
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import deque
 from contextlib import suppress
@@ -35,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import loads
 
 from celery_ext.config import Settings
 from celery_ext.errors import CONNECTION_ERRORS
+from celery_ext.store.compact import unpack
 from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.envelope import envelope_problem
 from celery_ext.store.keys import Keys
@@ -62,16 +61,6 @@ def fetch_call(keys: Keys, settings: Settings, pool_id: str, queues: list[str],
             [pool_id, flags, *queues, settings.max_payload_bytes, int(settings.job_index),
              settings.dead_max_size, int(settings.dead_max_age * 1000), keys.unique(""),
              keys.cursor_prefix])
-
-
-def envelope_json(payload: bytes | str) -> Any:
-    """A fetched message's JSON as Kombu's ``loads`` reads it: Kombu's object hook turns
-    each ``{"__type__": ..., "__value__": ...}`` object into a value, and costs a Python
-    call per JSON object; without such an object in the payload, the C decoder alone
-    gives the same result."""
-    if isinstance(payload, bytes) and b'"__type__"' not in payload:
-        return json.loads(payload)
-    return loads(bytes_to_str(payload))
 
 
 def body_problem(channel: Any, raw: dict[str, Any]) -> str | None:
@@ -386,7 +375,7 @@ class Fetcher:
             self._dead_letter_fetched(tag, queue, payload, tracked, "too_large", error)
             return None
         try:
-            raw = envelope_json(payload)
+            raw = unpack(payload, queue)  # the message the stored (compact) payload stands for
             problem = envelope_problem(raw) or body_problem(channel, raw)
             if problem is not None:
                 raise ValueError(problem)

@@ -10,7 +10,6 @@ the reaper for a dead pool, or when a prefork child died, ``recover_tags``).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +20,7 @@ from kombu.utils.encoding import bytes_to_str
 from celery_ext.config import DEFAULT_PRIORITY_STEPS, Settings
 from celery_ext.options.priority import level, payload_priority
 from celery_ext.options.unique import MODE_HEADER, finished_lock
+from celery_ext.store.compact import headers_of
 from celery_ext.store.copies import run_scripts
 from celery_ext.store.dead_set import notify_dead
 from celery_ext.store.job_index import index_keys, index_ttl_ms
@@ -62,10 +62,7 @@ def locks_of(keys: Keys, records: Sequence[bytes | None]) -> list[str]:
     for rec in records:
         if rec and MODE_HEADER.encode() in rec:
             _, _, payload = rec.partition(b"\n")
-            try:
-                digest = finished_lock(json.loads(payload).get("headers"))
-            except (ValueError, AttributeError):
-                digest = None
+            digest = finished_lock(headers_of(payload))
             if digest is not None:
                 out.add(keys.unique(digest))
     return sorted(out)

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from celery_ext.config import INSPECT_SCHEDULED_MAX, INSPECT_SCHEDULED_PAGES
+from celery_ext.store.compact import unpack
 from celery_ext.store.dead_set import split_record
 from celery_ext.store.keys import Keys
 from celery_ext.text import one_line
@@ -68,7 +69,7 @@ def scheduled_entry(raw: bytes | str, due_ms: float, hostname: str,
         _, queue, text = split_record(raw)
         if queues is not None and queue not in queues:
             return None
-        payload = json.loads(text)
+        payload = unpack(text, queue)
     except ValueError:
         return None
     headers = payload.get("headers") if isinstance(payload, dict) else None

@@ -23,6 +23,7 @@ from celery_ext.config import BULK_PIPELINE_SIZE, DEFAULT_PRIORITY_STEPS
 from celery_ext.options.priority import level as priority_level
 from celery_ext.producer.publish import Enqueuer
 from celery_ext.store import scripts
+from celery_ext.store.compact import unpack
 from celery_ext.store.keys import Keys
 from celery_ext.testing.node import RedisServer
 from tests.apps import proj, proj_bulk
@@ -186,7 +187,7 @@ def test_a_kombu_publish_batch_whose_reply_was_lost_writes_each_message_once(
             for i in range(250):
                 producer.publish({"n": i}, routing_key="batched")
     assert proxy.replies_cut == 1
-    bodies = sorted(json.loads(base64.b64decode(json.loads(p)["body"]))["n"]
+    bodies = sorted(json.loads(base64.b64decode(unpack(p, "batched")["body"]))["n"]
                     for p in redis_client.lrange(K.queue("batched"), 0, -1))
     assert bodies == list(range(250))
 

@@ -18,9 +18,11 @@ import pytest
 import redis
 from celery import Celery
 from celery.signals import after_task_publish, before_task_publish
+from kombu.utils.json import dumps
 
 import celery_ext
 from celery_ext.producer.bulk_jobs import Jobs
+from celery_ext.store.compact import unpack
 from celery_ext.store.keys import Keys
 from tests.apps import proj, proj_bulk
 from tests.helpers import wait_for
@@ -51,19 +53,26 @@ def direct(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def stored(client: redis.Redis) -> dict[str, str]:
-    """Every stored message of db 0 (job queues, the scheduled set's records), by task id."""
+    """Every stored message of db 0 (job queues, the scheduled set's records), by task id,
+    as the message it stands for (``store/compact.py``), in Kombu's JSON."""
     found: dict[str, str] = {}
     for key in client.scan_iter(count=1000):
         kind = client.type(key)
         values: list[bytes] = []
+        queue = ""
         if kind == b"list":
             values = client.lrange(key, 0, -1)
+            queue = key.decode().removeprefix(K.queue("")).split("\x06")[0]  # (its levels)
         elif kind == b"hash":
             values = list(client.hvals(key))
         for raw in values:
-            text = raw.decode("utf-8", "replace").rsplit("\n", 1)[-1]
+            record = raw.decode("utf-8", "replace")
+            text = record.rsplit("\n", 1)[-1]
+            if kind == b"hash" and record.count("\n") >= 2:
+                queue = record.split("\n", 2)[1]  # "<meta>\n<queue>\n<payload>"
             if text.startswith("{") and '"headers"' in text:
-                found[json.loads(text)["headers"]["id"]] = text
+                message = unpack(text, queue)
+                found[message["headers"]["id"]] = dumps(message)
     return found
 
 
@@ -298,7 +307,7 @@ def test_a_job_publishing_apply_many_is_its_parent(
     worker_factory("tests.apps.proj_bulk", pool="threads", concurrency=2,
                    queues=["tests.apps.proj_bulk.fan_out"]).start()
     wait_for(lambda: installed.llen(K.queue(TALLY)) >= 5, 60, "the fan-out to publish")
-    headers = [json.loads(p)["headers"] for p in installed.lrange(K.queue(TALLY), 0, -1)]
+    headers = [unpack(p, TALLY)["headers"] for p in installed.lrange(K.queue(TALLY), 0, -1)]
     assert {(h["parent_id"], h["root_id"]) for h in headers} == {(parent.id, parent.id)}
     assert sorted(h["argsrepr"] for h in headers) == [f"('fan', {i})" for i in range(5)]
 

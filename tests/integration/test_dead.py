@@ -25,6 +25,7 @@ from celery_ext.client import Client
 from celery_ext.config import Settings
 from celery_ext.options.backoff import Backoff, backoff_for
 from celery_ext.producer.scheduled import schedule
+from celery_ext.store.compact import unpack
 from celery_ext.store.dead_set import dead_letter
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts, sha
@@ -215,7 +216,7 @@ def test_dead_retry_is_atomic_and_idempotent(redis_server: Any, redis_client: re
         t.join()
     assert sorted(ok) == [False] * 9 + [True]
     assert redis_client.llen(K.queue("job.a")) == 2
-    front = json.loads(redis_client.lindex(K.queue("job.a"), -1))  # fetched next
+    front = unpack(redis_client.lindex(K.queue("job.a"), -1), "job.a")  # fetched next
     headers = front["headers"]
     assert front["properties"]["delivery_tag"] == "r1"
     assert (headers["retries"], headers["eta"], headers["expires"]) == (0, None, None)

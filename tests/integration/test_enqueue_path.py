@@ -19,6 +19,7 @@ from kombu import Connection
 
 import celery_ext
 from celery_ext.producer.publish import NOT_SENT, Producer, Producers, pack_evalsha
+from celery_ext.store.compact import unpack
 from celery_ext.store.keys import Keys
 
 K = Keys("celery_ext")
@@ -44,7 +45,7 @@ def test_pack_evalsha_refuses_what_redis_py_refuses() -> None:
 
 
 def _stored(client: redis.Redis, queue: str) -> list[dict[str, Any]]:
-    return [json.loads(raw) for raw in client.lrange(K.queue(queue), 0, -1)]
+    return [unpack(raw, queue) for raw in client.lrange(K.queue(queue), 0, -1)]
 
 
 def test_a_busy_or_broken_kept_connection_falls_back_to_the_client(
@@ -209,3 +210,46 @@ def test_apps_on_one_url_do_not_starve_each_other_of_connections(
     assert len(done) == 6
     assert redis_client.llen(K.queue("starve_a.job")) == 3
     assert redis_client.llen(K.queue("starve_b.job")) == 3
+
+
+def test_a_job_is_stored_compact_and_fetched_as_celery_sent_it(
+        app: Celery, broker_url: str, redis_client: redis.Redis) -> None:
+    """The memory per queued job (issue 36): a job's message is stored compact
+    (``store/compact.py``: about 340 bytes here, 950 whole), and
+    the fetch hands Kombu the message Celery sent, headers, properties and body."""
+    sent: dict[str, tuple[dict[str, Any], Any]] = {}
+
+    def before(headers: Any = None, body: Any = None, **kw: Any) -> None:
+        sent[headers["id"]] = (dict(headers), json.loads(json.dumps(body)))
+
+    before_task_publish.connect(before, weak=False)
+    try:
+        job = app.tasks["enqueue_path.job"]
+        plain = job.apply_async((0,))
+        rich = job.apply_async((), {"x": "h\u00e9llo \u2603 \"q\""}, countdown=0,
+                               priority=3, headers={"custom": ["h", None]},
+                               link=job.si(2), group_id="g-1", group_index=2, shadow="nick")
+    finally:
+        before_task_publish.disconnect(before)
+    stored = {unpack(raw, "enqueue_path.job")["headers"]["id"]: raw
+              for raw in redis_client.lrange(K.queue("enqueue_path.job"), 0, -1)}
+    stored.update({unpack(raw, "enqueue_path.job")["headers"]["id"]: raw
+                   for raw in redis_client.lrange(K.queue_level("enqueue_path.job", 3), 0, -1)})
+    assert len(stored[plain.id]) < 400
+    assert len(json.dumps(unpack(stored[plain.id], "enqueue_path.job"))) > 900
+    with Connection(broker_url) as conn:
+        queue = conn.SimpleQueue("enqueue_path.job", no_ack=True)
+        got = {}
+        for _ in range(2):
+            message = queue.get(timeout=10)
+            got[message.headers["id"]] = message
+        queue.close()
+    for task_id in (plain.id, rich.id):
+        headers, body = sent[task_id]
+        message = got[task_id]
+        assert message.headers == headers
+        assert json.loads(message.body) == body
+        assert message.properties["correlation_id"] == task_id
+        assert message.delivery_info["routing_key"] == "enqueue_path.job"
+        assert message.content_type == "application/json"
+    assert got[rich.id].properties["priority"] == 3

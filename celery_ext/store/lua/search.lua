@@ -19,7 +19,8 @@
 --          search.py, the admin side); a candidate is decoded and compared in full
 -- A record is "<meta json>\n<queue>\n<payload>"; the job name is meta.name, else the
 -- payload's "task" header, else the queue; the body is the payload's "body" string
--- (base64 when the payload says so). Only the meta line is decoded as JSON.
+-- (base64 when the payload says so), or a compact payload's body (store/compact.py,
+-- decoded as JSON). Only the meta line and compact payloads are decoded as JSON.
 -- Returns {matches, next score, next skip, scanned, done, last id}: matches = {id, score,
 -- ...}; the next step starts at (next score, next skip, last id: the last entry read);
 -- done = 1 when the range is exhausted.
@@ -93,7 +94,7 @@ local function decode(s, from, count)
   return table.concat(out)
 end
 
-local function bodyOf(payload)
+local function rawBodyOf(payload)
   local from = string.find(payload, '"body": "', 1, true)
   local skipLen = 9
   if not from then
@@ -112,10 +113,42 @@ local function base64Body(payload)
       or string.find(payload, '"body_encoding":"base64"', 1, true)
 end
 
+-- A compact payload (store/compact.py) starts with its marker; it is decoded whole:
+-- its "text" is the body decoded (JSON text, escaped in the payload), its "args" that
+-- text without the end of a body without callbacks (NO_CALLBACKS in compact.py), its
+-- "body" is base64 when its properties say so or dropped body_encoding at its default
+-- ("p" flag).
+local COMPACT_START = '{"c": "'
+local NO_CALLBACKS = ', {"callbacks": null, "errbacks": null, "chain": null, "chord": null}]'
+local function compactBodyOf(payload)
+  local ok, m = pcall(cjson.decode, payload)
+  if not ok or type(m) ~= 'table' or type(m.c) ~= 'string' then return nil end
+  local flags = m.c
+  if flags == 'whole' then
+    m, flags = m.message, ''
+    if type(m) ~= 'table' then return nil end
+  end
+  if type(m.args) == 'string' then return m.args .. NO_CALLBACKS, false end
+  if type(m.text) == 'string' then return m.text, false end
+  if type(m.body) ~= 'string' then return nil end
+  local props = type(m.properties) == 'table' and m.properties or {}
+  local encoding = props.body_encoding
+  if encoding == nil and string.find(flags, 'p', 1, true) then encoding = 'base64' end
+  return m.body, encoding == 'base64'
+end
+
+-- The body of a payload (nil when none is found) and whether it is base64.
+local function bodyOf(payload)
+  if string.sub(payload, 1, #COMPACT_START) == COMPACT_START then
+    return compactBodyOf(payload)
+  end
+  return rawBodyOf(payload), base64Body(payload) ~= nil
+end
+
 local function textMatches(payload)
-  local body = bodyOf(payload)
+  local body, base64 = bodyOf(payload)
   if not body then return false end
-  if not base64Body(payload) then
+  if not base64 then
     return string.find(body, wantText, 1, true) ~= nil
   end
   local n = #wantText

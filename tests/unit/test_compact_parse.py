@@ -1,4 +1,4 @@
-"""``transport.fetch.envelope_json``: the C decoder alone where Kombu's object hook would
+"""``store.compact.parse``: the C decoder alone where Kombu's object hook would
 change nothing, Kombu's ``loads`` where it would."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kombu.utils.json import dumps, loads
 
-from celery_ext.transport.fetch import envelope_json
+from celery_ext.store.compact import parse
 
 #: JSON values, and the values Kombu's encoder writes as {"__type__", "__value__"}.
 plain = st.recursive(
@@ -30,12 +30,12 @@ values = st.recursive(plain | typed,
 @given(st.dictionaries(st.text(), values, max_size=6))
 def test_it_reads_what_kombus_loads_reads(message: dict[str, Any]) -> None:
     text = dumps(message)
-    assert envelope_json(text.encode()) == loads(text)
-    assert envelope_json(text) == loads(text)
+    assert parse(text.encode()) == loads(text)
+    assert parse(text) == loads(text)
 
 
 def test_typed_values_come_back_as_values() -> None:
     when = datetime.datetime(2026, 11, 26, 10, 30, tzinfo=datetime.UTC)
     job = uuid.uuid4()
-    got = envelope_json(dumps({"headers": {"eta": when, "id": job}}).encode())
+    got = parse(dumps({"headers": {"eta": when, "id": job}}).encode())
     assert got == {"headers": {"eta": when, "id": job}}
