@@ -147,23 +147,49 @@ def git_commit() -> str:
 
 
 # -- one level ------------------------------------------------------------------------------
-def fetch_cost(entries: list[dict[str, Any]], mode: str) -> tuple[int, float]:
-    """(calls, µs inside Redis) of the fetches SLOWLOG recorded: our ``fetch.lua`` by its
-    SHA, stock's ``BRPOP``."""
-    if mode == "ours":
-        from celery_ext.store.scripts import sha
+def calls_by_name(entries: list[dict[str, Any]]) -> dict[str, tuple[int, float]]:
+    """SLOWLOG entries grouped by call: (calls, µs inside Redis) per command, our scripts
+    by name (``fetch.lua``: an ``EVALSHA`` of that script's SHA)."""
+    from celery_ext.store.scripts import SCRIPT_NAMES, sha
 
-        want: tuple[bytes, ...] = (b"EVALSHA", sha("fetch").encode())
-    else:
-        want = (b"BRPOP",)
-    calls, micros = 0, 0.0
+    names = {sha(name).encode(): f"{name}.lua" for name in SCRIPT_NAMES}
+    out: dict[str, tuple[int, float]] = {}
     for entry in entries:
         words = entry["command"].split(b" ", 2)
-        if words[0].upper() == want[0] and (len(want) == 1 or
-                                            (len(words) > 1 and words[1] == want[1])):
-            calls += 1
-            micros += entry["duration"]
-    return calls, micros
+        name = words[0].decode(errors="replace").lower()
+        if name == "evalsha" and len(words) > 1:
+            name = names.get(words[1], name)
+        calls, micros = out.get(name, (0, 0.0))
+        out[name] = (calls + 1, micros + entry["duration"])
+    return out
+
+
+def fetch_cost(entries: list[dict[str, Any]], mode: str) -> tuple[int, float]:
+    """(calls, µs inside Redis) of the fetches SLOWLOG recorded: our ``fetch.lua``,
+    stock's ``BRPOP``."""
+    return calls_by_name(entries).get("fetch.lua" if mode == "ours" else "brpop", (0, 0.0))
+
+
+def command_usec(bench: Bench) -> dict[str, tuple[int, int]]:
+    """(calls, µs) per command so far (``INFO commandstats``: a script's own calls
+    count, under their own names, and inside the script's ``evalsha`` too)."""
+    return {k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"]))
+            for k, v in bench.info("commandstats").items()}
+
+
+def per_job(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]],
+            jobs: int) -> dict[str, dict[str, float]]:
+    """Calls and µs per job of each command between two ``command_usec`` readings, the
+    costliest first (the harness's ``info``/``get``/``slowlog``/``config`` and the jobs'
+    counting ``incrby`` left out)."""
+    out = {}
+    for name, (calls, usec) in after.items():
+        c0, u0 = before.get(name, (0, 0))
+        if calls > c0 and name.split("|")[0] not in ("info", "get", "slowlog", "config",
+                                                      "incrby"):
+            out[name] = {"calls": round((calls - c0) / jobs, 3),
+                         "us": round((usec - u0) / jobs, 2)}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["us"]))
 
 
 def enqueue(bench: Bench, mode: str, jobs: int) -> float:
@@ -185,15 +211,19 @@ def drain(bench: Bench, mode: str, jobs: int) -> dict[str, Any]:
 
     def on_first(done: int) -> None:
         at_first.update(done=done, redis_cpu=bench.redis_cpu())
+        stats.append(command_usec(bench))
 
+    stats: list[dict[str, tuple[int, int]]] = []
     t0 = time.perf_counter()
     worker.start()
     try:
         first, t1 = bench.wait_count(worker, jobs, timeout=120 + jobs / 20, on_first=on_first)
         redis_cpu = bench.redis_cpu()
+        stats.append(command_usec(bench))
         client.config_set("slowlog-log-slower-than", 10_000)
-        entries = client.slowlog_get(SLOWLOG_LEN)
+        # The jobs run while SLOWLOG recorded (the worker runs on while it is read).
         done = int(bench.counter.get(bench_app.COUNTER_KEY) or 0)
+        entries = client.slowlog_get(SLOWLOG_LEN)
     finally:
         client.config_set("slowlog-log-slower-than", 10_000)
         worker.stop(graceful=True, timeout=30)
@@ -204,7 +234,8 @@ def drain(bench: Bench, mode: str, jobs: int) -> dict[str, Any]:
             "redis_cpu_us_per_job": (redis_cpu - at_first["redis_cpu"]) / steady * 1e6,
             "fetch_calls": calls, "fetch_us_per_call": micros / max(calls, 1),
             "fetch_us_per_job": micros / max(done, 1), "jobs_per_fetch": done / max(calls, 1),
-            "slowlog_entries": len(entries), "ran": done}
+            "slowlog_entries": len(entries), "ran": done,
+            "commands_per_job": per_job(stats[0], stats[1], steady)}
 
 
 def used_memory(bench: Bench) -> int:
@@ -290,6 +321,14 @@ def table(res: dict[str, Any]) -> str:
             [mode] + [f"{t[k]['ratio']:.2f} ({'met' if t[k]['met'] else 'missed'})"
                       for k in ("enqueue_vs_empty", "drain_vs_empty",
                                 "fetch_us_per_job_vs_empty", "memory_step_spread")]) + " |")
+    lines += ["", "Inside Redis per job during the drain (commandstats µs, a script's own "
+              "calls also inside its evalsha), empty server -> the most queued:"]
+    for mode, side in res["sides"].items():
+        base, top = (p["drain"].get("commands_per_job", {}) for p in
+                     (side["points"][0], side["points"][-1]))
+        lines.append(f"- {mode}: " + ", ".join(
+            f"{k} {base.get(k, {}).get('us', 0):g} -> {v['us']:g} µs" for k, v in
+            list(top.items())[:8]))
     s = res["settings"]
     lines += ["", f"Settings: levels {', '.join(f'{n:,}' for n in s['levels'])} queued; "
               f"{s['jobs']:,} jobs enqueued (apply_async loop, 1 process, after "

@@ -45,7 +45,16 @@ from typing import Any
 from celery import Celery
 
 from bench import app as bench_app
-from bench.backlog import JOB, fill_ours, fill_stock, git_commit, make_app, stock_template
+from bench.backlog import (
+    JOB,
+    SLOWLOG_LEN,
+    calls_by_name,
+    fill_ours,
+    fill_stock,
+    git_commit,
+    make_app,
+    stock_template,
+)
 from bench.harness import (
     MODES,
     Bench,
@@ -136,8 +145,11 @@ def idle(bench: Bench, pools: int, seconds: float, monitor_seconds: float,
 
 
 def busy(bench: Bench, group: ProcGroup, jobs: int, app: Celery,
-         template: tuple[bytes, bytes, bytes] | None, steer: Client | None) -> dict[str, Any]:
-    """``jobs`` jobs queued while held, released at once, drained by every pool."""
+         template: tuple[bytes, bytes, bytes] | None, steer: Client | None,
+         slowlog: bool = False) -> dict[str, Any]:
+    """``jobs`` jobs queued while held, released at once, drained by every pool;
+    ``slowlog``: SLOWLOG records every call meanwhile (threshold 0), for the time inside
+    Redis per job of each command and each of our scripts."""
     client = bench.client()
     bench.counter.delete(bench_app.COUNTER_KEY)
     if template is not None:
@@ -147,6 +159,10 @@ def busy(bench: Bench, group: ProcGroup, jobs: int, app: Celery,
         steer.pause(JOB)
         fill_ours(app, jobs)
     time.sleep(0.5)  # what the fill left to do in the background (wake-ups) is done
+    if slowlog:
+        client.config_set("slowlog-max-len", SLOWLOG_LEN)
+        client.config_set("slowlog-log-slower-than", 0)
+        client.slowlog_reset()
     stats0, cpu0 = bench.commandstats(), bench.redis_cpu()
     t0 = time.perf_counter()
     if template is not None:
@@ -157,11 +173,20 @@ def busy(bench: Bench, group: ProcGroup, jobs: int, app: Celery,
     first, t1 = bench.wait_count(group, jobs, timeout=120 + jobs / 20)
     stats1, cpu1 = bench.commandstats(), bench.redis_cpu()
     calls = counts_delta(stats0, stats1, skip=HARNESS_COMMANDS + JOB_COMMANDS)
+    inside: dict[str, dict[str, float]] = {}
+    if slowlog:
+        client.config_set("slowlog-log-slower-than", 10_000)
+        by_name = calls_by_name(client.slowlog_get(SLOWLOG_LEN))
+        client.slowlog_reset()
+        inside = {name: {"calls_per_job": round(n / jobs, 3), "us_per_job": round(us / jobs, 2)}
+                  for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])
+                  if name not in HARNESS_COMMANDS + JOB_COMMANDS + ("slowlog", "config")}
     return {"jobs": jobs, "jobs_per_s": jobs / (t1 - t0), "first_s": first - t0,
             "redis_cpu_us_per_job": (cpu1 - cpu0) / jobs * 1e6,
             "executed_per_job": sum(calls.values()) / jobs,
             "executed_by_command": {k: round(v / jobs, 3) for k, v in
-                        sorted(calls.items(), key=lambda kv: -kv[1])}}
+                                    sorted(calls.items(), key=lambda kv: -kv[1])},
+            "inside_redis_by_call": inside}
 
 
 def run_side(bench: Bench, mode: str, levels: Sequence[int], args: argparse.Namespace
@@ -195,7 +220,7 @@ def run_side(bench: Bench, mode: str, levels: Sequence[int], args: argparse.Name
                 "pools": level, "start_s": start_s, "ping": ping,
                 "rss_mib_per_pool": usage["rss_tree"] / level / 2**20,
                 "idle": idle(bench, level, args.idle_seconds, args.monitor_seconds, baseline),
-                "busy": busy(bench, group, args.jobs, app, template, steer),
+                "busy": busy(bench, group, args.jobs, app, template, steer, args.slowlog),
                 "loadavg": [round(x, 2) for x in os.getloadavg()]}
             i, b = point["idle"], point["busy"]
             log(f"  {mode}, {level} pools (started in {start_s:.0f} s, all answered ping in "
@@ -240,6 +265,12 @@ def table(res: dict[str, Any]) -> str:
     for mode, side in res["sides"].items():
         lines.append(f"- {mode}: " + ", ".join(
             f"{k} {v:g}" for k, v in side["points"][-1]["busy"]["executed_by_command"].items()))
+    for mode, side in res["sides"].items():
+        inside = side["points"][-1]["busy"].get("inside_redis_by_call")
+        if inside:
+            lines.append(f"- {mode}, inside Redis per job by call (SLOWLOG): " + ", ".join(
+                f"{k} {v['us_per_job']:g} µs ({v['calls_per_job']:g} calls)"
+                for k, v in inside.items() if v["us_per_job"] >= 0.5))
     s = res["settings"]
     own = ", ".join(f"{m} {side['baseline']['redis_cpu_us_per_s']:.0f}"
                     for m, side in res["sides"].items())
@@ -301,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="idle window with MONITOR on (10; quick 2)")
     p.add_argument("--settle", type=float, default=None,
                    help="seconds after the last pool is ready (10; quick 2)")
+    p.add_argument("--slowlog", action="store_true",
+                   help="SLOWLOG every call of the busy drain: time inside Redis by call")
     p.add_argument("--batch", type=int, default=10, help="pools started at a time")
     p.add_argument("--modes", default=",".join(MODES), help="stock,ours")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -321,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings: dict[str, Any] = {
         "levels": list(levels), "jobs": args.jobs, "idle_seconds": args.idle_seconds,
         "monitor_seconds": args.monitor_seconds, "settle": args.settle, "batch": args.batch,
-        "pool": f"{POOL} -c {CONCURRENCY}",
+        "pool": f"{POOL} -c {CONCURRENCY}", "slowlog": args.slowlog,
         "commit": git_commit(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_before": [round(x, 2) for x in os.getloadavg()]}
     res: dict[str, Any] = {"settings": settings, "sides": {}}
