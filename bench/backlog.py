@@ -26,7 +26,7 @@ with stock ``apply_async``, read back, and copied with a fresh task id and deliv
 per job (byte for byte the message ``apply_async`` writes). ``bench.pools`` uses the same
 two fills.
 
-    python -m bench.backlog                       # full size, ~15 min on 2 cores
+    python -m bench.backlog                       # full size, ~35 min on 2 cores
     python -m bench.backlog --quick               # tiny sizes, for development
 
 Prints a table (settings, load average, commit and time at the end) and writes

@@ -22,7 +22,7 @@ must answer ``celery inspect ping`` before anything is measured. At each level:
 
 RSS per pool (the main process's, solo has no children) is read at each level.
 
-    python -m bench.pools                    # 1, 10, 50, 200 pools; ~25 min on 2 cores
+    python -m bench.pools                    # 1, 10, 50, 200 pools; ~20 min on 2 cores
     python -m bench.pools --quick            # 1, 2, 4 pools, tiny windows
 
 Prints a table (settings, load average, commit and time at the end) and writes
