@@ -106,3 +106,52 @@ def test_bench_floor_drains_with_each_strategy_in_a_thread_pool(tmp_path: Path) 
                             "ours, what must be kept", "dramatiq"}
     for label, m in medians.items():
         assert math.isfinite(m["jobs_per_s"]) and m["jobs_per_s"] > 0, label
+
+
+@pytest.mark.timeout(330)
+def test_bench_pools_measures_every_level_idle_and_busy(tmp_path: Path) -> None:
+    done = run_bench("bench.pools", "--levels", "1,2", "--jobs", "40", "--idle-seconds", "1",
+                     "--monitor-seconds", "1", "--settle", "0.5", "--out", str(tmp_path),
+                     timeout=300, what="bench.pools")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "idle commands/s sent per pool" in done.stdout and "load average" in done.stdout
+    data = json.loads((tmp_path / "pools.json").read_text())
+    assert set(data["sides"]) == {"stock", "ours"}
+    for side in data["sides"].values():
+        assert [p["pools"] for p in side["points"]] == [1, 2]
+        for point in side["points"]:
+            # Every pool answered inspect ping before anything was measured.
+            assert point["ping"]["answered"] == point["pools"]
+            idle, busy = point["idle"], point["busy"]
+            for value in (point["rss_mib_per_pool"], idle["sent_per_s_per_pool"],
+                          idle["executed_per_s_per_pool"], busy["jobs_per_s"],
+                          busy["redis_cpu_us_per_job"], busy["executed_per_job"]):
+                assert math.isfinite(value) and value > 0, point
+            assert busy["jobs"] == 40
+
+
+@pytest.mark.timeout(330)
+def test_bench_backlog_measures_every_level_of_both_sides(tmp_path: Path) -> None:
+    done = run_bench("bench.backlog", "--levels", "0,300", "--jobs", "50", "--out", str(tmp_path),
+                     timeout=300, what="bench.backlog")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "drain at top / empty" in done.stdout and "load average" in done.stdout
+    data = json.loads((tmp_path / "backlog.json").read_text())
+    assert set(data["sides"]) == {"stock", "ours"}
+    for side in data["sides"].values():
+        empty, full = side["points"]
+        assert (empty["level"], full["level"]) == (0, 300)
+        # The fill reached the level: 300 jobs queued before that level's measurements,
+        # each costing memory.
+        assert full["queued"] == 300 and 0 < full["step_jobs"] <= 300
+        assert full["used_memory"] > empty["used_memory"]
+        assert full["step_bytes_per_job"] > 0
+        for point in (empty, full):
+            drain = point["drain"]
+            for value in (point["enqueue_jobs_per_s"], drain["jobs_per_s"],
+                          drain["redis_cpu_us_per_job"]):
+                assert math.isfinite(value) and value > 0, point
+            # The fetches were found in SLOWLOG (ours: fetch.lua by its SHA; stock: BRPOP).
+            assert drain["fetch_calls"] > 0 and drain["fetch_us_per_call"] >= 0, point
+        assert set(side["targets"]) == {"enqueue_vs_empty", "drain_vs_empty",
+                                        "fetch_us_per_job_vs_empty", "memory_step_spread"}
