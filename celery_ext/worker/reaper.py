@@ -98,6 +98,11 @@ class Reaper(BackgroundLoop):
         self._steady_since: int | None = None
         self._last_ok: int | None = None
         self.passes = 0
+        #: Other pools' timings, read once per pool: a pool writes them when it registers
+        #: and never changes them, so a pass reads only the pools it has not seen (one
+        #: HMGET per pool, not one per pool per pass: every pool's reaper reading every
+        #: other pool's record made the idle commands grow with the square of the pools).
+        self._timings: dict[str, Liveness] = {}
 
     # -- one pass ------------------------------------------------------------------------
     def stale(self, now: int) -> dict[str, Liveness | None]:
@@ -105,15 +110,11 @@ class Reaper(BackgroundLoop):
         plus orphans (None): pools that own in-flight jobs but are not registered."""
         beats: Any = self.client.zrange(self.keys.pools, 0, -1, withscores=True)
         ids = [bytes_to_str(p) for p, _ in beats if bytes_to_str(p) != self.own_pool_id]
-        with self.client.pipeline(transaction=False) as pipe:
-            for pool_id in ids:
-                pipe.hmget(self.keys.pool(pool_id), LIVENESS_FIELDS)
-            infos = pipe.execute() if ids else []
+        timings = self._pool_timings(ids)
         beat_of: dict[str, float] = {bytes_to_str(p): s for p, s in beats}
         result: dict[str, Liveness | None] = {}
-        for pool_id, values in zip(ids, infos, strict=True):
-            liveness = Liveness.of(dict(zip(LIVENESS_FIELDS, values, strict=True)),
-                                   self.settings)
+        for pool_id in ids:
+            liveness = timings[pool_id]
             if liveness.stale(beat_of[pool_id], now):
                 result[pool_id] = liveness
         owners = sorted(bytes_to_str(p) for p in self.client.smembers(self.keys.inflight_pools))
@@ -125,6 +126,26 @@ class Reaper(BackgroundLoop):
             if pool_id not in beat_of and pool_id != self.own_pool_id:
                 result[pool_id] = None
         return result
+
+    def _pool_timings(self, ids: list[str]) -> dict[str, Liveness]:
+        """Each registered pool's own dead_after and heartbeat interval, read from its
+        hash the first time the pool is seen. A hash without both fields (not written
+        yet, or gone) is judged by this pool's settings and read again next pass."""
+        unseen = [pool_id for pool_id in ids if pool_id not in self._timings]
+        with self.client.pipeline(transaction=False) as pipe:
+            for pool_id in unseen:
+                pipe.hmget(self.keys.pool(pool_id), LIVENESS_FIELDS)
+            infos = pipe.execute() if unseen else []
+        timings = {pool_id: self._timings[pool_id] for pool_id in ids
+                   if pool_id in self._timings}
+        for pool_id, values in zip(unseen, infos, strict=True):
+            timings[pool_id] = Liveness.of(dict(zip(LIVENESS_FIELDS, values, strict=True)),
+                                           self.settings)
+            if all(value is not None for value in values):
+                self._timings[pool_id] = timings[pool_id]
+        for pool_id in set(self._timings) - set(ids):  # deregistered or reaped
+            del self._timings[pool_id]
+        return timings
 
     def stale_pools(self, now: int) -> list[str]:
         """Ids of the pools :meth:`stale` finds."""
