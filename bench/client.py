@@ -161,7 +161,7 @@ def layers(batches: int, size: int) -> dict[str, dict[str, float]]:
         "full": {}, "celery_only": {"send_task": no_publish}, "no_transport": {"put": no_put},
         "floor": {"put": floor_put}, "direct_floor": {"publish": direct_publish}}
     if bench_app.MODE == "ours":
-        from celery_ext.producer import publish as producer
+        from celery_ext.producer import publish_line as producer
 
         def constant(self: object, commands: list[bytes]) -> list[int]:
             return [1] * len(commands)  # every script call "written", nothing sent

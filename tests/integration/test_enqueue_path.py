@@ -18,7 +18,8 @@ from celery.signals import after_task_publish, before_task_publish
 from kombu import Connection
 
 import celery_ext
-from celery_ext.producer.publish import NOT_SENT, Producer, Producers, pack_evalsha
+from celery_ext.producer.publish import Producer, Producers
+from celery_ext.producer.publish_line import NOT_SENT, pack_evalsha
 from celery_ext.store.compact import unpack
 from celery_ext.store.keys import Keys
 
