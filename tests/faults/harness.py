@@ -464,7 +464,7 @@ class Run:
         deadline = time.monotonic() + self.opt.max_settle
         last_done, last_change = -1, time.monotonic()
         while time.monotonic() < deadline:
-            done = len(Record.read(self.record_path).done_ids() & set(self._accepted))
+            done = self._done_count()
             if done >= len(self._accepted):
                 return
             if done != last_done:
@@ -473,8 +473,16 @@ class Run:
                 self.result.notes.append(
                     f"gave up waiting: nothing finished for {self.opt.settle:.0f} s")
                 return
-            time.sleep(0.2)
+            self._settle_pause()
         self.result.notes.append(f"gave up waiting after {self.opt.max_settle:.0f} s")
+
+    def _done_count(self) -> int:
+        """Accepted jobs the record shows done (read whole: a few thousand lines)."""
+        return len(Record.read(self.record_path).done_ids() & set(self._accepted))
+
+    def _settle_pause(self) -> None:
+        """Between two looks at the record while settling."""
+        time.sleep(0.2)
 
     def _count(self) -> None:
         rec = Record.read(self.record_path)

@@ -138,6 +138,9 @@ class ScaleRun(Run):
         self._ctx = multiprocessing.get_context("spawn")
         self._sent = self._ctx.Value("q", 0)
         self._kills_done = 0
+        #: While settling: the accepted ids (:meth:`_done_count`), the next progress line.
+        self._settling: set[str] | None = None
+        self._next_line: float | None = None
 
     def _url(self, via_proxy: bool, proxy: Any = None) -> str:
         return super()._url(False, proxy)
@@ -241,27 +244,22 @@ class ScaleRun(Run):
                      self.tail.running(pids), owned)
 
     # -- settling and counting ----------------------------------------------------------
-    def _settle(self) -> None:
-        accepted = set(self._accepted)
-        deadline = time.monotonic() + self.opt.max_settle
-        last_done, last_change = -1, time.monotonic()
-        next_line = time.monotonic() + PROGRESS_EVERY
-        while time.monotonic() < deadline:
-            self.tail.poll()
-            done = len(accepted.intersection(self.tail.done))
-            if done >= len(accepted):
-                return
-            if done != last_done:
-                last_done, last_change = done, time.monotonic()
-            elif time.monotonic() - last_change > self.opt.settle:
-                self.result.notes.append(
-                    f"gave up waiting: nothing finished for {self.opt.settle:.0f} s")
-                return
-            if time.monotonic() > next_line:
-                next_line += PROGRESS_EVERY
-                self._progress()
-            time.sleep(0.5)
-        self.result.notes.append(f"gave up waiting after {self.opt.max_settle:.0f} s")
+    def _done_count(self) -> int:
+        """Accepted jobs done, from the record's tail (read as it grows, never whole)."""
+        self.tail.poll()
+        if self._settling is None:  # the accepted ids are final once the producers ended
+            self._settling = set(self._accepted)
+        return len(self._settling.intersection(self.tail.done))
+
+    def _settle_pause(self) -> None:
+        """A progress line every ``PROGRESS_EVERY`` s while the last jobs finish."""
+        now = time.monotonic()
+        if self._next_line is None:
+            self._next_line = now + PROGRESS_EVERY
+        elif now > self._next_line:
+            self._next_line += PROGRESS_EVERY
+            self._progress()
+        time.sleep(0.5)
 
     def _count(self) -> None:
         self.tail.poll()
