@@ -51,6 +51,7 @@ from celery import Celery
 
 from bench import app as bench_app
 from bench.harness import MODES, REPO_ROOT, Bench, BenchError
+from bench.report import Panel, side_curves
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 #: The one job name every side queues (``bench.app``'s no-op job).
@@ -344,38 +345,15 @@ def table(res: dict[str, Any]) -> str:
 
 def chart(path: Path, res: dict[str, Any]) -> bool:
     """Four panels against the backlog: used_memory, enqueue and drain rate as a share
-    of the empty server's, fetch µs per job. False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    panels = (("used_memory (MiB)", lambda p: p["used_memory"] / 2**20, False),
-              ("enqueue rate / empty's", lambda p: p["enqueue_jobs_per_s"], True),
-              ("drain rate / empty's", lambda p: p["drain"]["jobs_per_s"], True),
-              ("fetch inside Redis (µs/job)", lambda p: p["drain"]["fetch_us_per_job"], False))
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 3.6))
-    for ax, (ylabel, value, relative) in zip(axes, panels, strict=True):
-        for mode, side in res["sides"].items():
-            xs = [p["level"] for p in side["points"]]
-            ys = [value(p) for p in side["points"]]
-            if relative:
-                ys = [y / ys[0] for y in ys]
-            ax.plot(xs, ys, marker="o", label=mode)
-        if relative:
-            ax.axhline(0.9, color="grey", linestyle="--", linewidth=1)
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("queued jobs")
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
-    fig.suptitle("A growing backlog, one job name (bench.backlog)", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return True
+    of the empty server's (the target line at 0.9), fetch µs per job. False without
+    matplotlib."""
+    panels: list[Panel] = [
+        ("used_memory (MiB)", lambda p: p["used_memory"] / 2**20, False),
+        ("enqueue rate / empty's", lambda p: p["enqueue_jobs_per_s"], True),
+        ("drain rate / empty's", lambda p: p["drain"]["jobs_per_s"], True),
+        ("fetch inside Redis (µs/job)", lambda p: p["drain"]["fetch_us_per_job"], False)]
+    return side_curves(path, res, panels, "level", "queued jobs",
+                       "A growing backlog, one job name (bench.backlog)", share_floor=0.9)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.harness import Bench, median
-from bench.report import Row
+from bench.report import Row, pyplot, save_figure
 
 if TYPE_CHECKING:
     from bench.workloads import Sizes
@@ -158,12 +158,8 @@ def curve_chart(path: Path, rows: list[Row], title: str) -> bool:
     curves = {pool: points for pool, points in _curves(rows).items() if len(points) > 1}
     if not curves:
         return False
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     panels = (("drain rate / 1 name's", ("jobs/s", "steady jobs/s"), True),
               ("start to first job (s)", ("start-up s",), False),
@@ -185,8 +181,5 @@ def curve_chart(path: Path, rows: list[Row], title: str) -> bool:
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(plt, fig, path, dpi=90)
     return True

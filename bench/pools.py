@@ -64,6 +64,7 @@ from bench.harness import (
     ProcGroup,
     counts_delta,
 )
+from bench.report import Panel, side_curves
 from celery_ext.client import Client
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -290,35 +291,14 @@ def table(res: dict[str, Any]) -> str:
 def chart(path: Path, res: dict[str, Any]) -> bool:
     """Four panels against the pool count (log scale): idle commands/s and Redis CPU per
     pool, busy jobs/s and Redis CPU per job. False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    panels = (("idle: commands/s sent per pool", lambda p: p["idle"]["sent_per_s_per_pool"]),
-              ("idle: Redis CPU µs/s per pool",
-               lambda p: p["idle"]["redis_cpu_us_per_s_per_pool"]),
-              ("busy: jobs/s", lambda p: p["busy"]["jobs_per_s"]),
-              ("busy: Redis CPU µs/job", lambda p: p["busy"]["redis_cpu_us_per_job"]))
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 3.6))
-    for ax, (ylabel, value) in zip(axes, panels, strict=True):
-        for mode, side in res["sides"].items():
-            points = side["points"]
-            ax.plot([p["pools"] for p in points], [value(p) for p in points], marker="o",
-                    label=mode)
-        ax.set_xscale("log")
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("worker pools (log scale)")
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"Worker pools, -P {POOL} each (bench.pools)", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return True
+    panels: list[Panel] = [
+        ("idle: commands/s sent per pool", lambda p: p["idle"]["sent_per_s_per_pool"], False),
+        ("idle: Redis CPU µs/s per pool",
+         lambda p: p["idle"]["redis_cpu_us_per_s_per_pool"], False),
+        ("busy: jobs/s", lambda p: p["busy"]["jobs_per_s"], False),
+        ("busy: Redis CPU µs/job", lambda p: p["busy"]["redis_cpu_us_per_job"], False)]
+    return side_curves(path, res, panels, "pools", "worker pools (log scale)",
+                       f"Worker pools, -P {POOL} each (bench.pools)", log_x=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

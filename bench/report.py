@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,17 +140,69 @@ def write_json(path: Path, meta: dict[str, Any], rows: list[Row],
     tmp.replace(path)
 
 
-def chart(path: Path, rows: list[Row], title: str) -> bool:
-    """Ratios ours/stock of the primary metrics (and fairness shares) as a PNG.
 
-    Returns False (and writes nothing) when matplotlib is not installed.
-    """
+def pyplot() -> Any | None:
+    """matplotlib's pyplot on its file-only backend, or None without the bench extra:
+    every chart is optional, the figures are in the printed table and the JSON."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def save_figure(plt: Any, fig: Any, path: Path, dpi: int) -> None:
+    """Write ``fig`` to ``path`` (its folder made) and free it: a bench run draws several."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+#: One panel of :func:`side_curves`: its y label, the value of a point, and whether the
+#: value is drawn as a share of the side's first point.
+Panel = tuple[str, Callable[[dict[str, Any]], float], bool]
+
+
+def side_curves(path: Path, res: dict[str, Any], panels: Sequence[Panel], x: str,
+                xlabel: str, title: str, *, log_x: bool = False,
+                share_floor: float | None = None) -> bool:
+    """A row of panels, one line per side (``res["sides"][mode]["points"]``) against the
+    point's ``x`` field: the shape of the cost-curve commands' results. ``share_floor``
+    draws the target line on the panels drawn as shares. False without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 3.6))
+    for ax, (ylabel, value, relative) in zip(axes, panels, strict=True):
+        for mode, side in res["sides"].items():
+            points = side["points"]
+            ys = [value(p) for p in points]
+            if relative:
+                ys = [y / ys[0] for y in ys]
+            ax.plot([p[x] for p in points], ys, marker="o", label=mode)
+        if relative and share_floor is not None:
+            ax.axhline(share_floor, color="grey", linestyle="--", linewidth=1)
+        if log_x:
+            ax.set_xscale("log")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    save_figure(plt, fig, path, dpi=80)
+    return True
+
+def chart(path: Path, rows: list[Row], title: str) -> bool:
+    """Ratios ours/stock of the primary metrics (and fairness shares) as a PNG.
+
+    Returns False (and writes nothing) when matplotlib is not installed.
+    """
+    plt = pyplot()
+    if plt is None:
         return False
     compared = [r for r in rows if r.primary and r.stock and r.ratio is not None]
     fair = [r for r in rows if r.workload == "fairness" and r.ours]
@@ -190,10 +243,7 @@ def chart(path: Path, rows: list[Row], title: str) -> bool:
         fax.set_ylabel("% of fetches")
         fax.set_title("weighted fairness (ours)", fontsize=10)
         fax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path, dpi=110)
     return True
 
 
