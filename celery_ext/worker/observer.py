@@ -51,8 +51,19 @@ CHECKIN_MIN_INTERVAL = 1.0
 #: jobs cost no round trip from the executing process, while the long jobs the busy
 #: view is for still show (a record per job costs more than a short job itself).
 BUSY_RECORD_DELAY = 0.1
-#: Processed/failed/retried counters are summed in memory and written this often.
+#: Processed/failed/retried counters, runtimes and history are summed in memory and
+#: written at most this often (seconds), and this often while jobs end fast enough
+#: (``STATS_FLUSH_JOBS``) or one failed.
 STATS_FLUSH_INTERVAL = 1.0
+#: Jobs ended since the last write that make the next write due ``STATS_FLUSH_INTERVAL``
+#: after it: a flush costs Redis about as much as a job, and a process that runs fewer
+#: jobs a second waits longer, so that the flushes are a cost per job, not per process
+#: and second (200 solo pools sharing 300 jobs/s flushed once per job).
+STATS_FLUSH_JOBS = 20
+#: The longest a count waits in memory (seconds), however few jobs ended: the counters'
+#: lag for a process that runs a job now and then. Counts also go at the end of their
+#: minute on the Redis clock, so the per-minute history keeps them in their minute.
+STATS_FLUSH_MAX_INTERVAL = 5.0
 #: Under gevent, a finished job's busy record is cleared by the background greenlet
 #: within this many seconds, with the others due, in one round trip (not one per job).
 GREEN_END_DELAY = 0.05
@@ -80,7 +91,7 @@ class Observer:
     """Records this process's running jobs for its pool (one per process and app).
 
     A background thread writes the busy record of a job once it has run
-    ``BUSY_RECORD_DELAY`` and flushes the counters every ``STATS_FLUSH_INTERVAL``;
+    ``BUSY_RECORD_DELAY`` and flushes the counters when due (``_stats_due``);
     ``flush()`` is the one-shot step (also run at process shutdown)."""
 
     def __init__(self, client: Any, settings: Settings, pool_id: str,
@@ -113,7 +124,14 @@ class Observer:
         #: not before it is woken). Jobs wake it only when they need it sooner: two
         #: thread switches per job are a large share of a short job's cost.
         self._sleep_until: float | None = None
-        self._last_stats = time.monotonic()
+        #: When the counters were last taken to be written (monotonic); the first counts
+        #: of a process are due at once.
+        self._last_stats = time.monotonic() - STATS_FLUSH_MAX_INTERVAL
+        #: Jobs ended since then, whether one failed, and when (monotonic) the Redis-clock
+        #: minute of the first count summed since then ends (None: no count waits).
+        self._pending_jobs = 0
+        self._pending_failed = False
+        self._minute_ends: float | None = None
         #: Jobs are greenlets of this process (``-P gevent``): their busy records are
         #: cleared by ``flush`` (``GREEN_END_DELAY``), not by each job.
         self._green = green_sockets()
@@ -174,6 +192,8 @@ class Observer:
             self._unwritten[job_id] = running
             for field, amount in waited or ():  # written with the next counter flush
                 self._runtime[field] = self._runtime.get(field, 0) + amount
+            if waited and self._minute_ends is None:
+                self._minute_ends = self._end_of_minute()
             sleeping = self._sleep_until
         self._ensure_thread()
         if sleeping is None or sleeping > running.started + BUSY_RECORD_DELAY:
@@ -188,6 +208,10 @@ class Observer:
             if outcome:
                 for field in (outcome, f"{outcome}:{queue}"):
                     self._stats[field] = self._stats.get(field, 0) + 1
+                self._pending_jobs += 1
+                self._pending_failed = self._pending_failed or outcome == "failed"
+                if self._minute_ends is None:
+                    self._minute_ends = self._end_of_minute()
                 seconds = (time.monotonic() - running.started) if running is not None else None
                 self.history.add(name or queue, outcome, seconds)
                 if seconds is not None:
@@ -217,12 +241,32 @@ class Observer:
             self._wake.set()
 
     def wake_for_stats(self) -> None:
-        """After a job ended: make sure its counters are written within the interval."""
+        """After a job ended: make sure its counters are written when due."""
         with self._lock:
             sleeping = self._sleep_until
-            due = self._last_stats + STATS_FLUSH_INTERVAL
-        if sleeping is None or sleeping > due:
+            due = self._stats_due()
+        if due is not None and (sleeping is None or sleeping > due):
             self._wake.set()
+
+    def _end_of_minute(self) -> float:
+        """When (monotonic) the current minute of the Redis clock ends."""
+        return time.monotonic() + 60 - (time.time() + self.clock_offset) % 60
+
+    def _stats_due(self) -> float | None:
+        """When (monotonic) the counters summed here are due to be written (None: none
+        wait): ``STATS_FLUSH_INTERVAL`` after the last write once ``STATS_FLUSH_JOBS`` jobs
+        ended or one failed (alerts watch failures), else at the end of the first count's
+        minute or ``STATS_FLUSH_MAX_INTERVAL`` after the last write, whichever is first,
+        never sooner than ``STATS_FLUSH_INTERVAL`` after it (the caller holds the lock)."""
+        if not (self._stats or self._runtime):
+            return None
+        soon = self._last_stats + STATS_FLUSH_INTERVAL
+        if self._pending_jobs >= STATS_FLUSH_JOBS or self._pending_failed:
+            return soon
+        later = self._last_stats + STATS_FLUSH_MAX_INTERVAL
+        if self._minute_ends is not None:
+            later = min(later, self._minute_ends)
+        return max(soon, later)
 
     def flush(self, force_stats: bool = False, _plan: bool = False) -> float:
         """Write busy records of jobs running past the delay and, when due, the
@@ -252,57 +296,58 @@ class Observer:
                     running.written = True
                     del self._unwritten[running.job_id]
                 self._outage.ok()
-            stats_due = bool(self._stats or self._runtime) and (
-                force_stats or now - self._last_stats >= STATS_FLUSH_INTERVAL)
+            due = self._stats_due()
+            stats_due = due is not None and (force_stats or now >= due)
             if stats_due:
                 stats, self._stats = self._stats, {}
                 runtime, self._runtime = self._runtime, {}
+                pending = (self._pending_jobs, self._pending_failed, self._minute_ends)
+                self._pending_jobs, self._pending_failed, self._minute_ends = 0, False, None
                 self._last_stats = now
         if stats_due:
-            self._write_stats(stats, runtime)
+            self._write_stats(stats, runtime, pending)
         with self._lock:
             later = time.monotonic()
             if wait < 1e9:  # (less the time the counters took to write)
                 wait -= later - now
-            if self._stats or self._runtime:
-                wait = min(wait, STATS_FLUSH_INTERVAL - (later - self._last_stats))
+            due = self._stats_due()
+            if due is not None:
+                wait = min(wait, due - later)
             wait = max(wait, 0.005)
             if _plan:  # the thread sleeps this long; decided under the lock job_started takes
                 self._sleep_until = None if wait >= 1e9 else later + wait
         return wait
 
-    def _write_stats(self, stats: dict[str, int], runtime: dict[str, int]) -> None:
-        """Write a flush's counters, runtime fields and history outside the lock every job's
-        start and end take: at 10,000 job names a flush carries a field per name that ran,
-        and its round trips (tens of ms) held up every job slot once a second."""
+    def _write_stats(self, stats: dict[str, int], runtime: dict[str, int],
+                     pending: tuple[int, bool, float | None]) -> None:
+        """Write a flush's counters, runtime fields and history, in one script call
+        (``HistoryWriter.flush``), outside the lock every job's start and end take: at
+        10,000 job names a flush carries a field per name that ran, and its round trip
+        (tens of ms) held up every job slot. ``pending``: what made it due, restored
+        with the counts when the write fails."""
         # With the known queues: a queue forgotten since its jobs ran is added back, so its
         # fields are forgotten again (queue_info.lua); the runtime fields are its queues'.
         try:
-            if stats:  # (none when only waits of jobs still running are due)
-                self.scripts("stats", [self.keys.stats, self.keys.queues],
-                             [x for item in stats.items() for x in item])
+            self.history.flush(stats, runtime)
         except BaseException:  # not written: counted again with the next flush
             with self._lock:
-                self._merge(stats, runtime)
+                self._merge(stats, runtime, pending)
             raise
-        if runtime:  # the same script: one HINCRBY per field, summed per flush
-            try:
-                self.scripts("stats", [self.keys.runtime],
-                             [x for item in runtime.items() for x in item])
-            except BaseException:
-                with self._lock:
-                    self._merge({}, runtime)
-                raise
         with self._lock:
             self._outage.ok()
-        self.history.flush()
 
-    def _merge(self, stats: dict[str, int], runtime: dict[str, int]) -> None:
+    def _merge(self, stats: dict[str, int], runtime: dict[str, int],
+               pending: tuple[int, bool, float | None]) -> None:
         """Counts a flush could not write go back to be written by the next (the
         caller holds the lock)."""
         for into, counts in ((self._stats, stats), (self._runtime, runtime)):
             for field, amount in counts.items():
                 into[field] = into.get(field, 0) + amount
+        jobs, failed, minute_ends = pending
+        self._pending_jobs += jobs
+        self._pending_failed = self._pending_failed or failed
+        if minute_ends is not None:
+            self._minute_ends = min(self._minute_ends or minute_ends, minute_ends)
 
     def _ensure_thread(self) -> None:
         """Start the background thread unless it runs (a flag, not ``is_alive()``: each
