@@ -12,14 +12,16 @@ real ``celery worker -P solo`` pools; script calls counted with ``MONITOR``.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 
 import redis
 
+from celery_ext.client import Client
 from celery_ext.config import Settings
 from celery_ext.store.history import ALL, NAME_PREFIX, HistoryReader, HistoryWriter, unpack
 from celery_ext.store.keys import Keys
-from celery_ext.testing.server import RedisServer
+from celery_ext.testing.server import ClusterGroup, RedisServer
 from celery_ext.worker.observer import (
     STATS_FLUSH_INTERVAL,
     STATS_FLUSH_JOBS,
@@ -66,6 +68,7 @@ def test_a_trickle_over_several_pools_flushes_per_job_not_per_pool_and_second(
         wait_for(lambda: rec.llen("runs:trickle") >= jobs, 30, "the trickle run")
         time.sleep(STATS_FLUSH_INTERVAL)  # (a flush due now is counted)
     flushes = sum(calls.calls.values())
+    print(f"flush calls for {jobs} jobs over 3 pools: {calls.calls}")
     assert rec.llen("runs:trickle") == jobs
     # 3 pools: at most a first write, one per STATS_FLUSH_MAX_INTERVAL and one at a
     # minute's end each over these 7 s: 12; per pool and second it was 3 x 3 x 7.
@@ -179,3 +182,23 @@ def test_history_fields_merge_in_place(redis_client: redis.Redis) -> None:
     rows = HistoryReader(redis_client, Settings()).runtimes("1h", float(seconds))
     assert [(r["name"], r["processed"], r["failed"], r["retried"]) for r in rows] == [
         ("t.x", 5, 1, 1), ("t.y", 1, 0, 0)]
+
+
+def test_a_flush_on_a_cluster_writes_its_one_call_in_the_namespace_slot(
+        cluster: ClusterGroup) -> None:
+    """The flush's keys (stats, runtime, known queues, the minute and hour hashes) share
+    the namespace's hash tag: one script call on a cluster, read back by the client."""
+    cc = Client.from_url(cluster.url(), cluster=True, namespace=f"fl_{uuid.uuid4().hex[:8]}")
+    try:
+        obs = Observer(cc.client, cc.settings, "pool-cluster")
+        for i in range(50):
+            obs.job_finished(f"j{i}", f"t.{i % 5}", "failed" if i == 7 else "processed",
+                             name=f"t.{i % 5}")
+        obs.flush(force_stats=True)
+        assert cc.totals() == {"processed": 49, "failed": 1, "retried": 0}
+        rows = {r["name"]: (r["processed"], r["failed"]) for r in cc.runtimes("1h")}
+        assert rows == {"t.0": (10, 0), "t.1": (10, 0), "t.2": (9, 1), "t.3": (10, 0),
+                        "t.4": (10, 0)}
+        obs.stop()
+    finally:
+        cc.client.close()
