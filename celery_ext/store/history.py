@@ -16,7 +16,7 @@ Fields of each hash:
 
 Who writes it: the executing process of every job (the observer, through
 :class:`HistoryWriter`) sums counts and runtimes in memory and adds them with its job
-counters in one ``history`` script call per flush (``worker/observer.py`` says when:
+counters in one ``history`` script call per flush (``worker/flush_timer.py`` says when:
 at most once a second, at least every few seconds while counts wait); the leading requeuer of
 the worker pools (:mod:`celery_ext.worker.requeuer`) samples queue sizes every
 ``history_sample_interval``. Every bucket is on the Redis clock (the script picks

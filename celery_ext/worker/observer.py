@@ -38,6 +38,7 @@ from celery_ext.store.keys import RUNTIME_BUCKET_NAMES, RUNTIME_BUCKETS, Keys
 from celery_ext.store.scripts import Scripts
 from celery_ext.text import one_line
 from celery_ext.worker import cursor as cursors
+from celery_ext.worker.flush_timer import FlushTimer
 from celery_ext.worker.heartbeater import owning_pool_id
 from celery_ext.worker.outage import Outage
 from celery_ext.worker.running_job import RunningJob, slot_id
@@ -51,19 +52,6 @@ CHECKIN_MIN_INTERVAL = 1.0
 #: jobs cost no round trip from the executing process, while the long jobs the busy
 #: view is for still show (a record per job costs more than a short job itself).
 BUSY_RECORD_DELAY = 0.1
-#: Processed/failed/retried counters, runtimes and history are summed in memory and
-#: written at most this often (seconds), and this often while jobs end fast enough
-#: (``STATS_FLUSH_JOBS``) or one failed.
-STATS_FLUSH_INTERVAL = 1.0
-#: Jobs ended since the last write that make the next write due ``STATS_FLUSH_INTERVAL``
-#: after it: a flush costs Redis about as much as a job, and a process that runs fewer
-#: jobs a second waits longer, so that the flushes are a cost per job, not per process
-#: and second (200 solo pools sharing 300 jobs/s flushed once per job).
-STATS_FLUSH_JOBS = 20
-#: The longest a count waits in memory (seconds), however few jobs ended: the counters'
-#: lag for a process that runs a job now and then. Counts also go at the end of their
-#: minute on the Redis clock, so the per-minute history keeps them in their minute.
-STATS_FLUSH_MAX_INTERVAL = 5.0
 #: Under gevent, a finished job's busy record is cleared by the background greenlet
 #: within this many seconds, with the others due, in one round trip (not one per job).
 GREEN_END_DELAY = 0.05
@@ -91,7 +79,7 @@ class Observer:
     """Records this process's running jobs for its pool (one per process and app).
 
     A background thread writes the busy record of a job once it has run
-    ``BUSY_RECORD_DELAY`` and flushes the counters when due (``_stats_due``);
+    ``BUSY_RECORD_DELAY`` and flushes the counters when due (``flush_timer.py``);
     ``flush()`` is the one-shot step (also run at process shutdown)."""
 
     def __init__(self, client: Any, settings: Settings, pool_id: str,
@@ -124,14 +112,7 @@ class Observer:
         #: not before it is woken). Jobs wake it only when they need it sooner: two
         #: thread switches per job are a large share of a short job's cost.
         self._sleep_until: float | None = None
-        #: When the counters were last taken to be written (monotonic); the first counts
-        #: of a process are due at once.
-        self._last_stats = time.monotonic() - STATS_FLUSH_MAX_INTERVAL
-        #: Jobs ended since then, whether one failed, and when (monotonic) the Redis-clock
-        #: minute of the first count summed since then ends (None: no count waits).
-        self._pending_jobs = 0
-        self._pending_failed = False
-        self._minute_ends: float | None = None
+        self._flush_timer = FlushTimer()
         #: Jobs are greenlets of this process (``-P gevent``): their busy records are
         #: cleared by ``flush`` (``GREEN_END_DELAY``), not by each job.
         self._green = green_sockets()
@@ -192,8 +173,8 @@ class Observer:
             self._unwritten[job_id] = running
             for field, amount in waited or ():  # written with the next counter flush
                 self._runtime[field] = self._runtime.get(field, 0) + amount
-            if waited and self._minute_ends is None:
-                self._minute_ends = self._end_of_minute()
+            if waited:
+                self._flush_timer.counted(self.clock_offset)
             sleeping = self._sleep_until
         self._ensure_thread()
         if sleeping is None or sleeping > running.started + BUSY_RECORD_DELAY:
@@ -208,10 +189,7 @@ class Observer:
             if outcome:
                 for field in (outcome, f"{outcome}:{queue}"):
                     self._stats[field] = self._stats.get(field, 0) + 1
-                self._pending_jobs += 1
-                self._pending_failed = self._pending_failed or outcome == "failed"
-                if self._minute_ends is None:
-                    self._minute_ends = self._end_of_minute()
+                self._flush_timer.counted(self.clock_offset, 1, outcome == "failed")
                 seconds = (time.monotonic() - running.started) if running is not None else None
                 self.history.add(name or queue, outcome, seconds)
                 if seconds is not None:
@@ -248,25 +226,10 @@ class Observer:
         if due is not None and (sleeping is None or sleeping > due):
             self._wake.set()
 
-    def _end_of_minute(self) -> float:
-        """When (monotonic) the current minute of the Redis clock ends."""
-        return time.monotonic() + 60 - (time.time() + self.clock_offset) % 60
-
     def _stats_due(self) -> float | None:
         """When (monotonic) the counters summed here are due to be written (None: none
-        wait): ``STATS_FLUSH_INTERVAL`` after the last write once ``STATS_FLUSH_JOBS`` jobs
-        ended or one failed (alerts watch failures), else at the end of the first count's
-        minute or ``STATS_FLUSH_MAX_INTERVAL`` after the last write, whichever is first,
-        never sooner than ``STATS_FLUSH_INTERVAL`` after it (the caller holds the lock)."""
-        if not (self._stats or self._runtime):
-            return None
-        soon = self._last_stats + STATS_FLUSH_INTERVAL
-        if self._pending_jobs >= STATS_FLUSH_JOBS or self._pending_failed:
-            return soon
-        later = self._last_stats + STATS_FLUSH_MAX_INTERVAL
-        if self._minute_ends is not None:
-            later = min(later, self._minute_ends)
-        return max(soon, later)
+        wait; the caller holds the lock)."""
+        return self._flush_timer.due() if self._stats or self._runtime else None
 
     def flush(self, force_stats: bool = False, _plan: bool = False) -> float:
         """Write busy records of jobs running past the delay and, when due, the
@@ -301,9 +264,7 @@ class Observer:
             if stats_due:
                 stats, self._stats = self._stats, {}
                 runtime, self._runtime = self._runtime, {}
-                pending = (self._pending_jobs, self._pending_failed, self._minute_ends)
-                self._pending_jobs, self._pending_failed, self._minute_ends = 0, False, None
-                self._last_stats = now
+                pending = self._flush_timer.taken(now)
         if stats_due:
             self._write_stats(stats, runtime, pending)
         with self._lock:
@@ -343,11 +304,7 @@ class Observer:
         for into, counts in ((self._stats, stats), (self._runtime, runtime)):
             for field, amount in counts.items():
                 into[field] = into.get(field, 0) + amount
-        jobs, failed, minute_ends = pending
-        self._pending_jobs += jobs
-        self._pending_failed = self._pending_failed or failed
-        if minute_ends is not None:
-            self._minute_ends = min(self._minute_ends or minute_ends, minute_ends)
+        self._flush_timer.restore(pending)
 
     def _ensure_thread(self) -> None:
         """Start the background thread unless it runs (a flag, not ``is_alive()``: each

@@ -3,7 +3,7 @@ process and second.
 
 Every executing process sums its processed/failed counters, runtimes and history in
 memory and writes them in one ``history`` script call (``HistoryWriter.flush``), when
-due (``Observer._stats_due``): at most once a second, and only that often when
+due (``worker/flush_timer.py``): at most once a second, and only that often when
 ``STATS_FLUSH_JOBS`` jobs ended or one failed; a process running a job now and then
 waits up to ``STATS_FLUSH_MAX_INTERVAL`` or the end of the count's minute. Real server,
 real ``celery worker -P solo`` pools; script calls counted with ``MONITOR``.
@@ -22,12 +22,12 @@ from celery_ext.config import Settings
 from celery_ext.store.history import ALL, NAME_PREFIX, HistoryReader, HistoryWriter, unpack
 from celery_ext.store.keys import Keys
 from celery_ext.testing.server import ClusterGroup, RedisServer
-from celery_ext.worker.observer import (
+from celery_ext.worker.flush_timer import (
     STATS_FLUSH_INTERVAL,
     STATS_FLUSH_JOBS,
     STATS_FLUSH_MAX_INTERVAL,
-    Observer,
 )
+from celery_ext.worker.observer import Observer
 from tests.apps import proj
 from tests.helpers import wait_for
 from tests.integration.test_gevent_batching import ScriptCalls
@@ -46,6 +46,12 @@ def _history_processed(client: redis.Redis) -> int:
     """Processed jobs of every minute hash (the test's jobs fall in one or two)."""
     return sum(unpack(client.hget(key, ALL))[0][0]
                for key in client.scan_iter(K.history_minute(0)[:-1] + "*"))
+
+
+def _at_start_of_minute(obs: Observer) -> None:
+    """Make the observer's Redis clock read the first second of a minute: its end is a
+    minute away, so only the job rules decide when a flush is due."""
+    obs.clock_offset = -(time.time() % 60) + 0.5
 
 
 def test_a_trickle_over_several_pools_flushes_per_job_not_per_pool_and_second(
@@ -85,6 +91,10 @@ def test_one_flush_writes_counters_runtimes_and_history_in_one_call(
     """Stats, runtime fields and the history go in one script call (and one TIME), not
     three; the queue of a per-queue counter joins the known queues, as stats.lua did."""
     obs = Observer(redis_client, Settings(), "pool-flush")
+    _at_start_of_minute(obs)
+    obs.job_finished("j0", "t.0", "processed", name="t.0")
+    obs.flush()  # (a process's first counts go at once: the next wait, as the thread does)
+    redis_client.delete(K.stats, K.queues)
     obs.job_started(type("T", (), {"name": "t.a", "stall_after": 0})(), "j1", (), {},
                     [("0.01:t.a", 1), ("wait_sum_us:t.a", 5000)])
     obs.job_finished("j1", "t.a", "processed", name="t.a")
@@ -99,14 +109,8 @@ def test_one_flush_writes_counters_runtimes_and_history_in_one_call(
     assert runtime["0.01:t.a"] == 1 and runtime["wait_sum_us:t.a"] == 5000
     assert "sum_us:t.a" in runtime and "sum_us:t.b" not in runtime  # (t.b never started here)
     assert redis_client.smembers(K.queues) == {b"t.a", b"t.b"}
-    assert _history_processed(redis_client) == 1
+    assert _history_processed(redis_client) == 2
     obs.stop()
-
-
-def _at_start_of_minute(obs: Observer) -> None:
-    """Make the observer's Redis clock read the first second of a minute: its end is a
-    minute away, so only the job rules decide when a flush is due."""
-    obs.clock_offset = -(time.time() % 60) + 0.5
 
 
 def test_few_jobs_wait_longer_many_jobs_or_a_failure_go_within_a_second(
