@@ -15,8 +15,9 @@ Fields of each hash:
   ``"<queued> <in flight> <scheduled> <retry> <dead> <latency ms or -1>"``.
 
 Who writes it: the executing process of every job (the observer, through
-:class:`HistoryWriter`) sums counts and runtimes in memory and adds them once a
-second with its job counters, one ``history`` script call; the leading requeuer of
+:class:`HistoryWriter`) sums counts and runtimes in memory and adds them with its job
+counters in one ``history`` script call per flush (``worker/flush_timer.py`` says when:
+at most once a second, at least every few seconds while counts wait); the leading requeuer of
 the worker pools (:mod:`celery_ext.worker.requeuer`) samples queue sizes every
 ``history_sample_interval``. Every bucket is on the Redis clock (the script picks
 the minute from ``TIME``). Runtime histograms use ``BUCKETS`` fixed log-spaced
@@ -170,14 +171,46 @@ class HistoryWriter:
                     total = self._sums[field] = _Sum()
                 total.add(index, bucket)
 
-    def flush(self) -> None:
-        """Write what ``add()`` summed (nothing to do: no call). Lost if Redis is
-        unreachable: the history is a plot, not an account."""
+    def flush(self, stats: dict[str, int] | None = None,
+              runtime: dict[str, int] | None = None) -> None:
+        """Write what ``add()`` summed, with a process's job counters: ``stats`` and
+        ``runtime`` are ``{ns}:stats`` and ``{ns}:runtime`` increments (the queues of the
+        per-queue stats fields join ``{ns}:queues``, as ``stats.lua`` does). One script
+        call and one ``TIME`` for all (nothing to write: no call), so a busy process's
+        flush costs Redis one call, not three.
+
+        Raises when that call fails: the caller counts its counters again, and the
+        history's sums go back to be written by the next flush. Once the counters are
+        written, a history that could not be (this host's clock off by a minute or more,
+        then Redis out of reach) also waits for the next flush."""
+        stats, runtime = stats or {}, runtime or {}
         with self._lock:
             sums, self._sums = self._sums, {}
-        if sums:
-            self._write("count", [x for field, s in sums.items()
-                                  for x in (field, pack(s.counts, s.buckets))])
+        if not (sums or stats or runtime):
+            return
+        queues = sorted({field.split(":", 1)[1] for field in stats if ":" in field})
+        counters = [len(stats), len(runtime), len(queues),
+                    *(x for item in stats.items() for x in item),
+                    *(x for item in runtime.items() for x in item), *queues]
+        history = [x for field, s in sums.items() for x in (field, pack(s.counts, s.buckets))]
+        try:
+            written = self._call("count", [*counters, *history])
+        except BaseException:
+            self._put_back(sums)
+            raise
+        if not written and sums:  # the counters are written; the history goes again
+            try:
+                self._write("count", [0, 0, 0, *history])
+            except Exception:
+                self._put_back(sums)
+
+    def _put_back(self, sums: dict[str, _Sum]) -> None:
+        with self._lock:
+            for field, s in sums.items():
+                total = self._sums.setdefault(field, _Sum())
+                total.counts = [a + b for a, b in zip(total.counts, s.counts, strict=True)]
+                for i, n in s.buckets.items():
+                    total.buckets[i] = total.buckets.get(i, 0) + n
 
     def gauge(self, sample: dict[str, Any]) -> None:
         """Store a queue-size sample for the current minute and hour."""
@@ -188,18 +221,25 @@ class HistoryWriter:
 
     def _write(self, mode: str, args: list[Any]) -> None:
         for _ in range(3):
-            minute = int((time.time() + self.offset) // 60)
-            hours = [m // 60 for m in (minute - 1, minute, minute + 1)]
-            keys = [*(self.keys.history_minute(m) for m in (minute - 1, minute, minute + 1)),
-                    *(self.keys.history_hour(h) for h in hours)]
-            written, now_ms = self.scripts(
-                "history", keys,
-                [minute, mode, MINUTE_RETENTION * 1000, HOUR_RETENTION * 1000, *args])
-            if written:
+            if self._call(mode, args):
                 return
-            self.offset = int(now_ms) / 1000 - time.time()
         logger.warning("celery_ext: history not written: this host's clock keeps moving "
                        "against the Redis clock")
+
+    def _call(self, mode: str, args: list[Any]) -> bool:
+        """One script call for the minute this host guesses; False when Redis says the
+        guess is off (the offset is learned from its reply, for the next call)."""
+        minute = int((time.time() + self.offset) // 60)
+        hours = [m // 60 for m in (minute - 1, minute, minute + 1)]
+        keys = [*(self.keys.history_minute(m) for m in (minute - 1, minute, minute + 1)),
+                *(self.keys.history_hour(h) for h in hours)]
+        if mode == "count":
+            keys += [self.keys.stats, self.keys.runtime, self.keys.queues]
+        written, now_ms = self.scripts(
+            "history", keys, [minute, mode, MINUTE_RETENTION * 1000, HOUR_RETENTION * 1000, *args])
+        if not written:
+            self.offset = int(now_ms) / 1000 - time.time()
+        return bool(written)
 
 
 def sample_queues(state: Any, counts: dict[str, int]) -> dict[str, Any]:

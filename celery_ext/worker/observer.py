@@ -38,6 +38,7 @@ from celery_ext.store.keys import RUNTIME_BUCKET_NAMES, RUNTIME_BUCKETS, Keys
 from celery_ext.store.scripts import Scripts
 from celery_ext.text import one_line
 from celery_ext.worker import cursor as cursors
+from celery_ext.worker.flush_timer import FlushTimer
 from celery_ext.worker.heartbeater import owning_pool_id
 from celery_ext.worker.outage import Outage
 from celery_ext.worker.running_job import RunningJob, slot_id
@@ -51,8 +52,6 @@ CHECKIN_MIN_INTERVAL = 1.0
 #: jobs cost no round trip from the executing process, while the long jobs the busy
 #: view is for still show (a record per job costs more than a short job itself).
 BUSY_RECORD_DELAY = 0.1
-#: Processed/failed/retried counters are summed in memory and written this often.
-STATS_FLUSH_INTERVAL = 1.0
 #: Under gevent, a finished job's busy record is cleared by the background greenlet
 #: within this many seconds, with the others due, in one round trip (not one per job).
 GREEN_END_DELAY = 0.05
@@ -80,7 +79,7 @@ class Observer:
     """Records this process's running jobs for its pool (one per process and app).
 
     A background thread writes the busy record of a job once it has run
-    ``BUSY_RECORD_DELAY`` and flushes the counters every ``STATS_FLUSH_INTERVAL``;
+    ``BUSY_RECORD_DELAY`` and flushes the counters when due (``flush_timer.py``);
     ``flush()`` is the one-shot step (also run at process shutdown)."""
 
     def __init__(self, client: Any, settings: Settings, pool_id: str,
@@ -113,7 +112,7 @@ class Observer:
         #: not before it is woken). Jobs wake it only when they need it sooner: two
         #: thread switches per job are a large share of a short job's cost.
         self._sleep_until: float | None = None
-        self._last_stats = time.monotonic()
+        self._flush_timer = FlushTimer()
         #: Jobs are greenlets of this process (``-P gevent``): their busy records are
         #: cleared by ``flush`` (``GREEN_END_DELAY``), not by each job.
         self._green = green_sockets()
@@ -174,6 +173,8 @@ class Observer:
             self._unwritten[job_id] = running
             for field, amount in waited or ():  # written with the next counter flush
                 self._runtime[field] = self._runtime.get(field, 0) + amount
+            if waited:
+                self._flush_timer.counted(self.clock_offset)
             sleeping = self._sleep_until
         self._ensure_thread()
         if sleeping is None or sleeping > running.started + BUSY_RECORD_DELAY:
@@ -188,6 +189,7 @@ class Observer:
             if outcome:
                 for field in (outcome, f"{outcome}:{queue}"):
                     self._stats[field] = self._stats.get(field, 0) + 1
+                self._flush_timer.counted(self.clock_offset, 1, outcome == "failed")
                 seconds = (time.monotonic() - running.started) if running is not None else None
                 self.history.add(name or queue, outcome, seconds)
                 if seconds is not None:
@@ -217,12 +219,17 @@ class Observer:
             self._wake.set()
 
     def wake_for_stats(self) -> None:
-        """After a job ended: make sure its counters are written within the interval."""
+        """After a job ended: make sure its counters are written when due."""
         with self._lock:
             sleeping = self._sleep_until
-            due = self._last_stats + STATS_FLUSH_INTERVAL
-        if sleeping is None or sleeping > due:
+            due = self._stats_due()
+        if due is not None and (sleeping is None or sleeping > due):
             self._wake.set()
+
+    def _stats_due(self) -> float | None:
+        """When (monotonic) the counters summed here are due to be written (None: none
+        wait; the caller holds the lock)."""
+        return self._flush_timer.due() if self._stats or self._runtime else None
 
     def flush(self, force_stats: bool = False, _plan: bool = False) -> float:
         """Write busy records of jobs running past the delay and, when due, the
@@ -252,57 +259,52 @@ class Observer:
                     running.written = True
                     del self._unwritten[running.job_id]
                 self._outage.ok()
-            stats_due = bool(self._stats or self._runtime) and (
-                force_stats or now - self._last_stats >= STATS_FLUSH_INTERVAL)
+            due = self._stats_due()
+            stats_due = due is not None and (force_stats or now >= due)
             if stats_due:
                 stats, self._stats = self._stats, {}
                 runtime, self._runtime = self._runtime, {}
-                self._last_stats = now
+                pending = self._flush_timer.taken(now)
         if stats_due:
-            self._write_stats(stats, runtime)
+            self._write_stats(stats, runtime, pending)
         with self._lock:
             later = time.monotonic()
             if wait < 1e9:  # (less the time the counters took to write)
                 wait -= later - now
-            if self._stats or self._runtime:
-                wait = min(wait, STATS_FLUSH_INTERVAL - (later - self._last_stats))
+            due = self._stats_due()
+            if due is not None:
+                wait = min(wait, due - later)
             wait = max(wait, 0.005)
             if _plan:  # the thread sleeps this long; decided under the lock job_started takes
                 self._sleep_until = None if wait >= 1e9 else later + wait
         return wait
 
-    def _write_stats(self, stats: dict[str, int], runtime: dict[str, int]) -> None:
-        """Write a flush's counters, runtime fields and history outside the lock every job's
-        start and end take: at 10,000 job names a flush carries a field per name that ran,
-        and its round trips (tens of ms) held up every job slot once a second."""
+    def _write_stats(self, stats: dict[str, int], runtime: dict[str, int],
+                     pending: tuple[int, bool, float | None]) -> None:
+        """Write a flush's counters, runtime fields and history, in one script call
+        (``HistoryWriter.flush``), outside the lock every job's start and end take: at
+        10,000 job names a flush carries a field per name that ran, and its round trip
+        (tens of ms) held up every job slot. ``pending``: what made it due, restored
+        with the counts when the write fails."""
         # With the known queues: a queue forgotten since its jobs ran is added back, so its
         # fields are forgotten again (queue_info.lua); the runtime fields are its queues'.
         try:
-            if stats:  # (none when only waits of jobs still running are due)
-                self.scripts("stats", [self.keys.stats, self.keys.queues],
-                             [x for item in stats.items() for x in item])
+            self.history.flush(stats, runtime)
         except BaseException:  # not written: counted again with the next flush
             with self._lock:
-                self._merge(stats, runtime)
+                self._merge(stats, runtime, pending)
             raise
-        if runtime:  # the same script: one HINCRBY per field, summed per flush
-            try:
-                self.scripts("stats", [self.keys.runtime],
-                             [x for item in runtime.items() for x in item])
-            except BaseException:
-                with self._lock:
-                    self._merge({}, runtime)
-                raise
         with self._lock:
             self._outage.ok()
-        self.history.flush()
 
-    def _merge(self, stats: dict[str, int], runtime: dict[str, int]) -> None:
+    def _merge(self, stats: dict[str, int], runtime: dict[str, int],
+               pending: tuple[int, bool, float | None]) -> None:
         """Counts a flush could not write go back to be written by the next (the
         caller holds the lock)."""
         for into, counts in ((self._stats, stats), (self._runtime, runtime)):
             for field, amount in counts.items():
                 into[field] = into.get(field, 0) + amount
+        self._flush_timer.restore(pending)
 
     def _ensure_thread(self) -> None:
         """Start the background thread unless it runs (a flag, not ``is_alive()``: each

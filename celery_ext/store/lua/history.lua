@@ -1,22 +1,44 @@
 -- history: add job counts or a queue-size sample to the per-minute and per-hour
--- history (see celery_ext/history.py for the layout and the value format).
+-- history (see celery_ext/store/history.py for the layout and the value format); in
+-- "count" mode also a process's job counters, so its once-per-flush write is one call.
 -- KEYS[1..3] minute hashes    {ns}:history:m:<minute> for minutes m-1, m, m+1
 -- KEYS[4..6] hour hashes      {ns}:history:h:<hour> of those three minutes
+-- KEYS[7]    stats hash       {ns}:stats      (count mode, when S > 0)
+-- KEYS[8]    runtime hash     {ns}:runtime    (count mode, when R > 0)
+-- KEYS[9]    known queues set {ns}:queues     (count mode, when Q > 0)
 -- ARGV[1]  m: the caller's guess of the current minute (ms since epoch // 60000)
 -- ARGV[2]  mode: "count" (job counts, summed) or "gauge" (a sample, replaced)
 -- ARGV[3]  ms a minute hash lives past the end of its minute
 -- ARGV[4]  ms an hour hash lives past the end of its hour
--- ARGV[5..] count: pairs field ("n:<job name>", or "*" for all jobs), packed increments
---          "<processed> <failed> <retried> [<bucket>:<n> ...]";
---          gauge: one packed sample stored under the field "q"
+-- gauge:  ARGV[5] one packed sample stored under the field "q"
+-- count:  ARGV[5] S, ARGV[6] R, ARGV[7] Q: how many stats pairs, runtime pairs and queue
+--         names follow; then S pairs field, amount (HINCRBY on KEYS[7]), R pairs field,
+--         amount (HINCRBY on KEYS[8]), Q queue names (SADD to KEYS[9]: the queues of the
+--         per-queue stats fields, as stats.lua adds them), then the history: pairs field
+--         ("n:<job name>", or "*" for all jobs), packed increments
+--         "<processed> <failed> <retried> [<bucket>:<n> ...]"
 -- The minute comes from Redis TIME: the caller passes the keys of three candidate
 -- minutes (the Redis Cluster rule: a script touches only the keys it is given) and
 -- the script writes to the one that is now. Returns {1, now ms} when written,
 -- {0, now ms} when none of the three is now (the caller's clock is off: it corrects
--- its guess with the returned time and calls again).
+-- its guess with the returned time and calls again with S = R = Q = 0). The counters
+-- (S, R, Q) are written either way: they have no minute.
 -- @include clock
 local guess, mode = tonumber(ARGV[1]), ARGV[2]
 local minuteTtlMs, hourTtlMs = tonumber(ARGV[3]), tonumber(ARGV[4])
+local first = 5
+if mode == 'count' then
+  local s, r, q = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+  local at = 8
+  for i = at, at + 2 * s - 1, 2 do redis.call('HINCRBY', KEYS[7], ARGV[i], ARGV[i + 1]) end
+  at = at + 2 * s
+  for i = at, at + 2 * r - 1, 2 do redis.call('HINCRBY', KEYS[8], ARGV[i], ARGV[i + 1]) end
+  at = at + 2 * r
+  for i = at, at + q - 1, 1000 do  -- (unpack's stack is bounded: a thousand at a time)
+    redis.call('SADD', KEYS[9], unpack(ARGV, i, math.min(i + 999, at + q - 1)))
+  end
+  first = at + q
+end
 local now = clock_ms()
 local minute = math.floor(now / 60000)
 local slot = minute - guess + 2
@@ -26,41 +48,33 @@ end
 local minuteKey, hourKey = KEYS[slot], KEYS[slot + 3]
 local hour = math.floor(minute / 60)
 
--- "<p> <f> <r> <i>:<n> ..." -> {p, f, r}, {[i] = n}
-local function parse(packed)
-  local counts, buckets, k = {0, 0, 0}, {}, 0
-  if packed then
-    for word in string.gmatch(packed, '%S+') do
-      k = k + 1
-      if k <= 3 then
-        counts[k] = tonumber(word) or 0
-      else
-        local i, n = string.match(word, '^(%d+):(%d+)$')
-        if i then buckets[tonumber(i)] = tonumber(n) end
-      end
-    end
-  end
-  return counts, buckets
-end
-
+-- Adds "<p> <f> <r> <i>:<n> ..." to a field with string matches, no tables: the field
+-- is new (stored as given) or holds a few buckets, one or two of which the increment
+-- adds to (a new bucket goes at the end: readers do not need them in order). A value
+-- that is not of this form (the field is readable by anyone) is replaced.
 local function merge(key, field, increment)
-  local counts, buckets = parse(redis.call('HGET', key, field))
-  local addCounts, addBuckets = parse(increment)
-  local out = {}
-  for k = 1, 3 do out[k] = tostring(counts[k] + addCounts[k]) end
-  for i, n in pairs(addBuckets) do buckets[i] = (buckets[i] or 0) + n end
-  local order = {}
-  for i in pairs(buckets) do order[#order + 1] = i end
-  table.sort(order)
-  for _, i in ipairs(order) do out[#out + 1] = i .. ':' .. buckets[i] end
-  redis.call('HSET', key, field, table.concat(out, ' '))
+  local old = redis.call('HGET', key, field)
+  local p, f, r, rest
+  if old then p, f, r, rest = string.match(old, '^(%d+) (%d+) (%d+)(.*)$') end
+  if not p then
+    redis.call('HSET', key, field, increment)
+    return
+  end
+  local ap, af, ar, add = string.match(increment, '^(%d+) (%d+) (%d+)(.*)$')
+  for i, n in string.gmatch(add, '(%d+):(%d+)') do
+    local found
+    rest, found = string.gsub(rest, '( ' .. i .. ':)(%d+)',
+      function(at, m) return at .. (tonumber(m) + tonumber(n)) end, 1)
+    if found == 0 then rest = rest .. ' ' .. i .. ':' .. n end
+  end
+  redis.call('HSET', key, field, (p + ap) .. ' ' .. (f + af) .. ' ' .. (r + ar) .. rest)
 end
 
 for _, key in ipairs({minuteKey, hourKey}) do
   if mode == 'gauge' then
     redis.call('HSET', key, 'q', ARGV[5])
   else
-    for i = 5, #ARGV, 2 do
+    for i = first, #ARGV, 2 do
       merge(key, ARGV[i], ARGV[i + 1])
     end
   end
