@@ -116,11 +116,69 @@ def _at_default(value: Any, default: Any, task_id: Any, queue: str) -> bool:
     return type(value) is type(default) and value == default
 
 
+class _Plan:
+    """How to rebuild a section of one shape (which keys were kept): its keys in their
+    rebuilt order with the constant defaults in place, then what to set on a copy."""
+
+    __slots__ = ("base", "copied", "kept", "queue", "task_id")
+
+    def __init__(self, kept: dict[str, Any], template: tuple[tuple[str, Any], ...]) -> None:
+        defaults = dict(template)
+        self.base: dict[str, Any] = {}
+        self.kept: list[str] = []
+        self.task_id: list[str] = []
+        self.queue: list[str] = []
+        self.copied: list[str] = []
+        for key in _order(kept, template, TASK_ID, ""):
+            default = defaults.get(key)
+            self.base[key] = default
+            if key in kept:
+                self.kept.append(key)
+            elif default is TASK_ID:
+                self.task_id.append(key)
+            elif default is QUEUE:
+                self.queue.append(key)
+            elif isinstance(default, list | dict):
+                self.copied.append(key)
+
+    def apply(self, kept: dict[str, Any], task_id: Any, queue: str) -> dict[str, Any]:
+        out = self.base.copy()  # (setting a key that is in it keeps the order)
+        for key in self.kept:
+            out[key] = kept[key]
+        for key in self.task_id:
+            out[key] = task_id
+        for key in self.queue:
+            out[key] = {"exchange": "", "routing_key": queue}
+        for key in self.copied:
+            out[key] = out[key].copy()
+        return out
+
+
+#: Plans by (template, kept keys): every fetch rebuilds two sections, and an app's jobs
+#: come in a handful of shapes (which headers are not at their default).
+_plans: dict[tuple[int, tuple[str, ...]], _Plan] = {}
+#: Shapes remembered at most (a producer writing ever new header names cannot grow it).
+MAX_PLANS = 512
+
+
 def _rebuild(kept: dict[str, Any], template: tuple[tuple[str, Any], ...],
              task_id: Any, queue: str) -> dict[str, Any]:
+    """A section from its kept keys (see :func:`_order`), through the plan of its shape."""
+    shape = (id(template), tuple(kept))
+    plan = _plans.get(shape)
+    if plan is None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        plan = _plans[shape] = _Plan(kept, template)
+    return plan.apply(kept, task_id, queue)
+
+
+def _order(kept: dict[str, Any], template: tuple[tuple[str, Any], ...],
+           task_id: Any, queue: str) -> dict[str, Any]:
     """A section from its kept keys: each dropped template key is put back just before
     the next kept template key, those after the last kept one right after it (no kept
-    one: first); other keys stay where they are among the kept ones."""
+    one: first); other keys stay where they are among the kept ones. The order depends
+    on the kept keys alone, which :func:`_rebuild` relies on."""
     positions = _POSITIONS[id(template)]
     out: dict[str, Any] = {}
     last = next((k for k in reversed(kept) if k in positions), None)

@@ -21,6 +21,7 @@ from kombu import Connection
 from kombu.utils.json import dumps
 
 from celery_ext.options.fair import place_last
+from celery_ext.store import compact
 from celery_ext.store.compact import HEADERS, PROPERTIES, WHOLE, pack, unpack
 
 QUEUE = "tasks.add"
@@ -204,6 +205,28 @@ def test_celery_messages_come_back_whole(options: dict[str, Any]) -> None:
         assert unpack(stored, queue) == as_stored(message)
         assert dumps(unpack(stored, queue)) == dumps(message)  # byte for byte
         assert unpack(stored.encode(), queue) == as_stored(message)
+
+
+@pytest.mark.parametrize("max_plans", [512, 1])
+def test_each_shape_is_rebuilt_by_its_own_plan(max_plans: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sections are rebuilt through a plan kept per shape (which keys were kept): messages
+    of every shape, interleaved and read twice, come back whole, with the plans kept and
+    with one plan at a time (each new shape clears the rest); and a rebuilt default list
+    or object is the reader's own, not the plan's."""
+    monkeypatch.setattr(compact, "_plans", {})
+    monkeypatch.setattr(compact, "MAX_PLANS", max_plans)
+    found = [m for options in CELERY_CASES.values() for m in published(**dict(options))]
+    stored = [(queue, pack(message, queue), message) for queue, message in found]
+    assert len({tuple(json.loads(p)["headers"]) for _, p, _ in stored}) > 1  # several shapes
+    for _ in range(2):
+        for queue, payload, message in stored:
+            back = unpack(payload, queue)
+            assert dumps(back) == dumps(message)
+            back["headers"]["timelimit"].append("changed")
+            back["headers"]["stamps"]["changed"] = True
+            back["properties"]["delivery_info"]["changed"] = True
+    assert len(compact._plans) <= max_plans
 
 
 def test_a_binary_body_is_kept_as_it_is() -> None:
