@@ -146,15 +146,36 @@ def test_publish_signals_fire_once_per_message_in_a_bulk(
 proxy = publish_retry.proxy
 
 
-def test_a_reply_lost_inside_a_round_trip_mid_bulk_loses_and_duplicates_nothing(
-        proxy: Proxy, rec: redis.Redis, redis_client: redis.Redis, writes: list[int],
-        worker_factory: Callable[..., WorkerProcess]) -> None:
+def _bulk_through(proxy: Proxy, rec: redis.Redis, redis_client: redis.Redis,
+                  writes: list[int], tag: str) -> str:
+    """The app's broker behind ``proxy``, connected and its scripts loaded, with the job
+    queue, the tally of ``tag`` and the recorded writes empty; returns the broker URL."""
     url = f"celery-ext://127.0.0.1:{proxy.port}/0"
     proj.configure(url)
-    rec.delete("bulk:cut")
+    rec.delete(f"bulk:{tag}")
     proj_bulk.tally.delay("warm-up", 0)  # connected, scripts loaded
     redis_client.delete(K.queue(TALLY))
     writes.clear()
+    return url
+
+
+def _stored_once_and_run_once(rec: redis.Redis, redis_client: redis.Redis,
+                              worker_factory: Callable[..., WorkerProcess], url: str,
+                              tag: str, jobs: int, results: list[Any]) -> None:
+    """Each of the bulk's ``jobs`` is stored once (the ids ``apply_many`` returned, no
+    other), and a worker then runs each one once."""
+    stored = [json.loads(p)["headers"]["id"] for p in redis_client.lrange(K.queue(TALLY), 0, -1)]
+    assert len(stored) == jobs and set(stored) == {r.id for r in results}
+    worker_factory("tests.apps.proj_bulk", broker_url=url, pool="threads",
+                   concurrency=8).start()
+    wait_for(drained(rec, tag, jobs), 120, "the jobs to run")
+    assert runs(rec, tag) == {str(i): 1 for i in range(jobs)}
+
+
+def test_a_reply_lost_inside_a_round_trip_mid_bulk_loses_and_duplicates_nothing(
+        proxy: Proxy, rec: redis.Redis, redis_client: redis.Redis, writes: list[int],
+        worker_factory: Callable[..., WorkerProcess]) -> None:
+    url = _bulk_through(proxy, rec, redis_client, writes, "cut")
     # The reply of the round trip carrying job 1500 (the second of three) is lost.
     proxy.cut_on_reply(b"('cut', 1500)")  # (its argsrepr header)
     results = proj_bulk.tally.apply_many([("cut", i) for i in range(3000)])
@@ -162,12 +183,7 @@ def test_a_reply_lost_inside_a_round_trip_mid_bulk_loses_and_duplicates_nothing(
     # Three round trips; the second's reply was lost and the same jobs were sent again
     # (through the client: the kept connection failed), the written ones no-ops.
     assert writes == [1000, 1000, 1000]
-    stored = [json.loads(p)["headers"]["id"] for p in redis_client.lrange(K.queue(TALLY), 0, -1)]
-    assert len(stored) == 3000 and set(stored) == {r.id for r in results}
-    worker_factory("tests.apps.proj_bulk", broker_url=url, pool="threads",
-                   concurrency=8).start()
-    wait_for(drained(rec, "cut", 3000), 120, "the jobs to run")
-    assert runs(rec, "cut") == {str(i): 1 for i in range(3000)}
+    _stored_once_and_run_once(rec, redis_client, worker_factory, url, "cut", 3000, results)
 
 
 def test_a_kombu_publish_batch_whose_reply_was_lost_writes_each_message_once(
@@ -302,19 +318,9 @@ def test_a_round_trip_in_flight_whose_replies_never_come_is_sent_again_whole(
     When the replies of the one in flight are lost, and those of its resend through the
     channel's client too, the bulk sends it again under its retry policy: each job is
     stored once."""
-    url = f"celery-ext://127.0.0.1:{proxy.port}/0"
-    proj.configure(url)
-    rec.delete("bulk:flight")
-    proj_bulk.tally.delay("warm-up", 0)  # connected, scripts loaded
-    redis_client.delete(K.queue(TALLY))
-    writes.clear()
+    url = _bulk_through(proxy, rec, redis_client, writes, "flight")
     proxy.cut_on_reply(b"('flight', 500)", times=2)  # the first round trip, twice
     results = proj_bulk.tally.apply_many([("flight", i) for i in range(2500)])
     assert proxy.replies_cut == 2
     assert writes[0] == 1000 and sorted(writes) == [500, 1000, 1000, 1000]
-    stored = [json.loads(p)["headers"]["id"] for p in redis_client.lrange(K.queue(TALLY), 0, -1)]
-    assert len(stored) == 2500 and set(stored) == {r.id for r in results}
-    worker_factory("tests.apps.proj_bulk", broker_url=url, pool="threads",
-                   concurrency=8).start()
-    wait_for(drained(rec, "flight", 2500), 120, "the jobs to run")
-    assert runs(rec, "flight") == {str(i): 1 for i in range(2500)}
+    _stored_once_and_run_once(rec, redis_client, worker_factory, url, "flight", 2500, results)
