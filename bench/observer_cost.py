@@ -74,15 +74,16 @@ def added_per_job(jobs: int, queues: int) -> float:
 
 
 def flush_call(client: Any, queues: int, calls: int) -> tuple[float, float]:
-    """CPU and wall µs of one ``{ns}:runtime`` write carrying ``queues`` queues' fields."""
+    """CPU and wall µs of one flush call (``HistoryWriter.flush``) carrying ``queues``
+    queues' ``{ns}:runtime`` fields."""
     obs = _observer(client)
-    fields: list[Any] = []
+    fields: dict[str, int] = {}
     for i in range(queues):
-        fields += [f"0.01:bench.q{i}", 3, f"sum_us:bench.q{i}", 12345]
-    obs.scripts("stats", [obs.keys.runtime], fields)  # load the script first
+        fields |= {f"0.01:bench.q{i}": 3, f"sum_us:bench.q{i}": 12345}
+    obs.history.flush(runtime=fields)  # load the script first
     cpu, wall = time.process_time(), time.perf_counter()
     for _ in range(calls):
-        obs.scripts("stats", [obs.keys.runtime], fields)
+        obs.history.flush(runtime=fields)
     return ((time.process_time() - cpu) / calls * 1e6,
             (time.perf_counter() - wall) / calls * 1e6)
 

@@ -175,7 +175,8 @@ class HistoryWriter:
               runtime: dict[str, int] | None = None) -> None:
         """Write what ``add()`` summed, with a process's job counters: ``stats`` and
         ``runtime`` are ``{ns}:stats`` and ``{ns}:runtime`` increments (the queues of the
-        per-queue stats fields join ``{ns}:queues``, as ``stats.lua`` does). One script
+        per-queue stats fields join ``{ns}:queues``, so a reader that forgot the queue forgets them
+        again: ``queue_info.lua``). One script
         call and one ``TIME`` for all (nothing to write: no call), so a busy process's
         flush costs Redis one call, not three.
 

@@ -34,7 +34,7 @@ from redis.commands.core import Script
 SCRIPT_NAMES = (
     "enqueue", "fetch", "ack", "requeue", "heartbeat", "deregister", "dead", "recover",
     "checkin", "busy", "schedule", "promote", "enqueue_unique", "unique_release", "dead_retry",
-    "bind", "stats", "forget", "queue_info", "history", "search", "periodic_run",
+    "bind", "forget", "queue_info", "history", "search", "periodic_run",
     "periodic_sync", "periodic_lease", "periodic_outcome", "purge", "job_index_trim",
     "chord_size", "chord_part", "chord_done", "revoke", "cursor", "declare", "throttle",
 )

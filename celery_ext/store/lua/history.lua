@@ -14,7 +14,7 @@
 -- count:  ARGV[5] S, ARGV[6] R, ARGV[7] Q: how many stats pairs, runtime pairs and queue
 --         names follow; then S pairs field, amount (HINCRBY on KEYS[7]), R pairs field,
 --         amount (HINCRBY on KEYS[8]), Q queue names (SADD to KEYS[9]: the queues of the
---         per-queue stats fields, as stats.lua adds them), then the history: pairs field
+--         per-queue stats fields, so a reader that forgot one forgets them again), then the history: pairs field
 --         ("n:<job name>", or "*" for all jobs), packed increments
 --         "<processed> <failed> <retried> [<bucket>:<n> ...]"
 -- The minute comes from Redis TIME: the caller passes the keys of three candidate

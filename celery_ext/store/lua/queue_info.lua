@@ -24,7 +24,7 @@
 -- paused, no max_concurrency, no weight written by a worker pool, no job in flight, no
 -- live pool consuming it. Its fields of the running, counters and runtime hashes go with it, so
 -- names that come and go leave nothing behind (a late counter flush adds the name again,
--- stats.lua, and the next read forgets both).
+-- history.lua, and the next read forgets both).
 -- A job in the scheduled or retry set brings its name back when it is promoted.
 -- The stamp is the "enqueued_at" property, which producers write after the delivery
 -- tag at the very end of the payload (see fetch.lua): only the last STAMP_WINDOW bytes
