@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+import pytest
 import redis
 
 from celery_ext.client import Client
@@ -55,9 +56,12 @@ def _at_start_of_minute(obs: Observer) -> None:
     obs.clock_offset = -(time.time() % 60) + 0.5
 
 
+@pytest.mark.parametrize("pool", ["solo", "threads"])
+@pytest.mark.parametrize("mode", ["install", "dropin"])
 def test_a_trickle_over_several_pools_flushes_per_job_not_per_pool_and_second(
         broker_url: str, redis_server: RedisServer, redis_client: redis.Redis,
-        rec: redis.Redis, worker_factory: Callable[..., WorkerProcess]) -> None:
+        rec: redis.Redis, worker_factory: Callable[..., WorkerProcess], mode: str,
+        pool: str) -> None:
     """Three solo pools share 10 jobs a second for 6 s. Flushing every busy process every
     second wrote a stats, a runtime and a history call per pool and second (about 50
     calls for 60 jobs here; 0.46 history + 0.94 stats calls per job at 200 pools in
@@ -65,12 +69,14 @@ def test_a_trickle_over_several_pools_flushes_per_job_not_per_pool_and_second(
     ``STATS_FLUSH_MAX_INTERVAL`` (or minute end): a few calls per pool. Every count is
     written all the same, the last ones when the pools stop."""
     proj.configure(broker_url)
-    workers = [worker_factory("tests.apps.proj", pool="solo", concurrency=1).start()
+    env = {"CELERY_EXT_NO_INSTALL": "1"} if mode == "dropin" else {}
+    workers = [worker_factory("tests.apps.proj", pool=pool, concurrency=1, env=env).start()
                for _ in range(3)]
     jobs = 60
     with ScriptCalls(redis_server, FLUSH_SCRIPTS) as calls:
         for _ in range(jobs):
-            proj.record.delay("trickle")
+            # (a drop-in worker consumes Celery's default queue)
+            proj.record.apply_async(("trickle",), queue="celery" if mode == "dropin" else None)
             time.sleep(0.1)
         wait_for(lambda: rec.llen("runs:trickle") >= jobs, 30, "the trickle run")
         time.sleep(STATS_FLUSH_INTERVAL)  # (a flush due now is counted)
