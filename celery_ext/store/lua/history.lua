@@ -12,11 +12,13 @@
 -- ARGV[4]  ms an hour hash lives past the end of its hour
 -- gauge:  ARGV[5] one packed sample stored under the field "q"
 -- count:  ARGV[5] S, ARGV[6] R, ARGV[7] Q: how many stats pairs, runtime pairs and queue
---         names follow; then S pairs field, amount (HINCRBY on KEYS[7]), R pairs field,
---         amount (HINCRBY on KEYS[8]), Q queue names (SADD to KEYS[9]: the queues of the
---         per-queue stats fields, so a reader that forgot one forgets them again), then the history: pairs field
---         ("n:<job name>", or "*" for all jobs), packed increments
---         "<processed> <failed> <retried> [<bucket>:<n> ...]"
+--         names follow; then S pairs field, amount (added to KEYS[7] as HINCRBY adds),
+--         R pairs field, amount (added to KEYS[8]), Q queue names (SADD to KEYS[9]: the
+--         queues of the per-queue stats fields, so a reader that forgot one forgets them
+--         again), then the history: pairs field ("n:<job name>", or "*" for all jobs),
+--         packed increments "<processed> <failed> <retried> [<bucket>:<n> ...]". Each
+--         field comes once per call (the caller sums in memory): fields are read and
+--         written a thousand at a time, so a field given twice would keep one amount.
 -- The minute comes from Redis TIME: the caller passes the keys of three candidate
 -- minutes (the Redis Cluster rule: a script touches only the keys it is given) and
 -- the script writes to the one that is now. Returns {1, now ms} when written,
