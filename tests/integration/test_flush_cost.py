@@ -196,6 +196,67 @@ def test_history_fields_merge_in_place(redis_client: redis.Redis) -> None:
         ("t.x", 5, 1, 1), ("t.y", 1, 0, 0)]
 
 
+#: Job names in one flush of ``test_a_flush_of_many_job_names_...``: more than a chunk of
+#: the runtime fields (four per name), so the chunking is crossed too.
+MANY = 300
+
+
+def _inner_calls(client: redis.Redis) -> dict[str, int]:
+    """Calls per command since the last CONFIG RESETSTAT, the scripts' own left out."""
+    return {k.removeprefix("cmdstat_"): int(v["calls"])
+            for k, v in client.info("commandstats").items()
+            if k not in ("cmdstat_evalsha", "cmdstat_info", "cmdstat_config|resetstat")}
+
+
+def test_a_flush_of_many_job_names_runs_a_few_commands_not_some_per_name(
+        redis_client: redis.Redis) -> None:
+    """A flush carries a field per job name that ran in each of the stats, the runtime
+    and the two history hashes (seven per name with the waits): history.lua reads and
+    writes each hash's fields in one HMGET and one HSET per thousand, not a HINCRBY or
+    an HGET and HSET per field (issue 36: at 10,000 job names that was most of what the
+    names added to Redis's work per job). The sums are the same: counters on top of what
+    was there, history fields merged."""
+    names = [f"t.{i}" for i in range(MANY)]
+    obs = Observer(redis_client, Settings(), "pool-many")
+    _at_start_of_minute(obs)
+    minute = _away_from_a_minute_end(redis_client)
+    redis_client.hset(K.stats, mapping={"processed:t.0": 41, "processed": 41})
+    redis_client.hset(K.runtime, "sum_us:t.1", 2**53 + 1)  # past a double: still exact
+    redis_client.hset(minute, NAME_PREFIX + "t.2", "1 0 0 4:1")
+    for i, name in enumerate(names):
+        obs.job_started(type("T", (), {"name": name, "stall_after": 0})(), f"j{i}", (), {},
+                        [(f"0.01:{name}", 1), (f"wait_sum_us:{name}", 5000 + i)])
+        obs.job_finished(f"j{i}", name, "processed", name=name)
+    redis_client.config_resetstat()
+    obs.flush(force_stats=True)
+    calls = _inner_calls(redis_client)
+    assert sum(calls.values()) <= 16, calls  # (before: 2,707, one per field)
+    assert calls.get("hincrby") == 1 and "hget" not in calls, calls  # (the one past 2**53)
+    stats = {k.decode(): int(v) for k, v in redis_client.hgetall(K.stats).items()}
+    assert stats == {"processed": 41 + MANY, "processed:t.0": 42,
+                     **{f"processed:{n}": 1 for n in names[1:]}}
+    runtime = {k.decode(): int(v) for k, v in redis_client.hgetall(K.runtime).items()}
+    assert len(runtime) == 4 * MANY
+    assert runtime["sum_us:t.1"] > 2**53 + 1 and runtime["wait_sum_us:t.7"] == 5007
+    assert all(runtime[f"0.01:{n}"] == 1 for n in names)
+    assert redis_client.scard(K.queues) == MANY
+    assert unpack(redis_client.hget(minute, NAME_PREFIX + "t.2"))[0] == [2, 0, 0]
+    assert unpack(redis_client.hget(minute, ALL))[0] == [MANY, 0, 0]
+    obs.stop()
+
+
+def test_a_counter_that_is_not_a_whole_number_stops_the_flush_as_hincrby_did(
+        redis_client: redis.Redis) -> None:
+    """The counters are added in Lua now, but a field that holds something else is
+    refused as HINCRBY refused it, not overwritten: the flush fails and its counts wait
+    for the next one."""
+    writer = HistoryWriter(redis_client, Settings())
+    redis_client.hset(K.stats, "processed:q", "1.5")
+    with pytest.raises(redis.ResponseError):
+        writer.flush({"processed": 1, "processed:q": 1})
+    assert redis_client.hget(K.stats, "processed:q") == b"1.5"
+
+
 def test_a_flush_on_a_cluster_writes_its_one_call_in_the_namespace_slot(
         cluster: ClusterGroup) -> None:
     """The flush's keys (stats, runtime, known queues, the minute and hour hashes) share

@@ -215,6 +215,36 @@ def fetch_one(client: redis.Redis, pool_id: str, queue: str) -> str:
     return str(jobs[0][1].decode())
 
 
+def test_a_fetch_checks_whether_a_queue_is_left_empty_with_one_command(
+        redis_client: redis.Redis) -> None:
+    """After each pop the fetch asks whether the job's queue has any job left, in its
+    later levels or its fair keys, with one EXISTS of those lists, not an LLEN per level:
+    at 10,000 job names of two jobs each, every other job empties its queue (issue 36).
+    The answer is the same: a queue with a job left at a later level or under a fair key
+    is not reported empty, and stays in the ready set."""
+    pool = Heartbeater(redis_client, Settings(), "host:1:levels")
+    pool.register()
+    redis_client.lpush(K.queue_level("last", 0), payload("l0", None))
+    redis_client.lpush(K.queue_level("later", 0), payload("a0", None))
+    redis_client.lpush(K.queue_level("later", 9), payload("a9", 9))
+    redis_client.lpush(K.queue_level("keyed", 0), payload("k0", None))
+    redis_client.lpush(K.fair_ring("keyed"), "user1")
+    redis_client.lpush(K.fair_queue("keyed", "user1"), payload("k1", None))
+    redis_client.lpush(K.queue_level("two", 0), payload("t0", None), payload("t1", None))
+    queues = ["last", "later", "keyed", "two"]
+    redis_client.sadd(K.ready, *queues)
+    redis_client.config_resetstat()
+    status, jobs, empties, *_ = Scripts(redis_client)(
+        "fetch", K.fetch(pool.pool_id, queues, STEPS), [pool.pool_id, "1111", *queues, 0])
+    stats = redis_client.info("commandstats")
+    checks = sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("llen", "exists"))
+    assert status == 1 and [j[1] for j in jobs] == [b"l0", b"a0", b"k0", b"t0"]
+    assert empties == [b"last"] and redis_client.smembers(K.ready) == {b"later", b"keyed", b"two"}
+    # One per job, and the call's one look at the revoked ids (before: 16, an LLEN per
+    # level left after the popped one and the ring's EXISTS).
+    assert checks == len(jobs) + 1
+
+
 def test_requeued_recovered_and_dead_retried_jobs_go_to_the_front_of_their_level(
         redis_client: redis.Redis) -> None:
     settings = Settings(dead_after=2.0, heartbeat_interval=1.0)
