@@ -52,6 +52,14 @@ DEFAULT_DEAD_MAX_AGE = 180 * 24 * 3600.0
 #: Largest value of any time setting (100 years, in seconds): the scripts take times as
 #: whole milliseconds, which a larger value (1e305 passes as finite) would overflow.
 MAX_SECONDS = 100 * 365 * 24 * 3600.0
+#: Longest an ack made in a worker's event loop waits to be written (seconds). The loop's
+#: acks go in one call with those of the next turns (worker/ack_batcher.py): a prefork
+#: pool's main process acks each job in a turn of its own, one call per job otherwise.
+#: What waits on a job's ack: its in-flight entry (a pool killed meanwhile has the job
+#: run again), its "done" in the job index, its unique lock ("until finished").
+LOOP_ACK_DELAY = 0.005
+#: Acks of the event loop waiting that are written at its next turn, whatever their age.
+LOOP_ACKS_PER_CALL = 16
 #: Most messages one fetch round trip may move into the in-flight record.
 DEFAULT_FETCH_BATCH = 16
 #: A channel's connections per client under gevent's monkey-patching (Kombu's default is

@@ -63,7 +63,7 @@ from celery_ext.transport.wakeup import MultiChannelPoller, Wakeups
 from celery_ext.worker import periodic_leader
 from celery_ext.worker.control import mark_revoked
 from celery_ext.worker.heartbeater import current_pool_id
-from celery_ext.worker.worker_pool import WorkerPool, on_loop_close, on_loop_tick, pool_for
+from celery_ext.worker.worker_pool import WorkerPool, pool_for, use_event_loop
 
 
 class Channel(kredis.Channel):
@@ -377,9 +377,8 @@ class Transport(kredis.Transport):
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)
         self.event_loop = loop
-        # Acks made in the loop's thread are written once per turn (WorkerPool.ack).
-        loop.on_tick.add(on_loop_tick)
-        loop.on_close.add(on_loop_close)
+        # Acks made in the loop's thread are written by its turns (ack_batcher.py).
+        use_event_loop(loop)
         cycle = self.cycle
         old = getattr(cycle, "_ready_refresh_tref", None)
         if old is not None:

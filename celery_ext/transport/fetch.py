@@ -177,8 +177,6 @@ class Fetcher:
             self.deliver_kept()
         pool = channel._worker_pool
         if pool is not None:
-            # Acks this turn made are written before the fetch they make room for.
-            pool.flush_acks()
             pool.describe_consumed()  # only when the consumers changed
             try:
                 pool.maybe_reconcile()
@@ -267,6 +265,11 @@ class Fetcher:
         channel = self.channel
         ready = channel._ready
         replied = ready.fetch_replied([bytes_to_str(n) for n in (*empties, *blocked)])
+        pool = channel._worker_pool
+        if blocked and pool is not None:
+            # A queue at its max_concurrency may be so only by the acks that wait to be
+            # written with others (ack_batcher.py): written now, they wake the pools.
+            pool.flush_acks()
         if empties:
             found = channel.topology.emptied([bytes_to_str(n) for n in empties])
             if found:

@@ -6,8 +6,13 @@ sends it without waiting for the reply). Who writes depends on how the worker ru
 jobs; one of three modes applies to each ack:
 
 * **event loop** (a prefork pool's results, a solo pool's jobs): an ack made in the
-  loop's own thread waits for the loop's next turn, which comes before the loop polls
-  again, so the acks of one turn go in one call;
+  loop's own thread waits, with those of the turns after it, until a timer of the loop
+  fires ``LOOP_ACK_DELAY`` after the first of them (an idle loop writes them too), a
+  turn finds ``LOOP_ACKS_PER_CALL`` of them waiting (``on_loop_tick``), the loop runs a
+  job in its own thread (``before_loop_job``: a solo pool), or a fetch finds a queue at
+  its concurrency limit, which they may be what holds (``flush``). A prefork pool's main
+  process sees each job's accept or result in a turn of its own: about one call per job
+  without this, one per ``LOOP_ACK_DELAY`` of a drain with it;
 * **threads** (a threads pool's jobs, and any thread not the loop's): the acking thread
   writes at once, unless another thread is writing: that one writes these too before it
   returns;
@@ -19,9 +24,12 @@ Which thread calls each method:
 ==========================  ============================================================
 ``add``                     the thread acking a job (Kombu's ``QoS.ack``): the event
                             loop's, a thread of a threads pool, a job's greenlet
-``flush``                   the consumer's thread before each fetch and at each tick; a
-                            reconcile; the writer greenlet (gevent); ``add``'s thread
+``flush``                   the consumer's thread when a fetch finds a queue at its limit
+                            and at each tick; a reconcile; the writer greenlet (gevent);
+                            ``add``'s thread
 ``on_loop_tick``            the event loop's thread, each turn before it polls
+``_loop_ack_due``           the event loop's thread: the timer ``add`` set
+``before_loop_job``         any process's thread starting a job (``task_prerun``)
 ``event_loop_gone``         the thread closing the event loop, or the one stopping the pool
 ==========================  ============================================================
 
@@ -30,8 +38,12 @@ Only one thread writes at a time (``_writing``); the others leave their tags to 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
+from typing import Any
+
+from celery_ext.config import LOOP_ACK_DELAY, LOOP_ACKS_PER_CALL
 
 #: Most tags one coalesced ``ack`` call carries (more go in the next call).
 MAX_ACKS_PER_CALL = 256
@@ -56,14 +68,28 @@ class AckBatcher:
         self._loop_thread: int | None = None
         #: gevent: the writer greenlet is spawned and has not run yet.
         self._green_write_due = False
+        #: The event loop (Kombu's hub) whose thread ``_loop_thread`` is, and its
+        #: process: a forked child's copy of this batcher has no loop (its thread may
+        #: carry the same id).
+        self._loop: Any = None
+        self._loop_pid = 0
+        #: The loop's timer that writes its acks ``LOOP_ACK_DELAY`` after the first of
+        #: them (set and cleared in the loop's thread only).
+        self._loop_timer: Any = None
 
     def add(self, tags: list[str]) -> None:
         """Ack ``tags``: write them now, or leave them to the writer of this mode (see
         the module's docstring)."""
         with self._lock:
             self._pending += tags
-            if (self._writing or self._green_write_due
-                    or threading.get_ident() == self._loop_thread):
+            if self._writing or self._green_write_due:
+                return
+            if threading.get_ident() == self._loop_thread and os.getpid() == self._loop_pid:
+                if self._loop_timer is None:
+                    # Armed while the loop handles events, so the poll that follows
+                    # wakes for it: an idle loop writes its acks on time too.
+                    self._loop_timer = self._loop.call_later(LOOP_ACK_DELAY,
+                                                             self._loop_ack_due)
                 return
             if self._green:
                 self._green_write_due = True
@@ -84,17 +110,34 @@ class AckBatcher:
             self._writing = True
         self._write()
 
-    def on_loop_tick(self) -> None:
-        """From the event loop, each turn before it polls: acks of its thread wait for
-        this call from now on, which writes them."""
+    def on_loop_tick(self, loop: Any) -> None:
+        """From the event loop ``loop`` (Kombu's hub), each turn before it polls: acks
+        of its thread wait for the loop's writes from now on. Writes them now if
+        ``LOOP_ACKS_PER_CALL`` wait."""
+        self._loop, self._loop_pid = loop, os.getpid()
         self._loop_thread = threading.get_ident()
-        if self._pending:
+        if len(self._pending) >= LOOP_ACKS_PER_CALL:
             self.flush()
+
+    def before_loop_job(self) -> None:
+        """A job starts: if it runs in the event loop's own thread (a solo pool), the
+        acks the loop owes are written first, so none waits for a job's whole run."""
+        if (self._pending and threading.get_ident() == self._loop_thread
+                and os.getpid() == self._loop_pid):
+            self.flush()
+
+    def _loop_ack_due(self) -> None:
+        """The loop's timer: its oldest pending ack waited ``LOOP_ACK_DELAY``."""
+        self._loop_timer = None
+        self.flush()
 
     def event_loop_gone(self) -> None:
         """The event loop closed (or the pool stops): no tick will come, write acks at
         once again and write those pending, after any other thread's write under way."""
-        self._loop_thread = None
+        self._loop_thread = self._loop = None
+        timer, self._loop_timer = self._loop_timer, None
+        if timer is not None:
+            timer.cancel()
         self.flush(wait=True)
 
     def _spawn_green_write(self) -> None:

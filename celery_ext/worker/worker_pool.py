@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import redis
+from celery.signals import task_prerun
 
 from celery_ext.config import Settings
 from celery_ext.errors import CONNECTION_ERRORS
@@ -334,9 +335,14 @@ class WorkerPool:
         """Write the acks made and not yet written (``AckBatcher.flush``)."""
         self.batcher.flush(wait)
 
-    def on_loop_tick(self) -> None:
-        """Each turn of the event loop, in its thread (``AckBatcher.on_loop_tick``)."""
-        self.batcher.on_loop_tick()
+    def on_loop_tick(self, loop: Any) -> None:
+        """Each turn of the event loop ``loop``, in its thread
+        (``AckBatcher.on_loop_tick``)."""
+        self.batcher.on_loop_tick(loop)
+
+    def before_job(self) -> None:
+        """A job of this process starts (``AckBatcher.before_loop_job``)."""
+        self.batcher.before_loop_job()
 
     def event_loop_gone(self) -> None:
         """The event loop closed or the pool stops (``AckBatcher.event_loop_gone``)."""
@@ -448,16 +454,37 @@ def pool_for(client_factory: Callable[[], redis.Redis], settings: Settings,
     return pool
 
 
+#: The worker's event loop (Kombu's hub) the pools' acks wait for, once registered.
+_event_loop: Any = None
+
+
+def use_event_loop(loop: Any) -> None:
+    """The worker's event loop runs: acks made in its thread are written by its turns
+    and timers (``AckBatcher``) from its next turn on."""
+    global _event_loop
+    _event_loop = loop
+    loop.on_tick.add(on_loop_tick)
+    loop.on_close.add(on_loop_close)
+
+
 def on_loop_tick() -> None:
-    """Each turn of the worker's event loop: the pools write the acks it made."""
+    """Each turn of the worker's event loop: the pools write the acks it made when due."""
     for pool in list(_pools.values()):
-        pool.on_loop_tick()
+        pool.on_loop_tick(_event_loop)
 
 
 def on_loop_close(*_: Any) -> None:
     """The event loop closed: the pools write acks at once again."""
     for pool in list(_pools.values()):
         pool.event_loop_gone()
+
+
+@task_prerun.connect(weak=False)
+def _before_job(**_: Any) -> None:
+    """A job starts in this process: one that runs in the event loop's thread (a solo
+    pool) first writes the acks the loop made (``AckBatcher.before_loop_job``)."""
+    for pool in list(_pools.values()):
+        pool.before_job()
 
 
 def live_pools() -> list[WorkerPool]:
