@@ -26,17 +26,16 @@ the fetch's growth with a backlog: bench/README.md). :func:`lookup` resolves it 
 script (``job_where.lua``) and returns such an entry as ``inflight`` in that pool, the
 form every reader takes; the scripts that move an in-flight job accept either form.
 
-``ms`` is the Redis time of the move (for a job in flight: of the move that queued
-it). Bounds: a live entry is replaced as the job moves
-and removed when the job is deleted (forget, dead-set trim); a ``done`` entry is kept
-``job_index_ttl`` seconds: each finish trims up to 20 expired ones, and every worker
-pool's reaper trims up to :data:`TRIM_STEP` per copy at each of its ticks
-(:func:`trim_finished`), so entries expire also when nothing runs after them, and the
-index holds the live jobs plus the jobs finished within the TTL (and what the trims
-have not reached yet). A move of one copy of a job never
-overwrites the entry of another copy with the same task id: Celery schedules a retry
-under the task id before the failed run is acked, so that ack leaves the entry saying
-``retry``.
+``ms`` is the Redis time of the move (for a job in flight: of the move that queued it).
+Bounds: a live entry is replaced as the job moves and removed when the job is deleted
+(forget, dead-set trim); a ``done`` entry is kept ``job_index_ttl`` seconds: each finish
+trims up to 20 expired ones, and every worker pool's reaper trims up to
+:data:`TRIM_STEP` per copy at each of its ticks (:func:`trim_finished`), so entries
+expire also when nothing runs after them, and the index holds the live jobs plus the
+jobs finished within the TTL (and what the trims have not reached yet). A move of one
+copy of a job never overwrites the entry of another copy with the same task id: Celery
+schedules a retry under the task id before the failed run is acked, so that ack leaves
+the entry saying ``retry``.
 
 The task id comes from the payload (Celery's ``correlation_id``, in the last bytes of
 Kombu's JSON, so reading it costs the same whatever the body's size) in the worker

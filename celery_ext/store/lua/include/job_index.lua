@@ -57,10 +57,10 @@ local function jix_names(f, tag)
 end
 -- Whether the entry of `id` is missing or names the copy in flight under `tag` (above):
 -- the checks of the scripts that move an in-flight job (ack, requeue, recover, dead,
--- throttle), so a move never overwrites the entry of another copy. Also the entry.
+-- throttle), so a move never overwrites the entry of another copy.
 local function jix_owns(idx, id, tag)
   local f = jix_get(idx, id)
-  return not f or jix_names(f, tag), f
+  return not f or jix_names(f, tag)
 end
 -- The id of a pool whose in-flight hash ("<prefix><pool id>", keys.py) holds `tag`, from
 -- the pools that may own jobs (`pools`, {ns}:inflight_pools), or nil. One HEXISTS per
