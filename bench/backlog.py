@@ -383,9 +383,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="--direct: rounds per level (7)")
     p.add_argument("--round-jobs", type=int, default=None,
                    help="--direct: jobs per round (2,000; quick 100)")
-    p.add_argument("--fetch-index", choices=("on", "off"), default="on",
-                   help="--direct: off = fetch.lua leaves the job index alone, an A/B of its "
-                        "index write (the ack's figures then do not count)")
     args = p.parse_args(argv)
     levels = (tuple(int(x) for x in args.levels.split(",")) if args.levels
               else QUICK_LEVELS if args.quick else FULL_LEVELS)
@@ -422,14 +419,12 @@ def direct(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     from bench import fetch_loop
 
     rounds = args.rounds or (3 if args.quick else 7)
-    settings.update(rounds=rounds, round_jobs=args.round_jobs or (100 if args.quick else 2_000),
-                    fetch_index=args.fetch_index == "on")
+    settings.update(rounds=rounds, round_jobs=args.round_jobs or (100 if args.quick else 2_000))
     log(f"[backlog --direct] levels {settings['levels']}, {rounds} rounds of "
         f"{settings['round_jobs']} jobs")
     with Bench.open(args.out / "logs") as bench:
         settings["server"] = server_name(bench)
-        points = fetch_loop.run(bench, settings["levels"], rounds, settings["round_jobs"],
-                                settings["fetch_index"])
+        points = fetch_loop.run(bench, settings["levels"], rounds, settings["round_jobs"])
     settings["load_after"] = [round(x, 2) for x in os.getloadavg()]
     print(fetch_loop.table(points, settings))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -58,7 +58,7 @@ def _median(rounds: list[dict[str, float]]) -> dict[str, float]:
 class Loop:
     """One pool's fetch and ack calls on ``bench``'s server, as a worker sends them."""
 
-    def __init__(self, bench: Bench, fetch_index: bool = True) -> None:
+    def __init__(self, bench: Bench) -> None:
         from celery_ext.config import Settings
         from celery_ext.store.job_index import index_keys, index_ttl_ms
         from celery_ext.store.keys import Keys
@@ -66,10 +66,6 @@ class Loop:
         from celery_ext.worker.heartbeater import Heartbeater
 
         self.bench = bench
-        #: False: fetch.lua leaves the job index alone (its ARGV says the index is off)
-        #: while the ack keeps it: an A/B of the fetch's index write, nothing more (the
-        #: ack then finds no in-flight entry and writes none: its figures do not count).
-        self.fetch_index = fetch_index
         self.client = bench.client()
         self.settings = Settings.load()  # (CELERY_EXT_JOB_INDEX=0: the index off, as in a worker)
         self.keys = Keys.for_settings(self.settings)
@@ -81,7 +77,8 @@ class Loop:
         k = self.keys
         self.ack_keys = [k.inflight(self.pool_id), k.redelivery, k.running, k.limits, k.ready,
                          *index_keys(k)]
-        self.ack_args = [k.wake_channel, index_ttl_ms(self.settings), k.cursor_prefix]
+        self.ack_args = [k.wake_channel, index_ttl_ms(self.settings), k.cursor_prefix,
+                         self.pool_id]
         self.control_sha = str(self.client.script_load(CONTROL))
 
     def fetch_round(self, jobs: int) -> dict[str, float]:
@@ -94,8 +91,6 @@ class Loop:
         while done < jobs:
             keys, args = fetch_call(self.keys, self.settings, self.pool_id,
                                     [backlog.JOB] * CANDIDATES, "1" * CANDIDATES)
-            if not self.fetch_index:
-                args[3 + CANDIDATES] = 0  # (fetch.lua's ARGV[4 + n]: keep the job index)
             reply: Any = self.client.evalsha(self.fetch_sha, len(keys), *keys, *args)
             tags = [job[1] for job in reply[1]]
             if not tags:
@@ -125,15 +120,14 @@ class Loop:
                 "control_rpop": usec.get("rpop", 0) / done}
 
 
-def run(bench: Bench, levels: Sequence[int], rounds: int, jobs: int,
-        fetch_index: bool = True) -> list[dict[str, Any]]:
+def run(bench: Bench, levels: Sequence[int], rounds: int, jobs: int) -> list[dict[str, Any]]:
     """Every level on ``bench``'s fresh server: the median of ``rounds`` rounds of ``jobs``
-    jobs fetched and acked, then as many of the control's (``fetch_index``: see Loop)."""
+    jobs fetched and acked, then as many of the control's."""
     url = bench.server.url(scheme="celery-ext", db=0)
     app = backlog.make_app("ours", url)
     client = bench.client()
     bench.flushall()
-    loop = Loop(bench, fetch_index)
+    loop = Loop(bench)
     # Per round: up to CANDIDATES - 1 jobs past ``jobs``; twice: the fetch's and the control's.
     per_level = 2 * rounds * (jobs + CANDIDATES)
     points: list[dict[str, Any]] = []
@@ -176,8 +170,6 @@ def table(points: list[dict[str, Any]], settings: dict[str, Any]) -> str:
               f"median of {settings['rounds']} rounds of {settings['round_jobs']:,} jobs "
               f"fetched ({CANDIDATES} candidates per fetch.lua call) and acked, then as many "
               f"of the control's; one client, no worker"
-              + ("" if settings.get("fetch_index", True) else
-                 "; fetch.lua without its job index write (the ack's figures do not count)")
               + f"; server {settings['server']}, AOF "
               f"off. Commit {settings['commit']}, {settings['started']}; load average "
               f"before {settings['load_before']}, after {settings['load_after']}."]

@@ -90,7 +90,7 @@ def run_round(client: Any, scripts: Any, argv_enqueue: Any, template: tuple[str,
             break
         fetched += len(got)
         for job in got:
-            scripts("ack", ack_keys, [k.wake_channel, ttl, k.cursor_prefix, job[1]])
+            scripts("ack", ack_keys, [k.wake_channel, ttl, k.cursor_prefix, pool, job[1]])
     work_wall = time.perf_counter() - wall
     total_us = client.info("commandstats")["cmdstat_evalsha"]["usec"]
     done_mem = client.info("memory")["used_memory"] - base

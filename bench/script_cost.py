@@ -89,7 +89,7 @@ def one_round(client: Any, variant: str, jobs: int, batch: int, keys: int) -> di
         done, fetches = done + len(got), fetches + 1
     fetch_usec = client.info("commandstats")["cmdstat_evalsha"]["usec"]
     for tags in batches:
-        scripts("ack", ack_keys, [k.wake_channel, ttl, k.cursor_prefix, *tags])
+        scripts("ack", ack_keys, [k.wake_channel, ttl, k.cursor_prefix, pool, *tags])
     wall = time.perf_counter() - wall
     usec = client.info("commandstats")["cmdstat_evalsha"]["usec"]
     return {"server_us_per_job": usec / jobs, "wall_us_per_job": wall / jobs * 1e6,

@@ -325,7 +325,8 @@ class Client:
 
     def job(self, job_id: str, deep: bool = True) -> JobStatus:
         """One job's status by its id (see :mod:`celery_ext.admin.job_status`)."""
-        return JobLookup(self.client, self.settings, self.app).status(job_id, deep)
+        return JobLookup(self.client, self.settings, self.app, self.scripts).status(job_id,
+                                                                                    deep)
 
     def pending_chords(self, limit: int = 100) -> list[PendingChord]:
         """Chords whose body was not sent yet, oldest first, with their progress (n of m

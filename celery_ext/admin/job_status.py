@@ -2,11 +2,13 @@
 
 Where a job is comes from the job index (:mod:`celery_ext.store.job_index`): one read, kept by
 the same scripts that move the job, so it says queued (which queue, which priority
-level), in flight (which pool; ``running`` when that pool's busy records show it, else
-``reserved``), scheduled, retrying, dead, or done (when, which pool); the result backend
-adds the outcome of a done job (``finished`` without a backend), the checkin record the
-progress, the cursor record (:mod:`celery_ext.worker.cursor`, in the job queue's copy) a
-resumable job's position. A job is ``queued`` only when its entry says so.
+level), in flight (which pool, found by the job's delivery tag in the pools' in-flight
+records in the same read, :func:`~celery_ext.store.job_index.lookup`; ``running`` when
+that pool's busy records show it, else ``reserved``), scheduled, retrying, dead, or done
+(when, which pool); the result backend adds the outcome of a done job (``finished``
+without a backend), the checkin record the progress, the cursor record
+(:mod:`celery_ext.worker.cursor`, in the job queue's copy) a resumable job's position.
+A job is ``queued`` only when its entry says so and no pool holds it in flight.
 
 A job without an entry (enqueued before the index existed, or ``job_index=False``) is
 searched for as follows. Its state is spread over several records: the result backend knows finished
@@ -41,8 +43,8 @@ from celery_ext.store.compact import headers_of
 from celery_ext.store.copies import copies
 from celery_ext.store.dead_set import split_record
 from celery_ext.store.job_index import IndexEntry, lookup
-from celery_ext.store.job_index import parse as parse_entry
 from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import Scripts
 from celery_ext.store.stop_requests import requested
 
 #: States after which nothing changes any more (the widget stops watching); "finished":
@@ -137,11 +139,13 @@ def backend_meta(app: Any, job_id: str) -> dict[str, Any] | None:
 class JobLookup:
     """Finds one job's state in the plugin's records and the app's result backend."""
 
-    def __init__(self, client: redis.Redis, settings: Settings, app: Any = None) -> None:
+    def __init__(self, client: redis.Redis, settings: Settings, app: Any = None,
+                 scripts: Scripts | None = None) -> None:
         self.client: Any = client  # sync client (redis-py types replies as unions)
         self.settings = settings
         self.keys = Keys.for_settings(settings)
         self.app = app
+        self.scripts = scripts or Scripts(client)
 
     def status(self, job_id: str, deep: bool = True) -> JobStatus:
         """The job's state now. ``deep`` also searches small scheduled/retry sets."""
@@ -149,10 +153,9 @@ class JobLookup:
         with self.client.pipeline(transaction=False) as pipe:
             pipe.hget(k.checkins, job_id)
             pipe.zscore(k.stop_requests, job_id)
-            pipe.hget(k.job_index, job_id)
             if not k.cluster:
                 pipe.get(k.cursor(job_id))
-            checkin, stop, raw_entry, *cursor = pipe.execute()
+            checkin, stop, *cursor = pipe.execute()
         status = new_status(job_id, stop_requested=stop is not None and requested(
             stop, now_ms(self.client)))
         if checkin:
@@ -169,7 +172,7 @@ class JobLookup:
         state = str(meta.get("status") or "PENDING")
         status["job_name"] = meta.get("name")
         status["finished_at"] = _timestamp(meta.get("date_done"))
-        entry = parse_entry(raw_entry) if not k.cluster else lookup(self.client, k, job_id)
+        entry = lookup(self.client, k, job_id, self.scripts)
         if k.cluster and entry is not None:
             # On a cluster the cursor lives in the job queue's copy, which the entry names.
             cursor = [self.client.get(k.of(entry["queue"]).cursor(job_id))]

@@ -1,7 +1,7 @@
 """The job index: where a job is now, by its Celery task id, in one read.
 
 The scripts that move a job (enqueue, enqueue_unique, periodic_run, schedule, promote,
-fetch, ack, requeue, recover, dead, dead_retry, forget) write the job's entry in the
+ack, requeue, recover, dead, dead_retry, forget) write the job's entry in the
 same script as the move (``store/lua/include/job_index.lua``), so the entry cannot disagree with
 where the job is. One hash field per job::
 
@@ -11,24 +11,31 @@ where the job is. One hash field per job::
 ========== ====================== =========================
 state      ref                    detail
 ========== ====================== =========================
-queued     priority level         (empty)
-inflight   delivery tag           pool id
+queued     priority level         delivery tag
 scheduled  job id in the set      due time (ms)
 retry      job id in the set      due time (ms)
 dead       dead job id            reason
 done       delivery tag           pool id (of the last run)
+inflight   delivery tag           pool id (written by workers of earlier versions only)
 ========== ====================== =========================
 
-``ms`` is the Redis time of the move. Bounds: a live entry is replaced as the job moves
-and removed when the job is deleted (forget, dead-set trim); a ``done`` entry is kept
-``job_index_ttl`` seconds: each finish trims up to 20 expired ones, and every worker
-pool's reaper trims up to :data:`TRIM_STEP` per copy at each of its ticks
-(:func:`trim_finished`), so entries expire also when nothing runs after them, and the
-index holds the live jobs plus the jobs finished within the TTL (and what the trims
-have not reached yet). A move of one copy of a job never
-overwrites the entry of another copy with the same task id: Celery schedules a retry
-under the task id before the failed run is acked, so that ack leaves the entry saying
-``retry``.
+The fetch does not write the index: a job in flight keeps its ``queued`` entry, whose
+delivery tag is the field of its record in the pool's in-flight hash (a random field of
+a hash of every queued job is out of the CPU's caches, and writing it was the whole of
+the fetch's growth with a backlog: bench/README.md). :func:`lookup` resolves it in one
+script (``job_where.lua``) and returns such an entry as ``inflight`` in that pool, the
+form every reader takes; the scripts that move an in-flight job accept either form.
+
+``ms`` is the Redis time of the move (for a job in flight: of the move that queued it).
+Bounds: a live entry is replaced as the job moves and removed when the job is deleted
+(forget, dead-set trim); a ``done`` entry is kept ``job_index_ttl`` seconds: each finish
+trims up to 20 expired ones, and every worker pool's reaper trims up to
+:data:`TRIM_STEP` per copy at each of its ticks (:func:`trim_finished`), so entries
+expire also when nothing runs after them, and the index holds the live jobs plus the
+jobs finished within the TTL (and what the trims have not reached yet). A move of one
+copy of a job never overwrites the entry of another copy with the same task id: Celery
+schedules a retry under the task id before the failed run is acked, so that ack leaves
+the entry saying ``retry``.
 
 The task id comes from the payload (Celery's ``correlation_id``, in the last bytes of
 Kombu's JSON, so reading it costs the same whatever the body's size) in the worker
@@ -44,7 +51,7 @@ from typing import Any, TypedDict
 from kombu.utils.encoding import bytes_to_str
 
 from celery_ext.config import Settings
-from celery_ext.store.copies import copies, per_copy, run_scripts
+from celery_ext.store.copies import copies, run_scripts
 from celery_ext.store.keys import Keys
 from celery_ext.store.scripts import Scripts
 
@@ -84,15 +91,38 @@ def parse(raw: bytes | str | None) -> IndexEntry | None:
                       ref=parts[3], detail=parts[4])
 
 
-def lookup(client: Any, keys: Keys, task_id: str) -> IndexEntry | None:
-    """Where the job ``task_id`` is now, by the index (one HGET). On a cluster the
-    entry is in its job queue's copy: every copy is asked, in one pipeline."""
-    if not keys.cluster:
-        return parse(client.hget(keys.job_index, task_id))
-    for (raw,) in per_copy(client, copies(client, keys),
-                           lambda pipe, copy: pipe.hget(copy.job_index, task_id)):
-        if raw is not None:
-            return parse(raw)
+def where_call(keys: Keys, task_id: str) -> tuple[str, list[str], list[Any]]:
+    """Name, KEYS and ARGV of the ``job_where`` call reading ``task_id`` in the copy
+    ``keys``."""
+    return ("job_where", [keys.job_index, keys.inflight_pools], [task_id, keys.inflight("")])
+
+
+def resolve(reply: Any) -> IndexEntry | None:
+    """The entry of a ``job_where`` reply; a queued entry whose tag a pool holds in
+    flight is returned as that job ``inflight`` in that pool (ref: the tag, detail: the
+    pool id), as an entry of the earlier format says it."""
+    if not reply:
+        return None
+    raw, pool = reply
+    entry = parse(raw)
+    pool = bytes_to_str(pool)
+    if entry is not None and entry["state"] == "queued" and pool:
+        return IndexEntry(state="inflight", at=entry["at"], queue=entry["queue"],
+                          ref=entry["detail"], detail=pool)
+    return entry
+
+
+def lookup(client: Any, keys: Keys, task_id: str,
+           scripts: Scripts | None = None) -> IndexEntry | None:
+    """Where the job ``task_id`` is now, by the index: one ``job_where`` call, which
+    reads the entry and, for a queued one, whether a pool holds it in flight, at once
+    (:func:`resolve`). On a cluster the entry is in its job queue's copy: every copy is
+    asked, in one pipeline per master."""
+    scripts = scripts or Scripts(client)
+    calls = [where_call(copy, task_id) for copy in copies(client, keys)]
+    for reply in run_scripts(client, scripts, calls):
+        if reply:
+            return resolve(reply)
     return None
 
 

@@ -99,9 +99,9 @@ def revoke(client: Any, scripts: Scripts, settings: Settings, task_ids: Iterable
     def call(copy: Keys) -> tuple[str, list[str], list[Any]]:
         return ("revoke", [copy.revoked, copy.revoked_by, copy.job_index, copy.job_index_done,
                            copy.dead, copy.dead_jobs, copy.scheduled, copy.retry,
-                           copy.scheduled_jobs, copy.redelivery],
+                           copy.scheduled_jobs, copy.redelivery, copy.inflight_pools],
                 [*args, copy.queue(""), copy.unique(""), copy.cursor_prefix,
-                 REVOKE_SCAN_MAX, *ids])
+                 REVOKE_SCAN_MAX, copy.inflight(""), *ids])
 
     # The home copy first, then the known job queues read: a pool that joins a queue's
     # copy registers the queue before it copies the home's revokes (copy_revokes), so

@@ -37,6 +37,7 @@ SCRIPT_NAMES = (
     "bind", "forget", "queue_info", "history", "search", "periodic_run",
     "periodic_sync", "periodic_lease", "periodic_outcome", "purge", "job_index_trim",
     "chord_size", "chord_part", "chord_done", "revoke", "cursor", "declare", "throttle",
+    "job_where",
 )
 
 

@@ -6,13 +6,13 @@ A person asks through the client (``Client.request_stop``); the job's next check
 (``checkin.lua``) answers "stop" while its entry has not lapsed, and the end of the job
 in its pool (``busy.lua``, "end" or "lost") removes the entry.
 
-The set stays bounded, whoever asks and however often: a request is taken only for a
-job in flight now (its job index entry says ``inflight``, or a busy-worker record or a
-checkin record names it), and every entry lapses ``stop_request_ttl`` seconds after it
-was asked, so an entry whose end nobody reports (a pool killed outright, a job that
-ended as it was asked) does not outlive that. Each request drops the lapsed entries:
-the set holds at most the jobs asked within the last ``stop_request_ttl``, each of
-which was in flight when asked.
+The set stays bounded, whoever asks and however often: a request is taken only for a job
+in flight now (the job index finds it in flight, :func:`~.job_index.lookup`, or a
+busy-worker record or a checkin record names it), and every entry lapses
+``stop_request_ttl`` seconds after it was asked, so an entry whose end nobody reports (a
+pool killed outright, a job that ended as it was asked) does not outlive that. Each
+request drops the lapsed entries: the set holds at most the jobs asked within the last
+``stop_request_ttl``, each of which was in flight when asked.
 """
 
 from __future__ import annotations

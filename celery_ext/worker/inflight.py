@@ -175,7 +175,7 @@ class InflightRecord:
         locks = {k.unique(d) for d in (self._locks.get(t) for t in tags) if d is not None}
         return ([k.inflight(self.pool_id), k.redelivery, k.running, k.limits, k.ready,
                  *index_keys(k), *sorted(locks)],
-                [k.wake_channel, self.index_ttl, k.cursor_prefix, *tags])
+                [k.wake_channel, self.index_ttl, k.cursor_prefix, self.pool_id, *tags])
 
     def ack(self, tags: list[str]) -> int:
         """Drop finished jobs from the record; tags no longer in it are ignored."""

@@ -32,7 +32,7 @@ def _fill(client: redis.Redis, tags: list[str]) -> None:
 
 def _send(sender: AckSender, tags: list[str]) -> None:
     sender.ack([K.inflight(POOL), K.redelivery, K.running, K.limits, K.ready, K.job_index,
-                K.job_index_done], [K.wake_channel, 0, K.cursor_prefix, *tags], tags)
+                K.job_index_done], [K.wake_channel, 0, K.cursor_prefix, POOL, *tags], tags)
 
 
 def test_acks_apply_without_waiting_and_close_reads_every_reply(

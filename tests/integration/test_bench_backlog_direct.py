@@ -35,19 +35,3 @@ def test_direct_measures_the_fetch_and_ack_at_every_level(tmp_path: Path) -> Non
         for name in ("fetch", "ack", "control", "redis_cpu", "rpop", "hsetnx", "hset"):
             assert math.isfinite(point[name]) and point[name] > 0, (name, point)
         assert len(point["fetch_rounds"]) == 2
-
-
-@pytest.mark.timeout(200)
-def test_fetch_index_off_leaves_the_index_alone(tmp_path: Path) -> None:
-    """``--fetch-index off``: the A/B of the fetch's index write; fetch.lua is told the
-    index is off, so no job's entry is rewritten (no HSET in the rounds), and the
-    settings line says that the ack's figures do not count."""
-    done = run_bench("bench.backlog", "--direct", "--fetch-index", "off", "--levels", "0,100",
-                     "--rounds", "1", "--round-jobs", "40", "--out", str(tmp_path),
-                     timeout=180, what="bench.backlog --direct --fetch-index off")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "without its job index write" in done.stdout
-    data = json.loads((tmp_path / "backlog_direct.json").read_text())
-    assert data["settings"]["fetch_index"] is False
-    for point in data["points"]:
-        assert point["hset"] == 0 and point["fetch"] > 0, point

@@ -378,14 +378,26 @@ def test_stop_requests_find_jobs_in_flight_in_their_queues_copy(cc: Client,
                                                                 cluster: ClusterGroup) -> None:
     """A job's index entry lives in its queue's copy, the stop requests in the home
     copy: a request finds the job in flight on whichever master, and its checkin (a
-    home-copy script) answers "stop"; a job in flight nowhere is refused."""
+    home-copy script) answers "stop"; a job in flight nowhere is refused. In flight is
+    either entry form: the queued entry the fetch leaves, whose tag a pool's in-flight
+    record in the copy holds, or the inflight entry of the previous version."""
     queues = spread_queues(cluster, cc.keys)
     for q in queues:
-        cc.client.hset(cc.keys.of(q).job_index, f"id-{q}", f"inflight\n1\n{q}\n{q}-0\nhost:5:p")
+        k = cc.keys.of(q)
+        cc.client.hset(k.job_index, f"id-{q}", f"inflight\n1\n{q}\n{q}-0\nhost:5:p")
+        cc.client.hset(k.job_index, f"qid-{q}", f"queued\n1\n{q}\n0\n{q}-1")
+        cc.client.hset(k.inflight("host:6:p"), f"{q}-1", f"{q}\n{{}}")
+        cc.client.sadd(k.inflight_pools, "host:6:p")
+        cc.client.hset(k.job_index, f"nid-{q}", f"queued\n1\n{q}\n0\n{q}-2")  # held nowhere
         cc.client.sadd(cc.keys.queues, q)  # the home registry, as every enqueue writes it
+    for q in queues:
+        st = cc.job(f"qid-{q}")
+        assert (st["state"], st["pool"], st["queue"]) == ("reserved", "host:6:p", q), st
     assert all(cc.request_stop(f"id-{q}") for q in queues)
+    assert all(cc.request_stop(f"qid-{q}") for q in queues)
+    assert not any(cc.request_stop(f"nid-{q}") for q in queues)
     assert not cc.request_stop("id-nobody")
-    assert cc.client.zcard(cc.keys.stop_requests) == len(queues)
+    assert cc.client.zcard(cc.keys.stop_requests) == 2 * len(queues)
     k = cc.keys
     stop, _state, _now = cc.scripts("checkin", [k.checkins, k.stop_requests, k.pool("host:5:p")],
                                     [f"id-{queues[0]}", "{}"])

@@ -83,6 +83,9 @@ def test_job_followed_from_enqueue_to_done(app: Any, mode: Mode, redis_client: r
     assert st["job_name"] == app.gated.name
     if not mode.dropin:
         assert redis_client.hexists(K.inflight(e["detail"]), e["ref"])
+        # The fetch left the queued entry: its tag is the pool's record of the job.
+        stored = fields(redis_client, result.id)
+        assert (stored[0], stored[4]) == ("queued", e["ref"])
 
     rec.delete("hold:j")  # fails: retried once, then dead
     st = until(look, result.id, "retrying")
@@ -127,8 +130,61 @@ def test_sigkilled_pools_job_is_queued_again_after_the_reaper(
     st = look.status(result.id)
     e = entry(redis_client, result.id)
     assert st["state"] == "queued" and e and e["state"] == "queued", (st, e)
-    assert not redis_client.hexists(K.inflight(pool or ""), e["ref"])
-    assert redis_client.llen(K.queue(mode.queue(app.gated))) == 1
+    tag = e["detail"]  # the tag the job is recovered under, which its next fetch records
+    assert tag and not redis_client.hexists(K.inflight(pool or ""), tag)
+    (payload,) = redis_client.lrange(K.queue(mode.queue(app.gated)), 0, -1)
+    assert f'"delivery_tag": "{tag}"'.encode() in payload
+
+
+def fields(client: redis.Redis, job_id: str) -> list[str]:
+    """The stored entry of ``job_id``, split: state, ms, queue, ref, detail."""
+    raw = client.hget(K.job_index, job_id)
+    assert raw is not None
+    return raw.decode().split("\n")
+
+
+def test_running_and_reserved_jobs_are_in_flight_and_a_warm_stop_queues_the_reserved_again(
+        app: Any, mode: Mode, redis_client: redis.Redis, rec: redis.Redis,
+        worker_factory: Factory) -> None:
+    """prefork -c 1: one job runs (held), three wait in the pool's prefetch. The fetch
+    left their entries as the enqueue wrote them, byte for byte; the status finds each
+    in flight in the pool by its delivery tag (running; reserved). A warm shutdown
+    returns the reserved ones to their queue: queued, under the tags they had."""
+    look = JobLookup(redis_client, Settings(), mode.app)
+    queue = mode.queue(app.gated)
+    redis_client.sadd(K.paused, queue)  # all four enqueued before the pool fetches
+    for key in "abcd":
+        rec.set(f"heal:{key}", 1)
+    rec.set("hold:a", 1)
+    jobs = [mode.send(app.gated, key) for key in "abcd"]
+    before = {j.id: redis_client.hget(K.job_index, j.id) for j in jobs}
+    (worker,) = start_workers(worker_factory, 1, app="tests.apps.proj_index",
+                              pool="prefork", concurrency=1, env=mode.env(**FAST))
+    redis_client.srem(K.paused, queue)
+    redis_client.publish(K.wake_channel, queue)
+    st = until(look, jobs[0].id, "running")
+    pool = st["pool"]
+    assert pool and redis_client.zscore(K.pools, pool)
+    wait_for(lambda: redis_client.hlen(K.inflight(pool)) == (3 if mode.dropin else 4), 10,
+             "the prefetch")
+    for job in jobs[1:]:
+        st = look.status(job.id)
+        assert (st["state"], st["pool"], st["queue"]) == ("reserved", pool, queue), st
+        assert redis_client.hget(K.job_index, job.id) == before[job.id]
+    if not mode.dropin:  # (drop-in acks a job when it starts: its entry says done)
+        assert redis_client.hget(K.job_index, jobs[0].id) == before[jobs[0].id]
+
+    worker.send(signal.SIGTERM)
+    worker.wait_for_log("Warm shutdown", timeout=10)
+    rec.delete("hold:a")
+    assert worker.stop(signal.SIGTERM, timeout=20) == 0
+    assert until(look, jobs[0].id, "succeeded")["pool"] == pool
+    for job in jobs[1:]:
+        st = look.status(job.id)
+        assert (st["state"], st["queue"]) == ("queued", queue), st
+        old, new = (before[job.id] or b"").decode().split("\n"), fields(redis_client, job.id)
+        assert new[0] == "queued" and new[2:] == old[2:]  # same queue, level and tag
+    assert redis_client.llen(K.queue(queue)) == 3
 
 
 def test_job_past_the_old_search_windows_is_found(broker_url: str,

@@ -19,6 +19,7 @@ import redis
 
 from celery_ext.client import Client
 from celery_ext.config import Settings
+from celery_ext.store.job_index import lookup
 from celery_ext.store.keys import Keys
 from tests.apps import proj
 from tests.helpers import Factory, Mode, recorded, wait_for
@@ -174,15 +175,16 @@ def test_terminate_reaches_the_running_job(
     worker_factory("tests.apps.proj_pools", pool=pool, concurrency=2).start()
     job = mode.send(proj_pools.long_checkin, "t", 20.0)
     wait_for(lambda: recorded(rec, "start", "t"), 30, "the job to start")
-    time.sleep(0.3)  # (its index entry says in flight; its first checkin is written)
+    time.sleep(0.3)  # (its first checkin is written)
+    assert (lookup(redis_client, K, job.id) or {}).get("state") == "inflight"
     job.revoke(terminate=True)
 
     def ended() -> bool:
         if pool == "threads":  # (Celery cannot terminate a thread: the checkin says stop)
             return bool(recorded(rec, "stopped", "t"))
-        entry = redis_client.hget(K.job_index, job.id) or b""
-        return not entry.startswith(b"inflight") and not redis_client.lrange(K.queue(
-            mode.queue(proj_pools.long_checkin)), 0, -1)
+        entry = lookup(redis_client, K, job.id)
+        return entry is not None and entry["state"] != "inflight" and not redis_client.lrange(
+            K.queue(mode.queue(proj_pools.long_checkin)), 0, -1)
 
     wait_for(ended, 15, "the job to end")
     time.sleep(1.0)

@@ -14,9 +14,12 @@
 -- ARGV[2]  job index TTL of finished entries in ms, "0" = no index (include/job_index.lua)
 -- ARGV[3]  cursor key prefix            {ns}:cursor: (include/cursor.lua): a finished
 --          job's cursor goes with it, if this run owns it
--- ARGV[4..] delivery tags
--- A job whose index entry names another copy (a retry scheduled under its task id)
--- leaves that entry alone.
+-- ARGV[4]  pool id (the finished entry names the pool that ran the job)
+-- ARGV[5..] delivery tags
+-- A job's index entry says done if it names the copy in flight under the tag (queued with
+-- that tag, as the fetch leaves it, or inflight with it, as a worker of an earlier
+-- version wrote it: include/job_index.lua's jix_owns); an entry naming another copy (a
+-- retry scheduled under its task id) is left alone.
 -- A tag no longer in the record (its pool was reaped and the job requeued) is
 -- ignored, so a late ack from a pool that came back never touches the new copy.
 -- A job queue at its max_concurrency is skipped by fetch (and left in the ready
@@ -32,14 +35,15 @@ local limited = redis.call('HLEN', KEYS[4]) > 0
 local indexTtl = tonumber(ARGV[2])
 -- @include job_index
 -- @include cursor
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   local rec = redis.call('HGET', KEYS[1], ARGV[i])
   if rec then
     local qname = string.sub(rec, 1, string.find(rec, '\n', 1, true) - 1)
     if indexTtl > 0 then
       local id = jix_task_id(jix_payload_after(rec, 1))
-      local same, f = jix_is(KEYS[6], id, 'inflight', ARGV[i])
-      if same then jix_finish(KEYS[6], KEYS[7], indexTtl, id, qname, ARGV[i], f and f[5]) end
+      if jix_owns(KEYS[6], id, ARGV[i]) then
+        jix_finish(KEYS[6], KEYS[7], indexTtl, id, qname, ARGV[i], ARGV[4])
+      end
     end
     cursor_drop(ARGV[3], jix_payload_after(rec, 1), ARGV[i])
     redis.call('HDEL', KEYS[1], ARGV[i])

@@ -58,7 +58,7 @@ if indexTtl > 0 then
   local nl = string.find(rec, '\n', 1, true)
   local tid = jix_task_id(string.sub(rec, nl + 1))
   -- Not in flight (acked when it started): the entry may say done already.
-  if jix_is(KEYS[8], tid, inflight and 'inflight' or nil, ARGV[1]) or not inflight then
+  if not inflight or jix_owns(KEYS[8], tid, ARGV[1]) then
     local reason = string.match(ARGV[2], '"reason": *"([^"]*)"') or ''
     jix_set(KEYS[8], tid, 'dead', string.sub(rec, 1, nl - 1), id, reason)
   end

@@ -21,6 +21,7 @@
 -- @include priority
 local indexTtl = tonumber(ARGV[3])
 -- @include job_index
+-- @include delivery_tag
 -- @include fair
 local done = {}
 for i = 7, #KEYS do
@@ -37,7 +38,9 @@ for i = 7, #KEYS do
       push_front(ARGV[2] .. qname, KEYS[i], ARGV[j + 2])
       if indexTtl > 0 then
         local tid = jix_task_id(ARGV[j + 2])
-        if jix_is(KEYS[5], tid, 'dead', id) then jix_set(KEYS[5], tid, 'queued', qname, jix_level(KEYS[i])) end
+        if jix_is(KEYS[5], tid, 'dead', id) then
+          jix_set(KEYS[5], tid, 'queued', qname, jix_level(KEYS[i]), tag_of(ARGV[j + 2]))
+        end
       end
       redis.call('SADD', KEYS[4], qname)
       if redis.call('SADD', KEYS[3], qname) == 1 then

@@ -29,6 +29,7 @@ local queueKey, readyKey, queuesKey, markerKey = KEYS[1], KEYS[2], KEYS[3], KEYS
 local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]
 local expiresMs, indexTtl, markerTtlMs = tonumber(ARGV[4]), tonumber(ARGV[5] or 0) or 0, ARGV[6]
 -- @include job_index
+-- @include delivery_tag
 -- @include announce
 local runRecordKey, runDueMs, runRecordTtlMs = KEYS[7], ARGV[7], ARGV[8]
 if runRecordKey and tonumber(redis.call('GET', runRecordKey) or '-1') >= tonumber(runDueMs) then

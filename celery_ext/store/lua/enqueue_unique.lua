@@ -31,6 +31,7 @@ local payload, queueName, wakeChannel = ARGV[1], ARGV[2], ARGV[3]
 local expiresMs, indexTtl, lockValue, lockTtlMs, force = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], ARGV[7], ARGV[8]
 local markerTtlMs = ARGV[9]
 -- @include job_index
+-- @include delivery_tag
 -- @include announce
 -- @include unique
 local taskId = unique_holder(lockValue)

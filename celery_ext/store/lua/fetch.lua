@@ -26,9 +26,12 @@
 -- ARGV[2]  one char per candidate: "1" = record in-flight (acked consumer), "0" = no-ack
 -- ARGV[3..] queue names, one per candidate, in the order of the KEYS[18..] groups
 -- ARGV[3 + n] (optional, n = number of candidates) max_payload_bytes, 0 = no limit
--- ARGV[4 + n] (optional) "1" = keep the job index: each tracked job's entry says
---          inflight in this pool under its delivery tag (O(1): the task id is read
---          from the payload's last bytes)
+-- ARGV[4 + n] (optional) "1" = keep the job index: a job dropped as revoked gets its
+--          entry saying dead, a no-ack delivery's queued entry goes. A tracked job's
+--          entry is not touched: it says queued with the job's delivery tag, and this
+--          script's record of the job in KEYS[1] under that tag is what says it is in
+--          flight (include/job_index.lua), so the fetch's cost does not grow with the
+--          index (a hash of every queued job: a random field of it is out of cache)
 -- ARGV[5 + n] (optional) max dead jobs kept (default 10000)
 -- ARGV[6 + n] (optional) max age of dead jobs, ms (default: no age rule)
 -- ARGV[7 + n] (optional) unique lock key prefix {ns}:unique:, ARGV[8 + n] (optional)
@@ -252,7 +255,8 @@ for i = 1, ncand do
         local track = string.sub(flags, i, i) == '1'
         if track then
           -- A tag this pool already owns (a duplicated or forged message) gets a
-          -- suffix: overwriting would silently drop the other job's record.
+          -- suffix: overwriting would silently drop the other job's record. (The
+          -- job index entry follows the copy under the payload's own tag.)
           local base, n = tag, 0
           while redis.call('HSETNX', KEYS[1], tag, qname .. '\n' .. payload) == 0 do
             n = n + 1
@@ -263,9 +267,6 @@ for i = 1, ncand do
             redis.call('HINCRBY', KEYS[6], qname .. '\n' .. fkey, 1)
           end
           tracked = true
-          if indexed then
-            jix_set(KEYS[12], jix_task_id(payload), 'inflight', qname, tag, ARGV[1])
-          end
           if room[qname] then room[qname] = room[qname] - 1 end
         elseif indexed then
           jix_drop(KEYS[12], jix_task_id(payload), 'queued')  -- no-ack: delivered is gone

@@ -40,6 +40,7 @@ local err = ARGV[11] or ''
 local pushedByCaller = payload == '' and ARGV[13] == '1'
 local indexTtl = tonumber(ARGV[12] or 0) or 0
 -- @include job_index
+-- @include delivery_tag
 -- @include announce
 
 if (payload ~= '' or pushedByCaller) and redis.call('HGET', stateKey, 'last_job_id') == jobId then

@@ -54,6 +54,7 @@ end
 
 local indexTtl = tonumber(ARGV[6])
 -- @include job_index
+-- @include delivery_tag
 -- @include fair
 local moved = 0
 for i = 9, #KEYS do
@@ -72,7 +73,9 @@ for i = 9, #KEYS do
         local payload = string.sub(rec, nl2 + 1)
         if indexTtl > 0 then
           local tid = jix_task_id(payload)
-          if jix_is(KEYS[7], tid, nil, id) then jix_set(KEYS[7], tid, 'queued', qname, jix_level(KEYS[i])) end
+          if jix_is(KEYS[7], tid, nil, id) then
+            jix_set(KEYS[7], tid, 'queued', qname, jix_level(KEYS[i]), tag_of(payload))
+          end
         end
         local key = fair_of(payload)
         if key then

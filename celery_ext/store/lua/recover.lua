@@ -55,6 +55,7 @@ end
 -- @include priority
 local indexTtl = tonumber(ARGV[9])
 -- @include job_index
+-- @include delivery_tag
 -- @include fair
 -- @include dead_set
 -- @include unique
@@ -70,7 +71,7 @@ for i = 12, 11 + nTags do
     local qname = string.sub(rec, 1, nl - 1)
     if is_level_of(KEYS[i], ARGV[5] .. qname) then
       local id = indexTtl > 0 and jix_task_id(string.sub(rec, nl + 1))
-      local same = id and jix_is(KEYS[10], id, 'inflight', tag)
+      local same = id and jix_owns(KEYS[10], id, tag)
       redis.call('HDEL', KEYS[1], tag)
       redis.call('HINCRBY', KEYS[7], qname, -1)
       fair_release(KEYS[7], qname, rec)
@@ -94,7 +95,10 @@ for i = 12, 11 + nTags do
         if redis.call('SADD', KEYS[5], qname) == 1 then
           redis.call('PUBLISH', ARGV[4], qname)
         end
-        if same then jix_set(KEYS[10], id, 'queued', qname, jix_level(KEYS[i])) end
+        if same then
+          jix_set(KEYS[10], id, 'queued', qname, jix_level(KEYS[i]),
+                  tag_of(string.sub(rec, nl + 1)))
+        end
         requeued[#requeued + 1] = tag
       end
     end

@@ -15,6 +15,8 @@
 -- ARGV[3]  job index TTL of finished entries in ms, "0" = no index (include/job_index.lua)
 -- ARGV[4..] delivery tags, one per KEYS[7..], in the order to push them
 --          (the last one pushed is the next fetched)
+-- A job's index entry (when it still names this copy in flight: include/job_index.lua's
+-- jix_owns) says queued again, with the tag its next fetch records.
 -- The caller reads each job's priority from its payload (priority.py). Each job is
 -- marked redelivered (recovery count kept, or 0). A tag whose
 -- record is gone, or whose record names another queue than the key given, is
@@ -25,6 +27,7 @@
 -- @include priority
 local indexTtl = tonumber(ARGV[3])
 -- @include job_index
+-- @include delivery_tag
 -- @include fair
 local done = {}
 for i = 7, #KEYS do
@@ -40,8 +43,11 @@ for i = 7, #KEYS do
       fair_release(KEYS[4], qname, rec)
       redis.call('HSETNX', KEYS[3], tag, 0)
       if indexTtl > 0 then
-        local id = jix_task_id(string.sub(rec, nl + 1))
-        if jix_is(KEYS[5], id, 'inflight', tag) then jix_set(KEYS[5], id, 'queued', qname, jix_level(KEYS[i])) end
+        local payload = string.sub(rec, nl + 1)
+        local id = jix_task_id(payload)
+        if jix_owns(KEYS[5], id, tag) then
+          jix_set(KEYS[5], id, 'queued', qname, jix_level(KEYS[i]), tag_of(payload))
+        end
       end
       if redis.call('SADD', KEYS[2], qname) == 1 then
         redis.call('PUBLISH', ARGV[1], qname)

@@ -9,6 +9,9 @@
 -- "What it costs"). A job further back, a keyed job (a fair key's sub-queue, not named
 -- by the index) or one not found (popped meanwhile) is left to the fetch that pops it
 -- (fetch.lua drops a revoked id).
+-- A queued entry whose delivery tag a pool of this copy holds in flight (the fetch leaves
+-- the entry as it was: include/job_index.lua) is that job in flight, as an entry of the
+-- earlier format saying inflight is: reported, not looked for in its queue.
 -- KEYS[1]  revoked ids zset             {ns}:revoked (include/revoked.lua)
 -- KEYS[2]  revokes' meta hash           {ns}:revoked_by
 -- KEYS[3]  job index hash               {ns}:jobs
@@ -19,6 +22,7 @@
 -- KEYS[8]  retry zset                   {ns}:retry
 -- KEYS[9]  scheduled jobs hash          {ns}:scheduled_jobs
 -- KEYS[10] redelivery hash              {ns}:redelivery (a requeued job's count goes with it)
+-- KEYS[11] in-flight pools set          {ns}:inflight_pools
 -- ARGV[1]  the revoke's meta, a one-line JSON object ({"reason":"revoked","by":...});
 --          "revoked_at" (Redis ms) is added here
 -- ARGV[2]  how long the revoke holds, ms (revoked_ttl)
@@ -31,7 +35,8 @@
 -- ARGV[8]  unique lock key prefix       {ns}:unique: (include/unique.lua)
 -- ARGV[9]  cursor key prefix            {ns}:cursor: (include/cursor.lua)
 -- ARGV[10] most jobs of a level list read to find one queued job (REVOKE_SCAN_MAX)
--- ARGV[11..] task ids
+-- ARGV[11] in-flight hash key prefix  {ns}:inflight: (a pool's hash: the prefix and its id)
+-- ARGV[12..] task ids
 -- Both revoked keys expire ARGV[2] ms after this revoke, when every id in them has lapsed.
 -- Returns {moved, inflight, queued}: moved = {task id, "queued", "scheduled" or
 -- "retry", ...} of the jobs moved to the dead set; inflight, queued = task ids the
@@ -73,7 +78,7 @@ local function to_dead(id, ref, rec, queue)
   unique_release_job(ARGV[8], payload, id)
   cursor_drop(ARGV[9], payload, nil)
 end
-for i = 11, #ARGV do
+for i = 12, #ARGV do
   local id = ARGV[i]
   redis.call('ZADD', KEYS[1], lapses, id)
   redis.call('HSET', KEYS[2], id, meta)
@@ -87,7 +92,8 @@ for i = 11, #ARGV do
       moved[#moved + 1] = id
       moved[#moved + 1] = f[1]
     end
-  elseif f and f[1] == 'inflight' then
+  elseif f and (f[1] == 'inflight' or f[1] == 'queued'
+                and jix_pool_of(KEYS[11], ARGV[11], f[5])) then
     inflight[#inflight + 1] = id
   elseif f and f[1] == 'queued' then
     local list = ARGV[7] .. f[3] .. ((f[4] == '0' or f[4] == '') and '' or '\6\22' .. f[4])

@@ -31,6 +31,7 @@
 -- @include priority
 local indexTtl = tonumber(ARGV[3])
 -- @include job_index
+-- @include delivery_tag
 -- @include fair
 local tag = ARGV[4]
 local rec = redis.call('HGET', KEYS[1], tag)
@@ -53,8 +54,8 @@ if owned then
 end
 if indexTtl > 0 then
   local id = jix_task_id(payload)
-  if not owned or jix_is(KEYS[5], id, 'inflight', tag) then
-    jix_set(KEYS[5], id, 'queued', qname, jix_level(KEYS[7]))
+  if not owned or jix_owns(KEYS[5], id, tag) then
+    jix_set(KEYS[5], id, 'queued', qname, jix_level(KEYS[7]), tag_of(payload))
   end
 end
 local now = clock_us()

@@ -2,10 +2,16 @@
 -- "-- @include job_index". Every script that moves a job writes where it is now:
 -- {ns}:jobs            hash  task id -> "<state>\n<ms>\n<queue>\n<ref>\n<detail>"
 -- {ns}:jobs_done       zset  task id -> ms after which its finished entry is trimmed
--- state / ref / detail: queued / priority level / ""; inflight / delivery tag / pool id;
--- scheduled, retry / job id / due ms; dead / dead job id / reason; done / delivery tag /
--- pool id. The calling script is given both keys and the TTL of finished entries in ms
--- ("0" = the index is off: nothing is read or written).
+-- state / ref / detail: queued / priority level / delivery tag; scheduled, retry / job id /
+-- due ms; dead / dead job id / reason; done / delivery tag / pool id; and, written by a
+-- worker of an earlier version only, inflight / delivery tag / pool id. The calling script
+-- is given both keys and the TTL of finished entries in ms ("0" = the index is off:
+-- nothing is read or written).
+-- The fetch leaves the entry alone: a job in flight keeps its queued entry, whose tag is
+-- the key of its record in the pool's in-flight hash (the fetch records the payload's
+-- tag, include/delivery_tag.lua), so the fetch's cost does not depend on the size of the
+-- index. A "queued" entry whose tag a pool's in-flight hash holds is that job in flight
+-- (jix_owns, jix_pool_of); readers resolve it with job_where.lua.
 -- The task id: Celery's correlation_id, which Kombu writes in "properties", last, so it
 -- is read from the payload's last bytes (O(1) whatever the body); another layout falls
 -- back to the "id" of "headers": a compact message (store/compact.py) drops a
@@ -42,6 +48,29 @@ local function jix_get(idx, id)
   local f = {}
   for part in string.gmatch(e .. '\n', '([^\n]*)\n') do f[#f + 1] = part end
   return f
+end
+-- Whether the entry `f` names the copy of its job in flight under `tag`: queued with
+-- that tag, or in the earlier format inflight with it. Exact: a duplicate fetched into
+-- the same pool under "<tag>~<n>" is not the copy the entry follows.
+local function jix_names(f, tag)
+  return (f[1] == 'queued' and f[5] == tag) or (f[1] == 'inflight' and f[4] == tag)
+end
+-- Whether the entry of `id` is missing or names the copy in flight under `tag` (above):
+-- the checks of the scripts that move an in-flight job (ack, requeue, recover, dead,
+-- throttle), so a move never overwrites the entry of another copy.
+local function jix_owns(idx, id, tag)
+  local f = jix_get(idx, id)
+  return not f or jix_names(f, tag)
+end
+-- The id of a pool whose in-flight hash ("<prefix><pool id>", keys.py) holds `tag`, from
+-- the pools that may own jobs (`pools`, {ns}:inflight_pools), or nil. One HEXISTS per
+-- such pool: for readers and revoke, not for the fetch.
+local function jix_pool_of(pools, prefix, tag)
+  if not tag or tag == '' then return nil end
+  for _, pool in ipairs(redis.call('SMEMBERS', pools)) do
+    if redis.call('HEXISTS', prefix .. pool, tag) == 1 then return pool end
+  end
+  return nil
 end
 -- Whether the entry of `id` is missing or still says `state` with `ref` (any when nil):
 -- a move of one copy of a job never overwrites the entry of a newer copy (a Celery
