@@ -198,6 +198,11 @@ class Fetcher:
         held = len(channel.qos._delivered) - len(channel.qos._dirty)
         if fetch_waits(n, held, channel.fetch_min, settings.fetch_batch):
             return
+        if pool is not None:
+            # The acks the loop made wait for this: written before the fetch they make
+            # room for, the record never holds more than the prefetch window, and a
+            # queue's concurrency limit counts no finished job (ack_batcher.py).
+            pool.flush_acks()
         picks = ready.take(n)
         no_ack = channel._no_ack_queues
         flags = "".join("0" if q in no_ack else "1" for q in picks)
@@ -265,11 +270,6 @@ class Fetcher:
         channel = self.channel
         ready = channel._ready
         replied = ready.fetch_replied([bytes_to_str(n) for n in (*empties, *blocked)])
-        pool = channel._worker_pool
-        if blocked and pool is not None:
-            # A queue at its max_concurrency may be so only by the acks that wait to be
-            # written with others (ack_batcher.py): written now, they wake the pools.
-            pool.flush_acks()
         if empties:
             found = channel.topology.emptied([bytes_to_str(n) for n in empties])
             if found:
