@@ -48,7 +48,7 @@ def test_inspect_scheduled_lists_the_scheduled_and_retry_sets(
     # A connection of its own: a pooled one may have been dropped by the server in an
     # earlier test of this process, and its first write fails (not retried).
     with mode.app.connection_for_write() as conn:
-        replies = mode.app.control.inspect(timeout=5, connection=conn).scheduled()
+        replies = mode.app.control.inspect(timeout=10, connection=conn, limit=1).scheduled()
     entries = replies[node_name(worker)]
     assert [e["request"]["id"] for e in entries] == [retry.id, at_eta.id]
     entry = entries[1]
@@ -62,7 +62,7 @@ def test_inspect_scheduled_lists_the_scheduled_and_retry_sets(
     assert request["delivery_info"]["routing_key"] == mode.queue(proj.add)
     assert entries[0]["request"]["args"] == [3, 4]
     # Celery's alias answers the same.
-    assert mode.app.control.inspect(timeout=5)._request("dump_schedule")[
+    assert mode.app.control.inspect(timeout=10, limit=1)._request("dump_schedule")[
         node_name(worker)] == entries
 
 

@@ -66,6 +66,7 @@ def pytest_sessionfinish(session, exitstatus):
 '''
 
 PLUGIN_TESTS = '''
+import os
 import time
 
 import pytest
@@ -89,6 +90,9 @@ def test_raising_job_is_dead_and_pool_registered(celery_ext_worker, celery_ext_c
     (pool,) = celery_ext_client.worker_pools()
     assert pool["node"] == celery_ext_worker.hostname
     assert pool["queues"], pool
+    # The pool and concurrency the ini named (the plugin's defaults without).
+    assert (pool["pool_type"], pool["concurrency"]) == (
+        os.environ.get("EXPECT_POOL", "solo"), os.environ.get("EXPECT_CONCURRENCY", "1")), pool
 
 
 def test_checkin_and_a_clean_namespace(celery_ext_worker, celery_ext_client):
@@ -165,7 +169,7 @@ from celery_ext.client import Client
 
 def test_setup_ready_and_a_job(celery_setup):
     assert celery_setup.ready(ping=True, control=True)
-    assert celery_setup.app.control.ping(timeout=5) == [
+    assert celery_setup.app.control.ping(timeout=10, limit=1) == [
         {celery_setup.worker.hostname(): {"ok": "pong"}}]
     assert add.delay(2, 5).get(timeout=10) == 7
     client = Client.for_app(celery_setup.app)
@@ -224,24 +228,21 @@ def test_plugin_gives_a_user_suite_a_broker_and_worker(
     assert found == {"threads": [], "pools": []}
 
 
-def test_plugin_worker_pool_and_concurrency_from_ini(
-        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    found = _run(pytester, monkeypatch, tmp_path, PLUGIN_TESTS, "install", False,
-                 ini="celery_ext_app = proj:app\ncelery_ext_pool = threads\n"
-                     "celery_ext_concurrency = 4")
-    assert found == {"threads": [], "pools": []}
-
-
-def test_plugin_on_an_existing_server(
+def test_plugin_on_an_existing_server_with_the_pool_and_concurrency_from_ini(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         redis_server: RedisServer) -> None:
-    """``CELERY_EXT_TEST_BROKER_URL``: no server started; each test's keys deleted."""
+    """``CELERY_EXT_TEST_BROKER_URL``: no server started; each test's keys deleted. The
+    same run takes the worker's pool and concurrency from the ini (one user suite's
+    start-up asserts both)."""
     client = redis_server.client(db=5)
     client.flushdb()
     client.set("user-data", "kept")
     url = redis_server.url(scheme="celery-ext", db=5)
     found = _run(pytester, monkeypatch, tmp_path, PLUGIN_TESTS, "install", False,
-                 extra_env={"CELERY_EXT_TEST_BROKER_URL": url})
+                 ini="celery_ext_app = proj:app\ncelery_ext_pool = threads\n"
+                     "celery_ext_concurrency = 4",
+                 extra_env={"CELERY_EXT_TEST_BROKER_URL": url, "EXPECT_POOL": "thread",
+                            "EXPECT_CONCURRENCY": "4"})
     assert found == {"threads": [], "pools": []}
     left = {key.decode() for key in client.scan_iter()}
     assert "user-data" in left

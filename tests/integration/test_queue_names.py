@@ -54,7 +54,7 @@ def test_remote_control_replies_are_not_job_queues(
     worker = worker_factory("tests.apps.proj", pool="solo", concurrency=1).start()
     assert proj.add.delay(1, 2).get(timeout=15) == 3
     for _ in range(3):
-        replies = proj.app.control.inspect(timeout=5).ping() or {}
+        replies = proj.app.control.inspect(timeout=10, limit=1).ping() or {}
         assert replies.get(node_name(worker)) == {"ok": "pong"}, replies
     assert not [n for n in known(redis_client) if n.endswith(".pidbox")], known(redis_client)
     assert "tests.apps.proj.add" in known(redis_client)

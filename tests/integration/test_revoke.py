@@ -107,7 +107,7 @@ def test_inspect_revoked_answers_from_redis(
     without mingle) lists it: the worker answers from Redis, not its memory."""
     mode.app.control.revoke(["r-1", "r-2"])
     worker = worker_factory(APP, env=mode.env()).start()
-    replies = mode.app.control.inspect(timeout=5).revoked() or {}
+    replies = mode.app.control.inspect(timeout=10, limit=1).revoked() or {}
     assert replies, worker.log_tail()
     assert [sorted(ids) for ids in replies.values()] == [["r-1", "r-2"]]
 
@@ -300,7 +300,7 @@ def test_revoke_with_no_worker_up_on_a_cluster(
         # test_cluster_workers.py's matter; here: revoked never, the others ran.)
         assert [min(n, 1) for n in runs(rec, name, 3)] == [1, 0, 1], name
     assert runs(rec, "later", 1) == [0]
-    replies = app.control.inspect(timeout=5).revoked() or {}
+    replies = app.control.inspect(timeout=10, limit=1).revoked() or {}
     assert [sorted(ids) for ids in replies.values()] == [
         sorted([*(sent[n][1].id for n in names), later.id])]
     config = cluster_config([url], {"cluster": True})
@@ -383,9 +383,9 @@ def test_mingle_hello_reply_carries_no_revoked_ids(
     wait_for(lambda: mode.app.control.ping(timeout=1), 30, "the worker answering a ping")
     ids = [f"rv-{i:04d}" for i in range(1000)]
     mode.app.control.revoke(ids)
-    replies = mode.app.control.inspect(timeout=5).hello("peer@elsewhere", ["from-peer"])
+    replies = mode.app.control.inspect(timeout=10, limit=1).hello("peer@elsewhere", ["from-peer"])
     assert replies and next(iter(replies.values()))["revoked"] == []
-    listed = next(iter((mode.app.control.inspect(timeout=5).revoked() or {}).values()))
+    listed = next(iter((mode.app.control.inspect(timeout=10, limit=1).revoked() or {}).values()))
     assert sorted(listed) == sorted([*ids, "from-peer"])
 
 

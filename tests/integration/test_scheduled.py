@@ -192,7 +192,7 @@ def test_countdown_longer_than_visibility_timeout_runs_once(
     # It waits in Redis, not in a worker's memory (stock Celery: inspect().scheduled()),
     # and each worker's `inspect scheduled` answers from Redis: both list the one job.
     assert Client(redis_client).counts()["scheduled"] == 1
-    held = mode.app.control.inspect(timeout=1).scheduled() or {}
+    held = mode.app.control.inspect(timeout=5, limit=2).scheduled() or {}
     assert len(held) == 2, held
     assert all([j["request"]["id"] for j in jobs] == [job.id] for jobs in held.values()), held
     wait_for(lambda: rec.llen("runs:vt"), 10, "the countdown job")
