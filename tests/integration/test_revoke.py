@@ -380,7 +380,7 @@ def test_mingle_hello_reply_carries_no_revoked_ids(
     worker_factory(APP, env=mode.env()).start()
     # Ready is logged before the worker consumes its broadcast queue: a hello sent then
     # went unanswered on a loaded machine. A ping answered says it listens.
-    wait_for(lambda: mode.app.control.ping(timeout=1), 30, "the worker answering a ping")
+    wait_for(lambda: mode.app.control.ping(timeout=1, limit=1), 30, "the worker answering a ping")
     ids = [f"rv-{i:04d}" for i in range(1000)]
     mode.app.control.revoke(ids)
     replies = mode.app.control.inspect(timeout=10, limit=1).hello("peer@elsewhere", ["from-peer"])
