@@ -62,15 +62,17 @@ def _run(name: str, i: int, sleep: float, hold: str = "") -> None:
         time.sleep(0.05)  # held until the test deletes the key
     for attempt in (1, 2):
         # Once in a while, while a cluster master fails over, this (one-node) client's
-        # new socket is found closed (EBADF) in a threads pool: the record is written
-        # again rather than the job failing over a record the test keeps.
+        # new socket is found closed (EBADF) or mute (its handshake's read times out) in
+        # a threads pool: the record is written again rather than the job failing over a
+        # record the test keeps. (Not traced: a socket closed twice somewhere in the
+        # process during the failover would do both.)
         try:
             pipe = recorder().pipeline(transaction=False)
             pipe.incr(f"runs:{name}:{i}")
             pipe.incr("done")
             pipe.execute()
             return
-        except (redis.ConnectionError, ValueError, OSError):
+        except (redis.ConnectionError, redis.TimeoutError, ValueError, OSError):
             if attempt == 2:
                 raise
 
