@@ -26,6 +26,17 @@ from tests.workers import WorkerProcess
 pytest_plugins = ("celery.contrib.pytest", "pytester", "celery_ext.pytest")
 
 
+#: The marker of a test (or module, as ``pytestmark``) whose workers need no warm stop at
+#: its end: see ``worker_factory``.
+KILL_WORKERS = "kill_workers_at_teardown"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"{KILL_WORKERS}: worker_factory SIGKILLs the test's workers at teardown "
+        "(no warm stop) and flushes the session server")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Turn SIGTERM (e.g. a CI timeout) into KeyboardInterrupt so teardown and atexit
     still stop every server and worker instead of leaving them running."""
@@ -106,7 +117,8 @@ def broker_url(redis_server: RedisServer) -> str:
 def worker_factory(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., WorkerProcess]]:
-    """Build :class:`WorkerProcess` objects (call ``.start()``); all are stopped at teardown.
+    """Build :class:`WorkerProcess` objects (call ``.start()``); all are stopped at teardown
+    (warm, SIGTERM; SIGKILLed under the ``kill_workers_at_teardown`` marker).
 
     ``worker_factory("tasks.app", queues=[...])`` uses the ``broker_url`` fixture unless
     one is passed. Logs go to ``tmp_path``; their tails are printed at teardown, which
@@ -122,6 +134,20 @@ def worker_factory(
 
     yield make
 
+    if request.node.get_closest_marker(KILL_WORKERS) is not None:
+        # The test asserted what it asserts; nothing reads what a warm stop would write
+        # (a prefork pool takes about 2 s of it to stop its children). SIGKILL each group,
+        # then flush the session server: the killed pools' records, which a warm stop
+        # would have removed, reach no later test that does not flush it itself.
+        for worker in workers:
+            if worker.started:
+                worker.stop(signal.SIGKILL, timeout=5)
+                print(f"--- {worker.hostname} ({worker.log_path}):\n{worker.log_tail()}")
+        if workers and "redis_server" in request.fixturenames:
+            server: RedisServer = request.getfixturevalue("redis_server")
+            with server.client() as client:
+                client.flushall()
+        return
     for worker in workers:
         worker.send(signal.SIGTERM)  # all at once: a gevent pool takes seconds to stop
     for worker in workers:

@@ -38,6 +38,10 @@ from tests.helpers import Factory, K, Mode, message, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 from tests.workers import WorkerProcess
 
+#: No test reads what its pools would write at a warm stop (the warm-shutdown tests stop
+#: theirs themselves): their teardown SIGKILLs them (tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 APP = "tests.apps.proj_resume"
 CLUSTER_APP = "tests.apps.proj_resume_cluster"
 #: Short liveness timings (a dead pool is found within ~2 s), and a cursor written at
