@@ -25,6 +25,10 @@ from celery_ext.store.scripts import Scripts
 from tests.apps import proj
 from tests.helpers import Factory, Mode, celery_cli, push, start_workers, wait_for
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 K = Keys("celery_ext")
 
 
