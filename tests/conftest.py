@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -113,12 +114,22 @@ def broker_url(redis_server: RedisServer) -> str:
     return redis_server.url(scheme="celery-ext")
 
 
+def _on(server: RedisServer, url: str) -> bool:
+    """Whether broker ``url`` is ``server`` (one host and port, the server's)."""
+    try:
+        parts = urlsplit(url)
+        return (parts.hostname, parts.port) == (server.host, server.port)
+    except ValueError:  # several hosts (a cluster's seeds): not this one server
+        return False
+
+
 @pytest.fixture
 def worker_factory(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., WorkerProcess]]:
     """Build :class:`WorkerProcess` objects (call ``.start()``); all are stopped at teardown
-    (warm, SIGTERM; SIGKILLed under the ``kill_workers_at_teardown`` marker).
+    (warm, SIGTERM; the session server's SIGKILLed under the ``kill_workers_at_teardown``
+    marker).
 
     ``worker_factory("tasks.app", queues=[...])`` uses the ``broker_url`` fixture unless
     one is passed. Logs go to ``tmp_path``; their tails are printed at teardown, which
@@ -134,20 +145,22 @@ def worker_factory(
 
     yield make
 
-    if request.node.get_closest_marker(KILL_WORKERS) is not None:
+    if request.node.get_closest_marker(KILL_WORKERS) is not None and \
+            "redis_server" in request.fixturenames:
         # The test asserted what it asserts; nothing reads what a warm stop would write
-        # (a prefork pool takes about 2 s of it to stop its children). SIGKILL each group,
-        # then flush the session server: the killed pools' records, which a warm stop
-        # would have removed, reach no later test that does not flush it itself.
-        for worker in workers:
-            if worker.started:
-                worker.stop(signal.SIGKILL, timeout=5)
-                print(f"--- {worker.hostname} ({worker.log_path}):\n{worker.log_tail()}")
-        if workers and "redis_server" in request.fixturenames:
-            server: RedisServer = request.getfixturevalue("redis_server")
+        # (a prefork pool takes about 2 s of it to stop its children). SIGKILL each group
+        # of the session server's workers, then flush that server: the killed pools'
+        # records, which a warm stop would have removed, reach no later test that does
+        # not flush it itself. Workers of other servers (a module's, a cluster) stop warm.
+        server: RedisServer = request.getfixturevalue("redis_server")
+        killed = [w for w in workers if w.started and _on(server, w.broker_url)]
+        for worker in killed:
+            worker.stop(signal.SIGKILL, timeout=5)
+            print(f"--- {worker.hostname} ({worker.log_path}):\n{worker.log_tail()}")
+        if killed:
             with server.client() as client:
                 client.flushall()
-        return
+        workers = [w for w in workers if w not in killed]
     for worker in workers:
         worker.send(signal.SIGTERM)  # all at once: a gevent pool takes seconds to stop
     for worker in workers:
