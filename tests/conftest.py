@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -24,6 +25,17 @@ from tests.workers import WorkerProcess
 # projects of test_pytest_plugin.py, and celery_ext.pytest is our plugin (its entry point
 # loads it too).
 pytest_plugins = ("celery.contrib.pytest", "pytester", "celery_ext.pytest")
+
+
+#: The marker of a test (or module, as ``pytestmark``) whose workers need no warm stop at
+#: its end: see ``worker_factory``.
+KILL_WORKERS = "kill_workers_at_teardown"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"{KILL_WORKERS}: worker_factory SIGKILLs the test's workers at teardown "
+        "(no warm stop) and flushes the session server")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -102,11 +114,22 @@ def broker_url(redis_server: RedisServer) -> str:
     return redis_server.url(scheme="celery-ext")
 
 
+def _on(server: RedisServer, url: str) -> bool:
+    """Whether broker ``url`` is ``server`` (one host and port, the server's)."""
+    try:
+        parts = urlsplit(url)
+        return (parts.hostname, parts.port) == (server.host, server.port)
+    except ValueError:  # several hosts (a cluster's seeds): not this one server
+        return False
+
+
 @pytest.fixture
 def worker_factory(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., WorkerProcess]]:
-    """Build :class:`WorkerProcess` objects (call ``.start()``); all are stopped at teardown.
+    """Build :class:`WorkerProcess` objects (call ``.start()``); all are stopped at teardown
+    (warm, SIGTERM; the session server's SIGKILLed under the ``kill_workers_at_teardown``
+    marker).
 
     ``worker_factory("tasks.app", queues=[...])`` uses the ``broker_url`` fixture unless
     one is passed. Logs go to ``tmp_path``; their tails are printed at teardown, which
@@ -122,6 +145,22 @@ def worker_factory(
 
     yield make
 
+    if request.node.get_closest_marker(KILL_WORKERS) is not None and \
+            "redis_server" in request.fixturenames:
+        # The test asserted what it asserts; nothing reads what a warm stop would write
+        # (a prefork pool takes about 2 s of it to stop its children). SIGKILL each group
+        # of the session server's workers, then flush that server: the killed pools'
+        # records, which a warm stop would have removed, reach no later test that does
+        # not flush it itself. Workers of other servers (a module's, a cluster) stop warm.
+        server: RedisServer = request.getfixturevalue("redis_server")
+        killed = [w for w in workers if w.started and _on(server, w.broker_url)]
+        for worker in killed:
+            worker.stop(signal.SIGKILL, timeout=5)
+            print(f"--- {worker.hostname} ({worker.log_path}):\n{worker.log_tail()}")
+        if killed:
+            with server.client() as client:
+                client.flushall()
+        workers = [w for w in workers if w not in killed]
     for worker in workers:
         worker.send(signal.SIGTERM)  # all at once: a gevent pool takes seconds to stop
     for worker in workers:

@@ -20,6 +20,10 @@ from tests.apps import proj
 from tests.helpers import Factory, wait_for
 from tests.integration.test_gevent_batching import ScriptCalls
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 K = Keys("celery_ext")
 POOL = "pool-acks"
 

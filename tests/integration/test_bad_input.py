@@ -35,6 +35,9 @@ from tests.apps import proj
 from tests.helpers import celery_cli, free_port, only_pool, push, wait_for
 from tests.workers import READY_PATTERN, REPO_ROOT, WorkerProcess
 
+#: KILLMARK
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 K = Keys("celery_ext")
 Factory = Callable[..., WorkerProcess]
 QUEUE = "tests.apps.proj.add"

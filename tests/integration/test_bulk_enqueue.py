@@ -32,6 +32,10 @@ from tests.helpers import wait_for
 from tests.integration import test_publish_retry as publish_retry
 from tests.workers import WorkerProcess
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 K = Keys("celery_ext")
 TALLY = "tests.apps.proj_bulk.tally"
 

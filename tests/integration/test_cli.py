@@ -10,12 +10,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pytest
 import redis
 
 from celery_ext.client import Client
 from tests.apps import proj_web
 from tests.webutil import run_cli, wait_for
 from tests.workers import WorkerProcess
+
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
 
 
 def ok(broker_url: str, *args: str) -> str:

@@ -20,6 +20,10 @@ from celery_ext.store.keys import Keys
 from tests.apps.proj import backend_url
 from tests.workers import WorkerProcess
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 K = Keys("celery_ext")
 DROP_IN = {"CELERY_EXT_NO_INSTALL": "1"}
 Factory = Callable[..., WorkerProcess]

@@ -11,6 +11,7 @@ real ``celery worker -P solo`` pools; script calls counted with ``MONITOR``.
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from celery_ext.worker.flush_timer import (
 )
 from celery_ext.worker.observer import Observer
 from tests.apps import proj
-from tests.helpers import wait_for
+from tests.helpers import start_workers, wait_for
 from tests.integration.test_gevent_batching import ScriptCalls
 from tests.workers import WorkerProcess
 
@@ -70,8 +71,8 @@ def test_a_trickle_over_several_pools_flushes_per_job_not_per_pool_and_second(
     written all the same, the last ones when the pools stop."""
     proj.configure(broker_url)
     env = {"CELERY_EXT_NO_INSTALL": "1"} if mode == "dropin" else {}
-    workers = [worker_factory("tests.apps.proj", pool=pool, concurrency=1, env=env).start()
-               for _ in range(3)]
+    workers = start_workers(worker_factory, 3, "tests.apps.proj", pool=pool, concurrency=1,
+                            env=env)
     jobs = 60
     with ScriptCalls(redis_server, FLUSH_SCRIPTS) as calls:
         for _ in range(jobs):
@@ -87,8 +88,10 @@ def test_a_trickle_over_several_pools_flushes_per_job_not_per_pool_and_second(
     # minute's end each over these 7 s: 12; per pool and second it was 3 x 3 x 7.
     assert flushes <= jobs // 5, (flushes, calls.calls)
 
-    for worker in workers:  # a pool's stop writes what its process holds
-        worker.stop()
+    for worker in workers:  # a pool's stop writes what its process holds (all at once)
+        worker.send(signal.SIGTERM)
+    for worker in workers:
+        worker.stop(signal.SIGTERM)
     assert _processed(redis_client) == jobs
     assert _history_processed(redis_client) == jobs
 

@@ -23,6 +23,10 @@ from tests.apps import proj
 from tests.helpers import wait_for
 from tests.workers import REPO_ROOT, WorkerProcess
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 FAST = {
     "CELERY_EXT_HEARTBEAT_INTERVAL": "0.25",
     "CELERY_EXT_DEAD_AFTER": "1.5",

@@ -28,6 +28,10 @@ from tests.apps import proj
 from tests.helpers import Factory, Mode, start_workers, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 K = Keys("celery_ext")
 FAST = {"CELERY_EXT_HEARTBEAT_INTERVAL": "0.25", "CELERY_EXT_DEAD_AFTER": "1",
         "CELERY_EXT_REAP_INTERVAL": "0.5", "CELERY_EXT_PROMOTE_INTERVAL": "0.5"}

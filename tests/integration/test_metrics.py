@@ -39,6 +39,10 @@ from tests.helpers import K, message, node_name, only_pool
 from tests.webutil import celery_argv, env_for, free_port, start_web, stop_all, wait_for
 from tests.workers import REPO_ROOT, ManagedProcess, WorkerProcess
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 TOKEN = "metrics-test-token"
 ECHO = "tests.apps.proj_web.echo"
 PROGRESS = "tests.apps.proj_web.progress"

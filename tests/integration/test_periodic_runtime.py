@@ -30,6 +30,10 @@ from celery_ext.worker.periodic_leader import Periodic
 from tests.apps import proj
 from tests.helpers import Factory, Mode, celery_cli, start_workers, wait_for
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 K = Keys("celery_ext")
 APP = "tests.apps.proj_periodic"
 TASK = "tests.apps.proj_periodic.beat_tick"

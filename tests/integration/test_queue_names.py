@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+import pytest
 import redis
 from kombu import Connection
 
@@ -21,6 +22,10 @@ from celery_ext.store.scripts import Scripts
 from tests.apps import proj
 from tests.helpers import node_name, push, wait_for
 from tests.workers import WorkerProcess
+
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
 
 K = Keys("celery_ext")
 Factory = Callable[..., WorkerProcess]

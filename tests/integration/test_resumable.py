@@ -38,6 +38,10 @@ from tests.helpers import Factory, K, Mode, message, wait_for
 from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: both modes
 from tests.workers import WorkerProcess
 
+#: No test reads what its pools would write at a warm stop (the warm-shutdown tests stop
+#: theirs themselves): their teardown SIGKILLs them (tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 APP = "tests.apps.proj_resume"
 CLUSTER_APP = "tests.apps.proj_resume_cluster"
 #: Short liveness timings (a dead pool is found within ~2 s), and a cursor written at
@@ -45,13 +49,17 @@ CLUSTER_APP = "tests.apps.proj_resume_cluster"
 FAST = {
     "CELERY_EXT_HEARTBEAT_INTERVAL": "0.25",
     "CELERY_EXT_DEAD_AFTER": "1.5",
-    "CELERY_EXT_REAP_INTERVAL": "0.5",
+    "CELERY_EXT_REAP_INTERVAL": "0.25",
     "CELERY_EXT_CURSOR_INTERVAL": "0",
 }
+#: The job of the warm-shutdown tests: its steps outlast a pool's stop by seconds.
 STEPS, PAUSE = 30, 0.15
 KILLS = 3
 #: Steps a run does before the test kills its pool.
 STEPS_PER_RUN = 4
+#: The job killed three times: its runs do KILLS * STEPS_PER_RUN steps (a few more if
+#: one is redone), and the last run has some left.
+KILLED_STEPS, KILLED_PAUSE = 20, 0.1
 POOLS = ["prefork", "threads", "gevent"]
 
 
@@ -65,25 +73,37 @@ def kill_whole(worker: WorkerProcess) -> None:
     worker.stop(timeout=10)  # reaps it (nothing is left to signal)
 
 
-def kill_three_times(path: Path, start: Callable[[], WorkerProcess]) -> None:
+def kill_three_times(path: Path, make: Callable[[], WorkerProcess]) -> None:
     """Kill the pool running the job ``KILLS`` times, each time after its run did
-    ``STEPS_PER_RUN`` steps, starting a new pool (whose reaper recovers the job)."""
-    worker = start()
+    ``STEPS_PER_RUN`` steps, with a new pool up (whose reaper recovers the job).
+
+    The new pool starts once the run has started: the job is then in the running pool's
+    in-flight record, so the new pool idles until a reaper finds that pool dead, and its
+    start (a second or two) overlaps the run's steps and the wait for the reaper instead
+    of adding to the test's time."""
+    worker = make().start(timeout=60)
     for kill in range(KILLS):
+        def run_started(kill: int = kill) -> bool:
+            return len(read_steps(path)[1]) == kill + 1
+        wait_for(run_started, 60, f"run {kill + 1} to start")
+        spare = make().start(wait_ready=False)
+
         def run_far_enough(kill: int = kill) -> bool:
             steps, starts, _ = read_steps(path)
             return len(starts) == kill + 1 and len(steps) >= (kill + 1) * STEPS_PER_RUN
         wait_for(run_far_enough, 60, f"run {kill + 1} doing {STEPS_PER_RUN} steps")
         kill_whole(worker)
-        worker = start()
+        assert spare.ready_pattern
+        spare.wait_for_log(spare.ready_pattern, timeout=60)
+        worker = spare
 
 
-def check_steps(path: Path, runs: int, redone_at_most: int) -> None:
+def check_steps(path: Path, total: int, runs: int, redone_at_most: int) -> None:
     steps, starts, done = read_steps(path)
     print(f"runs started at {starts}; steps done {steps}")
     assert done
     counts = Counter(steps)
-    assert sorted(counts) == list(range(1, STEPS + 1))
+    assert sorted(counts) == list(range(1, total + 1))
     assert max(counts.values()) <= 2, counts
     assert sum(1 for n in counts.values() if n == 2) <= redone_at_most, counts
     assert len(starts) == runs
@@ -98,10 +118,10 @@ def test_a_resumable_job_killed_three_times_does_each_step_once(
         redis_client: redis.Redis) -> None:
     path = tmp_path / "steps.txt"
     env = mode.env(acks_late=True, **FAST)
-    job = mode.send(proj_resume.resumable, str(path), STEPS, PAUSE)
-    kill_three_times(path, lambda: worker_factory(APP, pool=pool, env=env).start(timeout=60))
-    assert job.get(timeout=90) == STEPS
-    check_steps(path, runs=KILLS + 1, redone_at_most=KILLS)
+    job = mode.send(proj_resume.resumable, str(path), KILLED_STEPS, KILLED_PAUSE)
+    kill_three_times(path, lambda: worker_factory(APP, pool=pool, env=env))
+    assert job.get(timeout=90) == KILLED_STEPS
+    check_steps(path, KILLED_STEPS, runs=KILLS + 1, redone_at_most=KILLS)
     cursor = K.of(mode.queue(proj_resume.resumable)).cursor(job.id)
     wait_for(lambda: not redis_client.exists(cursor), 10, "the finished job's cursor to go")
     assert redis_client.zcard(K.dead) == 0
@@ -125,7 +145,7 @@ def test_a_resumable_job_returned_at_a_warm_shutdown_resumes_elsewhere(
     assert not done and len(starts) == 1
     worker_factory(APP, pool=pool, env=env).start(timeout=60)
     assert job.get(timeout=90) == STEPS
-    check_steps(path, runs=2, redone_at_most=0)
+    check_steps(path, STEPS, runs=2, redone_at_most=0)
     assert read_steps(path)[1][1] == len(steps)  # resumed where it stopped
     cursor = K.of(mode.queue(proj_resume.resumable)).cursor(job.id)
     wait_for(lambda: not redis_client.exists(cursor), 10, "the finished job's cursor to go")
@@ -261,11 +281,11 @@ def test_a_resumable_job_killed_three_times_on_a_cluster(
     name = f"{CLUSTER_APP}.resumable"
     path = tmp_path / "steps.txt"
     try:
-        job = app.send_task(name, (str(path), STEPS, PAUSE))
+        job = app.send_task(name, (str(path), KILLED_STEPS, KILLED_PAUSE))
         kill_three_times(path, lambda: worker_factory(
-            CLUSTER_APP, broker_url=url, pool="threads", env=env).start(timeout=60))
+            CLUSTER_APP, broker_url=url, pool="threads", env=env))
         wait_for(lambda: read_steps(path)[2], 90, "the job to finish")
-        check_steps(path, runs=KILLS + 1, redone_at_most=KILLS)
+        check_steps(path, KILLED_STEPS, runs=KILLS + 1, redone_at_most=KILLS)
         queue = name if mode == "install" else "celery"
         cursor = Keys(namespace, cluster=True).of(queue).cursor(job.id)
         config = cluster_config([url], {"cluster": True})

@@ -21,6 +21,10 @@ from celery_ext.store.keys import Keys
 from tests.apps.proj_routes import EXPLICIT, HEAVY, RATE, REPORT, SHARED_B, make_app
 from tests.helpers import Factory, wait_for
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 K = Keys("celery_ext")
 APP = "tests.apps.proj_routes"
 JOBS = 6

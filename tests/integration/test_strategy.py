@@ -6,6 +6,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import redis
 from celery.concurrency.solo import TaskPool
 from celery.utils.imports import symbol_by_name
@@ -15,6 +16,10 @@ from celery.worker.request import create_request_cls
 from celery_ext.worker.strategy import shared_factory
 from tests.apps import proj
 from tests.helpers import Factory, inflight, only_pool, wait_for
+
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
 
 
 def test_one_request_class_per_task_settings() -> None:

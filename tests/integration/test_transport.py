@@ -39,6 +39,9 @@ from tests.debian_redis import debian_redis_server
 from tests.helpers import celery_cli, free_port, inflight, node_name, only_pool, wait_for
 from tests.workers import WorkerProcess
 
+#: KILLMARK
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 K = Keys("celery_ext")
 Factory = Callable[..., WorkerProcess]
 

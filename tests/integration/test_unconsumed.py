@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import redis
 
 with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; httpx still works
@@ -28,6 +29,10 @@ from tests.apps import proj_web
 from tests.helpers import K
 from tests.webutil import run_cli, wait_for
 from tests.workers import WorkerProcess
+
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
 
 ECHO = "tests.apps.proj_web.echo"
 TYPO = "tests.apps.proj_web.ecko"  # no task of that name anywhere

@@ -31,6 +31,10 @@ from tests.integration.test_unique_limits import FAST_REAPER
 from tests.webutil import run_cli
 from tests.workers import WorkerProcess
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 K = Keys("celery_ext")
 APP = "tests.apps.proj_unique"
 

@@ -25,6 +25,10 @@ from tests.apps import proj_web
 from tests.webutil import wait_for
 from tests.workers import WorkerProcess
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 XSS = "<script>window.__pwned=1</script><img src=x onerror=\"window.__pwned=2\">"
 
 
