@@ -54,7 +54,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from celery_ext.options.limits import job_limits, write_limits
 from celery_ext.options.rate_limits import format_rate, task_interval
-from celery_ext.options.routing import task_queues
+from celery_ext.options.routing import any_task_declares, task_queues
 from celery_ext.store.compact import unpack
 from celery_ext.store.keys import Keys
 from celery_ext.text import one_line
@@ -223,6 +223,8 @@ def job_fair_rates(app: Any) -> dict[str, int]:
     """Job queue -> µs between two jobs of one fair key (``fair_rate_limit``) for every
     registered task that declares one (tasks sharing a queue: the strictest, the
     longest interval). ValueError naming the task for a value that is not a rate."""
+    if not any_task_declares(app, "fair_rate_limit", truthy=True):
+        return {}
     queues = task_queues(app)
     rates: dict[str, int] = {}
     for name, task in sorted(app.tasks.items()):

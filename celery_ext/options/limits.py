@@ -25,7 +25,7 @@ from typing import Any
 
 from kombu.utils.encoding import bytes_to_str
 
-from celery_ext.options.routing import is_builtin, task_queues
+from celery_ext.options.routing import any_task_declares, is_builtin, task_queues
 from celery_ext.store.copies import per_copy
 from celery_ext.store.keys import Keys
 
@@ -37,6 +37,8 @@ def job_limits(app: Any, option: str = "max_concurrency") -> dict[str, int]:
     """Job queue -> max_concurrency (or another whole-number task ``option``, e.g.
     ``fair_max_concurrency``) for every registered task that declares one, on the queue
     Celery routes it to (tasks sharing a queue: the smallest limit)."""
+    if not any_task_declares(app, option):
+        return {}
     queues = task_queues(app)
     limits: dict[str, int] = {}
     for name, task in sorted(app.tasks.items()):
@@ -62,9 +64,11 @@ def shared_limits(app: Any, option: str = "max_concurrency") -> list[str]:
     """One line per limited job queue that tasks of another limit or none share (Celery's
     built-in tasks not counted): the queue's limit is the smallest, and every job of
     the queue counts against it."""
-    queues = task_queues(app)
     # Only a queue some task declares a limit on can be shared: found first, so a worker
-    # of 10,000 job names without limits builds and sorts no table of every queue.
+    # of 10,000 job names without limits reads no task's queue and builds no table.
+    if not any_task_declares(app, option, builtin=False):
+        return []
+    queues = task_queues(app)
     limited = {queues[name] for name, task in app.tasks.items()
                if not is_builtin(name) and task_limit(task, option) is not None}
     if not limited:

@@ -35,7 +35,7 @@ from typing import Any
 from celery.utils.time import rate
 
 from celery_ext.options.limits import write_limits
-from celery_ext.options.routing import is_builtin, task_queues
+from celery_ext.options.routing import any_task_declares, is_builtin, task_queues
 from celery_ext.store.keys import Keys
 
 logger = logging.getLogger("celery_ext.options.rate_limits")
@@ -95,6 +95,8 @@ class RateLimits:
 def job_rate_limits(app: Any) -> RateLimits:
     """The rate limits of every registered task, by queue (see the module docstring).
     A ``rate_limit`` that is not a rate raises ValueError naming the task."""
+    if not any_task_declares(app, "rate_limit", truthy=True):
+        return RateLimits()
     queues = task_queues(app)
     by_queue: dict[str, dict[str, int | None]] = {}
     for name, task in sorted(app.tasks.items()):

@@ -95,6 +95,22 @@ def task_queues(app: Any, finalize: bool = True) -> dict[str, str]:
     return result
 
 
+def any_task_declares(app: Any, option: str, *, truthy: bool = False,
+                      builtin: bool = True) -> bool:
+    """Whether some registered task sets ``option``: to anything but None, or with
+    ``truthy`` to a true value (a rate limit of None, 0 or "" is none); Celery's built-in
+    tasks counted unless ``builtin=False``. An option's pass over every task asks this
+    first and reads no task's queue (:func:`task_queues`, a pass of its own) when no task
+    sets it: with 10,000 job names and no limits a worker's start made six such passes
+    for nothing (issue 36). Every value that is set still goes through the full pass,
+    so a bad one is refused as before."""
+    for name, task in app.tasks.items():
+        value = getattr(task, option, None)
+        if (bool(value) if truthy else value is not None) and (builtin or not is_builtin(name)):
+            return True
+    return False
+
+
 def is_builtin(name: str) -> bool:
     """Whether ``name`` is one of Celery's built-in tasks."""
     return name.startswith(BUILTIN_PREFIX)

@@ -30,7 +30,9 @@ class JobQueues:
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
-        #: Sizes and bindings :meth:`predeclared` wrote, for Kombu's calls inside it.
+        #: Sizes and bindings :meth:`predeclared` wrote, for Kombu's calls inside it (a
+        #: queue's size is read only when it has an ``on_declared`` callback; the others
+        #: report 0, see :meth:`predeclared`).
         self._predeclared_sizes: dict[str, int] = {}
         self._prebound: set[tuple[str, str, str, str]] = set()
 
@@ -99,11 +101,18 @@ class JobQueues:
         the binding). Inside the block, the
         per-queue ``_size`` and ``_queue_bind`` of these queues use what this call
         did; only plain queues on a direct exchange (no expiry or extra bindings)
-        are handled here, the others go the usual way."""
+        are handled here, the others go the usual way.
+
+        Only a queue with an ``on_declared`` callback (Kombu hands it the message count)
+        has its size read: for the others the count ``queue_declare`` returns inside the
+        block is 0, and nothing reads it (Kombu's ``Consumer.declare`` drops it). A size
+        is an ``LLEN`` per priority level and a key per level in the call: 40,000 keys of
+        the call's 60,000 at 10,000 job names, for counts nobody read (issue 36)."""
         channel = self.channel
         binds: dict[str, list[str]] = {}
         prebound: set[tuple[str, str, str, str]] = set()
         names: list[str] = []
+        sized: list[str] = []
         for q in queues:
             ex = q.exchange
             if (q.no_declare or q.bindings or q.expires is not None or q.queue_arguments
@@ -116,11 +125,13 @@ class JobQueues:
                     channel.sep.join([rkey or "", pattern or "", q.name]))
                 prebound.add((ex.name, rkey, pattern, q.name))
             names.append(q.name)
+            if q.on_declared is not None:
+                sized.append(q.name)
         if len(names) > 1:
             try:
                 with channel.conn_or_acquire() as client:
                     sizes = channel.topology.declare(
-                        client, [self.levels(name) for name in names],
+                        client, [self.levels(name) for name in sized],
                         [(channel.keyprefix_queue % (exchange,),
                           channel.keyprefix_binding_permanent % (exchange,), members)
                          for exchange, members in binds.items()])
@@ -129,7 +140,8 @@ class JobQueues:
                 # node writes at maxmemory): the per-queue path reports it on its queue.
                 logger.debug("celery_ext: batched queue declaration failed", exc_info=True)
             else:
-                self._predeclared_sizes = dict(zip(names, map(int, sizes), strict=True))
+                self._predeclared_sizes = dict.fromkeys(names, 0)
+                self._predeclared_sizes.update(zip(sized, map(int, sizes), strict=True))
                 self._prebound = prebound
         try:
             yield

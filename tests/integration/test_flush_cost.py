@@ -230,10 +230,20 @@ def test_a_flush_of_many_job_names_runs_a_few_commands_not_some_per_name(
         obs.job_started(type("T", (), {"name": name, "stall_after": 0})(), f"j{i}", (), {},
                         [(f"0.01:{name}", 1), (f"wait_sum_us:{name}", 5000 + i)])
         obs.job_finished(f"j{i}", name, "processed", name=name)
+    scripts, sent = obs.history.scripts, []
+
+    def counted(name: str, keys: list[str], args: list[object]) -> object:
+        sent.append(len(args))
+        return scripts(name, keys, args)
+
+    obs.history.scripts = counted  # type: ignore[assignment]
     redis_client.config_resetstat()
     obs.flush(force_stats=True)
     calls = _inner_calls(redis_client)
     assert sum(calls.values()) <= 16, calls  # (before: 2,707, one per field)
+    # Arguments: a queue's seven fields go as three (its name, its stats and its runtime
+    # increments) and its history field as two, not two per field: 13 per name before.
+    assert len(sent) == 1 and sent[0] <= 5 * MANY + 16, sent
     assert calls.get("hincrby") == 1 and "hget" not in calls, calls  # (the one past 2**53)
     stats = {k.decode(): int(v) for k, v in redis_client.hgetall(K.stats).items()}
     assert stats == {"processed": 41 + MANY, "processed:t.0": 42,

@@ -91,7 +91,7 @@ def test_strategies_are_built_once_per_task_with_the_collector_paused(
         worker_factory: Factory) -> None:
     """A threads worker of twenty counted job names builds each task's strategy once, at
     start, with the garbage collector paused; its jobs then run on those (no build
-    per message), and the collector runs again."""
+    per message), and the collector runs again, after one full pass and no other."""
     proj.configure(broker_url)
     from tests.apps import proj_counted
 
@@ -109,3 +109,6 @@ def test_strategies_are_built_once_per_task_with_the_collector_paused(
 
     proj_counted.collector.delay()
     assert wait_for(lambda: rec.get("collector"), 15, "the collector") == b"1"
+    # One pass after the build, the full one: not a young pass over every object the
+    # build made first (the collector turned back on before the full pass: "0,2").
+    assert rec.get("passes_after_build") == b"2"

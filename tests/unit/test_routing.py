@@ -169,3 +169,43 @@ def test_shared_limit_lines_without_any_limit_build_no_table_of_every_queue() ->
     lines = shared_limits(limited)  # a shared limited queue is still said, as before
     assert len(lines) == 1 and "'one' has max_concurrency=2" in lines[0]
     assert "shared.0 (max_concurrency=None)" in lines[0]
+
+
+def test_option_passes_read_no_task_queue_when_no_task_sets_the_option() -> None:
+    """A worker's start asks, for every task, its limit, fair limit, fair rate and rate
+    limit, and which limited queues tasks share (six passes); each read every task's job
+    queue first (a pass of its own: 10,000 tasks at 10,000 job names). When no task sets
+    the option none is read; a task that sets it (a bad value too) takes the full pass."""
+    from celery_ext.options.fair import job_fair_limits, job_fair_rates
+    from celery_ext.options.limits import job_limits, shared_limits
+    from celery_ext.options.rate_limits import RateLimits, job_rate_limits
+
+    reads = 0
+    app = make(None)
+
+    class Counting(app.Task):  # type: ignore[name-defined,misc]
+        @property
+        def queue(self) -> None:
+            nonlocal reads
+            reads += 1
+            return None
+
+    for i in range(300):
+        app.task(name=f"plain.{i}", base=Counting, shared=False)(body)
+    app.finalize(auto=True)
+    for name in [n for n in app.tasks if not n.startswith(("plain.", "celery."))]:
+        app.tasks.unregister(name)  # shared tasks of other test apps (some set limits)
+    task_queues(app)  # the router's answers, kept (what a worker's finalize asks)
+    reads = 0
+    assert job_limits(app) == {} and job_fair_limits(app) == {}
+    assert job_fair_rates(app) == {} and job_rate_limits(app) == RateLimits()
+    assert shared_limits(app) == [] and shared_limits(app, "fair_max_concurrency") == []
+    assert reads == 0  # (before: six passes over the 300 tasks' queues)
+
+    app.task(name="limited", max_concurrency=2, rate_limit="5/s", shared=False)(body)
+    assert job_limits(app) == {"limited": 2}
+    assert job_rate_limits(app).queues == {"limited": 200_000}
+    assert reads > 0
+    app.task(name="bad", max_concurrency=0, shared=False)(body)
+    with pytest.raises(ValueError, match="max_concurrency=0"):
+        job_limits(app)

@@ -11,14 +11,21 @@
 -- ARGV[3]  ms a minute hash lives past the end of its minute
 -- ARGV[4]  ms an hour hash lives past the end of its hour
 -- gauge:  ARGV[5] one packed sample stored under the field "q"
--- count:  ARGV[5] S, ARGV[6] R, ARGV[7] Q: how many stats pairs, runtime pairs and queue
---         names follow; then S pairs field, amount (added to KEYS[7] as HINCRBY adds),
---         R pairs field, amount (added to KEYS[8]), Q queue names (SADD to KEYS[9]: the
+-- count:  ARGV[5] S, ARGV[6] R, ARGV[7] Q: how many stats pairs, runtime pairs and job
+--         queues follow; then S pairs field, amount (added to KEYS[7] as HINCRBY adds),
+--         R pairs field, amount (added to KEYS[8]): the fields of no queue; then Q triples
+--         of one queue's fields: the queue's name, its KEYS[7] increments and its KEYS[8]
+--         increments, each "<prefix> <amount> <prefix> <amount> ..." for the fields
+--         "<prefix>:<queue>" (a prefix holds neither a space nor a colon, the name may
+--         hold anything); a queue with KEYS[7] increments joins KEYS[9] (SADD: the
 --         queues of the per-queue stats fields, so a reader that forgot one forgets them
---         again), then the history: pairs field ("n:<job name>", or "*" for all jobs),
+--         again); then the history: pairs field ("n:<job name>", or "*" for all jobs),
 --         packed increments "<processed> <failed> <retried> [<bucket>:<n> ...]". Each
 --         field comes once per call (the caller sums in memory): fields are read and
 --         written a thousand at a time, so a field given twice would keep one amount.
+--         A queue's fields travel as three arguments, not two per field: at 10,000 job
+--         names a flush carries seven fields per name that ran, and each argument costs
+--         the caller's encoding and Redis's parsing (issue 36).
 -- The minute comes from Redis TIME: the caller passes the keys of three candidate
 -- minutes (the Redis Cluster rule: a script touches only the keys it is given) and
 -- the script writes to the one that is now. Returns {1, now ms} when written,
@@ -34,27 +41,42 @@ local CHUNK = 1000
 -- The largest count a double holds exactly (2^53): a field past it is added to by HINCRBY.
 local EXACT = 9007199254740992
 
--- Writes `n` pairs field, value from ARGV[at] on to the hash `key`, each new value made
--- by `combine(old value or false, value from ARGV)`: one HMGET and one HSET per CHUNK
--- fields, not a command per field. A redis.call costs about a microsecond whatever it
--- does, and at 10,000 job names a flush carries a field per name that ran, seven per
--- name in all (issue 36). `combine` returns nil to leave the field to HINCRBY.
-local function update(key, at, n, combine)
+-- Writes the fields `fields` with the values `values` to the hash `key`, each new value
+-- made by `combine(old value or false, value)`: one HMGET and one HSET per CHUNK fields,
+-- not a command per field. A redis.call costs about a microsecond whatever it does, and
+-- at 10,000 job names a flush carries a field per name that ran, seven per name in all
+-- (issue 36). `combine` returns nil to leave the field to HINCRBY.
+local function update(key, fields, values, combine)
+  local n = #fields
   for c = 0, n - 1, CHUNK do
-    local fields, m = {}, math.min(CHUNK, n - c)
-    for j = 1, m do fields[j] = ARGV[at + 2 * (c + j - 1)] end
-    local old = redis.call('HMGET', key, unpack(fields))
+    local m = math.min(CHUNK, n - c)
+    local old = redis.call('HMGET', key, unpack(fields, c + 1, c + m))
     local new, k = {}, 0
     for j = 1, m do
-      local value = ARGV[at + 2 * (c + j - 1) + 1]
+      local field, value = fields[c + j], values[c + j]
       local v = combine(old[j], value)
       if v then
-        new[k + 1], new[k + 2], k = fields[j], v, k + 2
+        new[k + 1], new[k + 2], k = field, v, k + 2
       else
-        redis.call('HINCRBY', key, fields[j], value)
+        redis.call('HINCRBY', key, field, value)
       end
     end
     if k > 0 then redis.call('HSET', key, unpack(new, 1, k)) end
+  end
+end
+
+-- The `n` pairs field, value from ARGV[at] on, added to `fields` and `values`.
+local function pairs_from(at, n, fields, values)
+  for j = 0, n - 1 do
+    fields[#fields + 1], values[#values + 1] = ARGV[at + 2 * j], ARGV[at + 2 * j + 1]
+  end
+end
+
+-- One queue's packed increments "<prefix> <amount> ..." added to `fields` and `values`
+-- as the fields "<prefix>:<queue>".
+local function queue_fields(queue, packed, fields, values)
+  for prefix, amount in string.gmatch(packed, '(%S+) (%S+)') do
+    fields[#fields + 1], values[#values + 1] = prefix .. ':' .. queue, amount
   end
 end
 
@@ -71,15 +93,24 @@ end
 
 if mode == 'count' then
   local s, r, q = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-  local at = 8
-  update(KEYS[7], at, s, add)
-  at = at + 2 * s
-  update(KEYS[8], at, r, add)
-  at = at + 2 * r
-  for i = at, at + q - 1, CHUNK do
-    redis.call('SADD', KEYS[9], unpack(ARGV, i, math.min(i + CHUNK - 1, at + q - 1)))
+  local sf, sv, rf, rv, named = {}, {}, {}, {}, {}
+  pairs_from(8, s, sf, sv)
+  pairs_from(8 + 2 * s, r, rf, rv)
+  local at = 8 + 2 * s + 2 * r
+  for i = at, at + 3 * (q - 1), 3 do
+    local queue = ARGV[i]
+    if ARGV[i + 1] ~= '' then
+      named[#named + 1] = queue
+      queue_fields(queue, ARGV[i + 1], sf, sv)
+    end
+    queue_fields(queue, ARGV[i + 2], rf, rv)
   end
-  first = at + q
+  update(KEYS[7], sf, sv, add)
+  update(KEYS[8], rf, rv, add)
+  for i = 1, #named, CHUNK do
+    redis.call('SADD', KEYS[9], unpack(named, i, math.min(i + CHUNK - 1, #named)))
+  end
+  first = at + 3 * q
 end
 local now = clock_ms()
 local minute = math.floor(now / 60000)
@@ -108,11 +139,15 @@ local function merge(old, increment)
   return (p + ap) .. ' ' .. (f + af) .. ' ' .. (r + ar) .. rest
 end
 
+local history_fields, history_values = {}, {}
+if mode == 'count' then
+  pairs_from(first, (#ARGV - first + 1) / 2, history_fields, history_values)
+end
 for _, key in ipairs({minuteKey, hourKey}) do
   if mode == 'gauge' then
     redis.call('HSET', key, 'q', ARGV[5])
   else
-    update(key, first, (#ARGV - first + 1) / 2, merge)
+    update(key, history_fields, history_values, merge)
   end
 end
 redis.call('PEXPIREAT', minuteKey, (minute + 1) * 60000 + minuteTtlMs)

@@ -100,8 +100,9 @@ class Topology(ABC):
 
     def declare(self, client: Any, lists: list[list[str]],
                 bindings: list[tuple[str, str, list[str]]]) -> list[int]:
-        """Many job queues declared at once (``JobQueues.predeclared``): each queue's size
-        (the lengths of its ``lists``, one per priority level, summed) and Kombu's binding
+        """Many job queues declared at once (``JobQueues.predeclared``): the size of each
+        queue whose ``lists`` are given (their lengths, one per priority level, summed;
+        only queues whose count is read) and Kombu's binding
         tables written (table, permanent set, members), in one round trip. Here a
         pipeline, which a cluster client splits by slot; one node runs a script."""
         with client.pipeline(transaction=False) as pipe:
