@@ -19,7 +19,7 @@ import redis
 from celery import Celery
 
 import celery_ext
-from tests.apps import RECORDER_TIMEOUTS
+from tests.apps import record_client
 
 BROKER_URL = os.environ.get("CELERY_EXT_BROKER_URL", "celery-ext://127.0.0.1:6379/0")
 
@@ -52,29 +52,26 @@ elif os.environ.get("TEST_ACKS_LATE") == "1":
     # job whose prefork child died is rejected with requeue.
     app.conf.update(task_acks_late=True, task_reject_on_worker_lost=True)
 
-_record: redis.Redis | None = None
+#: Where tasks leave traces for the tests (``configure`` points it elsewhere).
+_record_url = backend_url(RECORD_URL, db=2)
 
 
 def recorder() -> redis.Redis:
     """Client on the result db, where tasks leave traces for the tests. Room for every
     job of a ``-P gevent -c 200`` worker at once (redis-py's default bound is 100)."""
-    global _record
-    if _record is None:
-        _record = redis.Redis.from_url(backend_url(RECORD_URL, db=2), max_connections=1000,
-                                       **RECORDER_TIMEOUTS)
-    return _record
+    return record_client(_record_url, max_connections=1000)
 
 
 def configure(broker_url: str) -> None:
     """Point this app (in the test process) at a test server's broker URL."""
-    global _record
+    global _record_url
     if app.conf.broker_url != broker_url:
         app.conf.broker_url = broker_url
         app.conf.result_backend = backend_url(broker_url)
         app._backend = app._get_backend()  # rebuild with the new URL
         app._pool = None  # connection pools are keyed by URL: a new one is made
         app.amqp._producer_pool = None
-    _record = redis.Redis.from_url(backend_url(broker_url, db=2), **RECORDER_TIMEOUTS)
+    _record_url = backend_url(broker_url, db=2)
 
 
 @app.task

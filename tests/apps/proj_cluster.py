@@ -17,7 +17,7 @@ import redis
 from celery import Celery
 
 import celery_ext
-from tests.apps import RECORDER_TIMEOUTS
+from tests.apps import record_client
 
 BROKER_URL = os.environ.get("CELERY_EXT_BROKER_URL", "celery-ext://127.0.0.1:7000/0")
 RECORD_URL = os.environ.get("CELERY_EXT_RECORD_URL", "redis://127.0.0.1:6379/3")
@@ -36,22 +36,17 @@ if os.environ.get("TEST_PERIODIC") == "1":  # run by the pools (worker/periodic_
 if os.environ.get("CELERY_EXT_NO_INSTALL") != "1":
     celery_ext.install(app)
 
-_record: redis.Redis | None = None
-
 
 def configure(broker_url: str, namespace: str, record_url: str) -> None:
     """Point this (test process's) app at a cluster, a namespace and a record server."""
-    global RECORD_URL, _record
+    global RECORD_URL
     app.conf.broker_url = broker_url
     app.conf.broker_transport_options = {"cluster": True, "namespace": namespace}
-    RECORD_URL, _record = record_url, None
+    RECORD_URL = record_url
 
 
 def recorder() -> redis.Redis:
-    global _record
-    if _record is None:
-        _record = redis.Redis.from_url(RECORD_URL, **RECORDER_TIMEOUTS)
-    return _record
+    return record_client(RECORD_URL)
 
 
 def _run(name: str, i: int, sleep: float, hold: str = "") -> None:
@@ -60,21 +55,10 @@ def _run(name: str, i: int, sleep: float, hold: str = "") -> None:
     deadline = time.monotonic() + 60
     while hold and recorder().exists(hold) and time.monotonic() < deadline:
         time.sleep(0.05)  # held until the test deletes the key
-    for attempt in (1, 2):
-        # Once in a while, while a cluster master fails over, this (one-node) client's
-        # new socket is found closed (EBADF) or mute (its handshake's read times out) in
-        # a threads pool: the record is written again rather than the job failing over a
-        # record the test keeps. (Not traced: a socket closed twice somewhere in the
-        # process during the failover would do both.)
-        try:
-            pipe = recorder().pipeline(transaction=False)
-            pipe.incr(f"runs:{name}:{i}")
-            pipe.incr("done")
-            pipe.execute()
-            return
-        except (redis.ConnectionError, redis.TimeoutError, ValueError, OSError):
-            if attempt == 2:
-                raise
+    pipe = recorder().pipeline(transaction=False)
+    pipe.incr(f"runs:{name}:{i}")
+    pipe.incr("done")
+    pipe.execute()
 
 
 def _job(n: int) -> None:

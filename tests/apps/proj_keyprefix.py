@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 from urllib.parse import urlsplit, urlunsplit
 
-import redis
 from celery import Celery
 
 import celery_ext
-from tests.apps import RECORDER_TIMEOUTS
+from tests.apps import record_client
 
 BROKER_URL = os.environ.get("CELERY_EXT_BROKER_URL", "celery-ext://127.0.0.1:6379/0")
 
@@ -30,7 +29,7 @@ def make_app(broker_url: str, prefix: str) -> Celery:
     app.conf.update(broker_connection_retry_on_startup=True, worker_hijack_root_logger=False,
                     broker_transport_options={"global_keyprefix": prefix})
     celery_ext.install(app)
-    recorder = redis.Redis.from_url(record_url(broker_url), **RECORDER_TIMEOUTS)
+    recorder = record_client(record_url(broker_url))
 
     @app.task(name="keyprefix.record")
     def record(key: str) -> None:

@@ -20,7 +20,7 @@ from celery import Celery, signals
 from celery._state import get_current_task
 
 import celery_ext
-from tests.apps import RECORDER_TIMEOUTS
+from tests.apps import record_client
 
 BROKER_URL = os.environ.get("CELERY_EXT_BROKER_URL", "celery-ext://127.0.0.1:6379/0")
 RESULT_URL = os.environ.get("CELERY_EXT_RESULT_URL", "celery-ext://127.0.0.1:6379/1")
@@ -48,14 +48,12 @@ app.conf.update(
 )
 celery_ext.install(app)
 
-_record: redis.Redis | None = None
-
 
 def configure(broker_url: str, result_url: str, record_url: str, cluster: bool = False,
               namespace: str = "celery_ext", **options: Any) -> None:
     """Point this (test process's) app at the test servers; ``options`` are more result
     backend transport options (``master_name``)."""
-    global RECORD_URL, _record
+    global RECORD_URL
     app.conf.broker_url = broker_url
     app.conf.result_backend = result_url
     app.conf.result_backend_transport_options = {**result_options(cluster, namespace),
@@ -63,14 +61,11 @@ def configure(broker_url: str, result_url: str, record_url: str, cluster: bool =
     app._backend = app._get_backend()  # Celery keeps one backend per thread: this one's
     app._pool = None
     app.amqp._producer_pool = None
-    RECORD_URL, _record = record_url, None
+    RECORD_URL = record_url
 
 
 def recorder() -> redis.Redis:
-    global _record
-    if _record is None:
-        _record = redis.Redis.from_url(RECORD_URL, **RECORDER_TIMEOUTS)
-    return _record
+    return record_client(RECORD_URL)
 
 
 def _hold(key: str) -> None:
