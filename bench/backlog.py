@@ -32,7 +32,9 @@ two fills.
 
 ``--direct`` (``bench/fetch_loop.py``) measures only the fetch and the ack inside Redis at
 each level, called by one client (no worker, no enqueue client), with a control script
-beside them: where the backlog's fetch cost goes.
+beside them: where the backlog's fetch cost goes. Its rounds wait until the server is not
+rehashing its keyspace (``--settle none``: at once), which a fill's publish markers make
+grow past a power of two at 1,000,000 (bench/README.md, "The backlog at 1,000,000").
 
 Prints a table (settings, load average, commit and time at the end) and writes
 ``<out>/backlog.json`` and ``<out>/backlog.png``.
@@ -383,6 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="--direct: rounds per level (7)")
     p.add_argument("--round-jobs", type=int, default=None,
                    help="--direct: jobs per round (2,000; quick 100)")
+    p.add_argument("--settle", choices=("rehash", "none"), default="rehash",
+                   help="--direct: start a level's rounds once the keyspace's rehash ended "
+                        "(rehash, the default) or right after the fill (none)")
     args = p.parse_args(argv)
     levels = (tuple(int(x) for x in args.levels.split(",")) if args.levels
               else QUICK_LEVELS if args.quick else FULL_LEVELS)
@@ -419,12 +424,14 @@ def direct(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     from bench import fetch_loop
 
     rounds = args.rounds or (3 if args.quick else 7)
-    settings.update(rounds=rounds, round_jobs=args.round_jobs or (100 if args.quick else 2_000))
+    settings.update(rounds=rounds, round_jobs=args.round_jobs or (100 if args.quick else 2_000),
+                    settle=args.settle)
     log(f"[backlog --direct] levels {settings['levels']}, {rounds} rounds of "
         f"{settings['round_jobs']} jobs")
-    with Bench.open(args.out / "logs") as bench:
+    with Bench.open(args.out / "logs", debug=args.settle == "rehash") as bench:
         settings["server"] = server_name(bench)
-        points = fetch_loop.run(bench, settings["levels"], rounds, settings["round_jobs"])
+        points = fetch_loop.run(bench, settings["levels"], rounds, settings["round_jobs"],
+                                wait_rehash=args.settle == "rehash")
     settings["load_after"] = [round(x, 2) for x in os.getloadavg()]
     print(fetch_loop.table(points, settings))
     args.out.mkdir(parents=True, exist_ok=True)

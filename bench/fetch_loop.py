@@ -18,17 +18,28 @@ rounds, and ``INFO commandstats`` gives the time inside Redis per job:
 Each figure is the median of ``--rounds`` rounds of ``--round-jobs`` jobs. The backlog is
 filled as ``bench.backlog`` fills ours (``apply_many``): to its level plus the jobs the
 rounds and the control take, so every level's rounds run on the same jobs on top of it.
+
+The rounds start once the keyspace is not being rehashed (``--settle rehash``, the
+default). A fill writes one publish marker key per job, so the keyspace grows with the
+fill and doubles its table each time it passes a power of two; while the server moves the
+entries to the new table (incrementally, a step in every key lookup), every command pays
+for it, ``RPOP`` included: at 1,000,000 queued the fill passes 2^20 keys just before the
+rounds, and rounds run inside that window cost 3-6x what they cost a few seconds later
+(bench/README.md, "The backlog at 1,000,000: the keyspace's rehash"). A worker meets that
+window once per doubling of the keys; the fetch's cost at a backlog is what the rounds
+measure after it. ``--settle none`` measures at once, as before.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from bench import backlog
-from bench.harness import Bench
+from bench.harness import Bench, BenchError
 
 #: Candidates per fetch call: about what a ``-P threads -c 8`` worker asks for
 #: (``bench.backlog``'s drains fetched 12-13 jobs per call).
@@ -37,6 +48,10 @@ CANDIDATES = 12
 COMMANDS = ("rpop", "hsetnx", "hset", "hget", "hincrby", "hdel", "zadd", "zrange", "llen",
             "time")
 #: The control: pop up to CANDIDATES jobs and return them, nothing recorded.
+#: Longest wait for the keyspace's rehash to end before a level's rounds (it ends in
+#: seconds to tens of seconds at 1,000,000 keys; the server's cron moves 1 ms of it
+#: each 100 ms when no command does).
+SETTLE_TIMEOUT = 600.0
 CONTROL = """local out = {}
 for i = 1, tonumber(ARGV[1]) do
   local p = redis.call('RPOP', KEYS[1])
@@ -44,6 +59,30 @@ for i = 1, tonumber(ARGV[1]) do
   out[#out + 1] = {'q', 't' .. i, 'q' .. '\\n' .. p}
 end
 return out"""
+
+
+def keyspace_rehashing(bench: Bench) -> bool:
+    """Whether db 0's keyspace or its table of expiries is being rehashed: ``DEBUG
+    HTSTATS`` lists a second table ("Hash table 1", the rehash's target) while it is."""
+    out = bench.client().execute_command("DEBUG", "HTSTATS", "0")
+    text = out.decode() if isinstance(out, bytes) else str(out)
+    return "Hash table 1" in text
+
+
+def settle(bench: Bench, timeout: float = SETTLE_TIMEOUT) -> float:
+    """Wait until the keyspace is not being rehashed; the seconds waited."""
+    t0 = time.monotonic()
+    while keyspace_rehashing(bench):
+        if time.monotonic() - t0 > timeout:
+            raise BenchError(f"the keyspace was still being rehashed after {timeout:.0f} s")
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+def _keyspace(bench: Bench) -> tuple[int, int]:
+    """(keys, keys with a TTL) in db 0."""
+    db = bench.info("keyspace").get("db0", {})
+    return int(db.get("keys", 0)), int(db.get("expires", 0))
 
 
 def _usec(bench: Bench) -> dict[str, int]:
@@ -120,9 +159,11 @@ class Loop:
                 "control_rpop": usec.get("rpop", 0) / done}
 
 
-def run(bench: Bench, levels: Sequence[int], rounds: int, jobs: int) -> list[dict[str, Any]]:
+def run(bench: Bench, levels: Sequence[int], rounds: int, jobs: int,
+        wait_rehash: bool = True) -> list[dict[str, Any]]:
     """Every level on ``bench``'s fresh server: the median of ``rounds`` rounds of ``jobs``
-    jobs fetched and acked, then as many of the control's."""
+    jobs fetched and acked, then as many of the control's; with ``wait_rehash``, once
+    the keyspace's rehash has ended (``bench`` opened with ``debug``)."""
     url = bench.server.url(scheme="celery-ext", db=0)
     app = backlog.make_app("ours", url)
     client = bench.client()
@@ -135,20 +176,25 @@ def run(bench: Bench, levels: Sequence[int], rounds: int, jobs: int) -> list[dic
         for level in levels:
             have = backlog.queued(client, "ours")
             backlog.fill_ours(app, level + per_level - have)
+            waited = settle(bench) if wait_rehash else 0.0
+            keys, expires = _keyspace(bench)
             point: dict[str, Any] = {
                 "level": level, "queued": backlog.queued(client, "ours"),
-                "keys": int(client.dbsize()),
+                "keys": keys, "rehash_wait_s": round(waited, 1),
+                "rehashing": keyspace_rehashing(bench) if wait_rehash else None,
                 "index_entries": int(client.hlen(loop.keys.job_index)),
                 "used_memory": backlog.used_memory(bench)}
             fetches = [loop.fetch_round(jobs) for _ in range(rounds)]
             controls = [loop.control_round(jobs) for _ in range(rounds)]
+            # Keys with a TTL that went during the rounds: publish markers expiring.
+            point["expired_in_rounds"] = expires - _keyspace(bench)[1]
             point.update(_median(fetches))
             point.update(_median(controls))
             point["fetch_rounds"] = [round(r["fetch"], 1) for r in fetches]
             point["loadavg"] = [round(x, 2) for x in os.getloadavg()]
-            backlog.log(f"  at {level:,} queued: fetch.lua {point['fetch']:.1f} us/job, ack.lua "
-                        f"{point['ack']:.1f}, control {point['control']:.1f}; load "
-                        f"{point['loadavg'][0]}")
+            backlog.log(f"  at {level:,} queued ({keys:,} keys, rehash waited {waited:.1f} s): "
+                        f"fetch.lua {point['fetch']:.1f} us/job, ack.lua {point['ack']:.1f}, "
+                        f"control {point['control']:.1f}; load {point['loadavg'][0]}")
             points.append(point)
     finally:
         app.close()
@@ -157,11 +203,13 @@ def run(bench: Bench, levels: Sequence[int], rounds: int, jobs: int) -> list[dic
 
 def table(points: list[dict[str, Any]], settings: dict[str, Any]) -> str:
     cols = ("fetch", "ack", "control", "redis_cpu", *COMMANDS)
-    lines = ["| queued | " + " | ".join(f"{c} µs/job" for c in cols) + " | load (1 min) |",
-             "|---|" + "---:|" * (len(cols) + 1)]
+    lines = ["| queued | keys | rehash wait s | expired in rounds | "
+             + " | ".join(f"{c} µs/job" for c in cols) + " | load (1 min) |",
+             "|---|" + "---:|" * (len(cols) + 4)]
     for p in points:
-        lines.append(f"| {p['level']:,} | " + " | ".join(f"{p[c]:.2f}" for c in cols)
-                     + f" | {p['loadavg'][0]} |")
+        lines.append(f"| {p['level']:,} | {p['keys']:,} | {p['rehash_wait_s']} | "
+                     f"{p['expired_in_rounds']:,} | "
+                     + " | ".join(f"{p[c]:.2f}" for c in cols) + f" | {p['loadavg'][0]} |")
     base, top = points[0], points[-1]
     lines += ["", "At the most queued against the empty server: " + ", ".join(
         f"{c} {top[c] / base[c]:.2f}x" for c in ("fetch", "ack", "control", "redis_cpu")
@@ -169,7 +217,9 @@ def table(points: list[dict[str, Any]], settings: dict[str, Any]) -> str:
     lines += ["", f"Settings: levels {', '.join(f'{n:,}' for n in settings['levels'])} queued; "
               f"median of {settings['rounds']} rounds of {settings['round_jobs']:,} jobs "
               f"fetched ({CANDIDATES} candidates per fetch.lua call) and acked, then as many "
-              f"of the control's; one client, no worker"
+              f"of the control's; one client, no worker; "
+              + ("rounds once the keyspace's rehash ended" if settings.get("settle") == "rehash"
+                 else "rounds right after the fill (no wait for the keyspace's rehash)")
               + f"; server {settings['server']}, AOF "
               f"off. Commit {settings['commit']}, {settings['started']}; load average "
               f"before {settings['load_before']}, after {settings['load_after']}."]

@@ -196,11 +196,14 @@ class Bench:
 
     @classmethod
     @contextmanager
-    def open(cls, log_dir: Path, aof: str = "no") -> Iterator[Bench]:
-        """Start a fresh server (AOF per ``aof``: no, everysec, always); stop it after."""
+    def open(cls, log_dir: Path, aof: str = "no", debug: bool = False) -> Iterator[Bench]:
+        """Start a fresh server (AOF per ``aof``: no, everysec, always); stop it after.
+        ``debug``: ``DEBUG`` allowed from local clients (``DEBUG HTSTATS`` tells whether
+        the keyspace is being rehashed; Redis 7.0 and later)."""
+        extra = ["--databases", "16"] + (["--enable-debug-command", "local"] if debug else [])
         server = RedisServer(appendonly=aof != "no",
                              appendfsync=aof if aof != "no" else "everysec",
-                             extra_args=["--databases", "16"])
+                             extra_args=extra)
         env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_EXT_")}
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
