@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
@@ -60,6 +61,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=None,
                    help="override the job count of drain, enqueue and many_queues")
     p.add_argument("--idle-seconds", type=float, default=None)
+    p.add_argument("--settle", type=float, default=None,
+                   help="seconds a ready worker is left idle before the latency and idle "
+                        "measurements (default 3; 1 with --quick)")
     p.add_argument("--aof", choices=("no", "everysec", "always"), default="no",
                    help="server persistence (default no: measure the transports, not the disk)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
@@ -93,13 +97,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unknown pools/ack modes {bad}", file=sys.stderr)
         return 2
     if args.jobs:
-        from dataclasses import replace
-
         sizes = replace(sizes, drain=args.jobs, enqueue=args.jobs, many_jobs=args.jobs)
     if args.idle_seconds:
-        from dataclasses import replace
-
         sizes = replace(sizes, idle_seconds=args.idle_seconds)
+    if args.settle is not None:
+        if args.settle < 0:
+            print("--settle must be >= 0", file=sys.stderr)
+            return 2
+        sizes = replace(sizes, idle_settle=args.settle)
 
     out: Path = args.out
     if args.replot:

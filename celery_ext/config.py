@@ -218,6 +218,10 @@ RESULT_SHARD_READ_SLICE = 0.01
 #: Longest a chord's counting keys live past their last header result (seconds), when
 #: neither ``result_chord_expires`` nor ``result_expires`` says otherwise.
 DEFAULT_CHORD_EXPIRES = 24 * 3600
+#: Most seconds the demo's ``--seconds`` run waits, past its end, for a job to finish and
+#: the periodic job to run before it calls the run failed (its ``--verdict-wait``): a
+#: periodic job due every 10 s may be due just as the run ends.
+DEMO_VERDICT_WAIT = 15.0
 
 _ENV_PREFIX = "CELERY_EXT_"
 _NAMESPACE_RE = re.compile(r"\A[A-Za-z0-9_.:-]{1,64}\Z")  # not "$": it accepts a trailing newline

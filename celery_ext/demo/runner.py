@@ -19,7 +19,8 @@ short, long (checking in), flaky (retrying, some into the dead set), scheduled
 reaper in ``demo-a`` and run there. Ctrl-C stops everything: producer, dashboard and
 Flower, the pools (warm shutdown: a long job learns it at its next checkin), the
 server. With ``--seconds N`` it stops by itself after N seconds of jobs, and exits 0
-only if jobs finished and the periodic job ran by then (CI runs it so).
+only if jobs finished and the periodic job ran by then, or within ``--verdict-wait``
+seconds more (CI runs it so).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from celery_ext.client import Client
+from celery_ext.config import DEMO_VERDICT_WAIT
 from celery_ext.demo.children import Child, answers, pick_port, wait_until
 from celery_ext.demo.producer import Producer
 from celery_ext.demo.recovery import Recovery
@@ -63,9 +65,6 @@ START_TIMEOUT = 90.0
 #: Most seconds the kill waits for ``demo-b`` to run a long job with half of it still to
 #: go (there is nothing to show recovering otherwise).
 KILL_WAIT = 15.0
-#: Most seconds ``--seconds`` waits, past its end, for a job to finish and the periodic
-#: job to run before it calls the run failed.
-VERDICT_WAIT = 15.0
 #: Signals that stop the demo (its children, in their own sessions, get none of them).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -103,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seconds", type=float, default=0.0,
                         help="stop after this many seconds of producing and exit 0 only if "
                              "jobs finished and the periodic job ran (0: until Ctrl-C)")
+    parser.add_argument("--verdict-wait", type=float, default=DEMO_VERDICT_WAIT,
+                        help="with --seconds: most seconds to wait, past its end, for a job "
+                             "to finish and the periodic job to run before the run fails")
     parser.add_argument("--concurrency", type=int, default=4, help="slots per worker pool")
     parser.add_argument("--web-port", type=int, default=5040, help="0: any free port")
     parser.add_argument("--flower-port", type=int, default=5555, help="0: any free port")
@@ -114,8 +116,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.rate <= 0 or args.concurrency < 1 or args.seconds < 0:
-        parser.error("--rate must be positive, --concurrency at least 1 and --seconds >= 0")
+    if args.rate <= 0 or args.concurrency < 1 or args.seconds < 0 or args.verdict_wait < 0:
+        parser.error("--rate must be positive, --concurrency at least 1, --seconds and "
+                     "--verdict-wait >= 0")
 
     # Ctrl-C, SIGTERM and a closed terminal all stop the demo cleanly, even when it was
     # started with SIGINT ignored (a shell's background job).
@@ -289,9 +292,9 @@ class Demo:
         return recovery
 
     def verdict(self, ran_for: float) -> int:
-        """0 if jobs finished and the periodic job ran, waiting at most ``VERDICT_WAIT``
+        """0 if jobs finished and the periodic job ran, waiting at most ``--verdict-wait``
         more seconds for the latter (its run may be due just now); else 1."""
-        deadline = time.monotonic() + VERDICT_WAIT
+        deadline = time.monotonic() + self.args.verdict_wait
         while True:
             done, runs = finished(self.admin, JOB_PREFIX), periodic_runs(self.admin)
             if (done and runs) or time.monotonic() > deadline:

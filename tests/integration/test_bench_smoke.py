@@ -21,7 +21,8 @@ WORKLOADS = ("drain", "enqueue", "latency", "many_queues", "idle", "memory", "fa
 def test_bench_quick_writes_every_workload(tmp_path: Path) -> None:
     done = run_bench("bench", "--quick", "--rounds", "1", "--jobs", "150", "--pools", "solo-x2",
                      "--acks", "early", "--names", "1,10", "--one-name-queues", "10",
-                     "--idle-seconds", "1", "--no-chart", "--out", str(tmp_path),
+                     "--idle-seconds", "1", "--settle", "0.2", "--no-chart",
+                     "--out", str(tmp_path),
                      timeout=300, what="the quick bench")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ours/stock" in done.stdout  # the table was printed

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from celery_ext.client import Client
@@ -15,6 +16,10 @@ from tests.apps import proj_web
 from tests.browserutil import Page, browser
 from tests.webutil import start_web, stop_all, wait_for
 from tests.workers import WorkerProcess
+
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
 
 __all__ = ["browser"]  # the fixture, imported for pytest
 

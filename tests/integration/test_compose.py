@@ -34,6 +34,10 @@ from tests.deploy_config import CONFIG, installed, server
 from tests.helpers import Factory, free_port, wait_for
 from tests.workers import REPO_ROOT, ManagedProcess
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 COMPOSE = REPO_ROOT / "compose"
 FILE = COMPOSE / "docker-compose.yml"
 APP_SERVICES = ("worker", "dashboard", "flower")

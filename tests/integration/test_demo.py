@@ -218,9 +218,11 @@ def test_demo_with_seconds_stops_by_itself(empty: Path) -> None:
 
 def test_demo_with_seconds_fails_without_a_periodic_run(empty: Path) -> None:
     """The verdict can fail: with the pools' periodic jobs turned off, no periodic run
-    happens and the demo exits 1, saying so."""
-    d = Demo(empty, "--seconds", "3", "--kill-after", "600", "--web-port", "0",
-             "--flower-port", "0", "--concurrency", "1", CELERY_EXT_PERIODIC="0")
+    happens and the demo exits 1, saying so (after a ``--verdict-wait`` shorter than its
+    default, which a run that cannot pass would wait out)."""
+    d = Demo(empty, "--seconds", "3", "--verdict-wait", "1", "--kill-after", "600",
+             "--web-port", "0", "--flower-port", "0", "--concurrency", "1",
+             CELERY_EXT_PERIODIC="0")
     try:
         assert d.proc.wait(180) == 1, d.output
         d.line(r"FAILED after \d+s of jobs: \d+ job\(s\) finished, 0 periodic run", 5)

@@ -24,6 +24,10 @@ from tests.deploy_config import CONFIG, installed, server
 from tests.helpers import wait_for
 from tests.workers import WorkerProcess
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 CELERYCONFIG = CONFIG / "celeryconfig.py"
 
 

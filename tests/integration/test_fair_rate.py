@@ -28,6 +28,10 @@ from tests.helpers import mode_fixture as mode_fixture  # the `mode` fixture: bo
 from tests.integration.test_bad_input import run_worker_once
 from tests.integration.test_rate_limits import fetch
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 K = Keys("celery_ext")
 APP = "tests.apps.proj_paced"
 

@@ -22,6 +22,10 @@ from tests.apps import proj_web
 from tests.webutil import celery_argv, env_for, free_port, stop_all, wait_for
 from tests.workers import ManagedProcess, WorkerProcess
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 pytest.importorskip("flower", reason="flower is not installed")
 
 #: The Flower config line docs/dashboard.md gives (compose/flowerconfig.py has it too).

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
+import pytest
 import redis
 
 from celery_ext.admin.web import create_app
@@ -37,6 +38,10 @@ from celery_ext.store.keys import Keys
 from tests.apps import proj
 from tests.helpers import celery_cli, only_pool, push, wait_for
 from tests.workers import READY_PATTERN, WorkerProcess
+
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
 
 K = Keys("celery_ext")
 Factory = Callable[..., WorkerProcess]

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any
 
+import pytest
 import redis
 
 from celery_ext.store import scripts
@@ -19,6 +20,10 @@ from celery_ext.store.keys import Keys
 from celery_ext.testing.server import RedisServer
 from tests.apps import proj
 from tests.helpers import wait_for
+
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
 
 APP = "tests.apps.proj_pools"
 KEYS = Keys("celery_ext")

@@ -38,6 +38,10 @@ from tests.webutil import (
 )
 from tests.workers import WorkerProcess
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 K = Keys("celery_ext")
 #: Queue-size samples this often in the test workers (default: once a minute).
 FAST_SAMPLES = {"CELERY_EXT_HISTORY_SAMPLE_INTERVAL": "0.5"}

@@ -8,6 +8,7 @@ import json
 import warnings
 from collections.abc import Callable
 
+import pytest
 import redis
 
 with warnings.catch_warnings():  # Starlette >= 1.x would rather use httpx2; httpx still works
@@ -19,6 +20,10 @@ from celery_ext.client import Client
 from tests.apps import proj_web
 from tests.webutil import run_cli, wait_for
 from tests.workers import WorkerProcess
+
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
 
 #: A cursor as a job keeps one: nested JSON, and a long text the CLI cuts.
 CURSOR = {"page": 3, "after": "order-41", "note": "x" * 300}

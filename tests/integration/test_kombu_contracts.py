@@ -25,6 +25,10 @@ from celery_ext.testing.server import ClusterGroup, RedisServer
 from tests.apps.proj_keyprefix import make_app
 from tests.helpers import Factory, celery_cli, wait_for
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 TASK = "keyprefix.record"
 
 

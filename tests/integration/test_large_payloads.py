@@ -29,6 +29,10 @@ from tests.apps import proj
 from tests.helpers import only_pool, push, wait_for
 from tests.workers import READY_PATTERN, WorkerProcess
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 K = Keys("celery_ext")
 Factory = Callable[..., WorkerProcess]
 POOL = "large-pool"

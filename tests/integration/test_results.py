@@ -27,6 +27,10 @@ from tests.helpers import wait_for
 from tests.resultutil import APP, Results
 from tests.workers import WorkerProcess
 
+#: Nothing reads what this module's pools write at a warm stop: teardown SIGKILLs
+#: them (worker_factory in tests/conftest.py).
+pytestmark = pytest.mark.kill_workers_at_teardown
+
 # The fixtures every result test uses (a test module's globals are its fixtures).
 results, app_for = resultutil.results, resultutil.app_for
 
