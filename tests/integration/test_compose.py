@@ -396,8 +396,21 @@ def test_the_cluster_node_and_init_commands_build_a_real_cluster(
                 master.close()
             masters += 1
         assert masters == 3
+
+        def aof_written() -> bool:
+            return all(not int(c.info("persistence")["aof_rewrite_in_progress"])
+                       and not int(c.info("persistence")["aof_rewrite_scheduled"])
+                       for c in clients)
+
+        # A replica fresh from its full sync writes its initial AOF; a SIGTERM then is
+        # refused ("Writing initial AOF, can't exit") and the server runs on.
+        wait_for(aof_written, 15, "every node's initial AOF")
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
-            proc.wait(15)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:  # the test failed before the wait above
+                proc.kill()
+                proc.wait()
