@@ -221,10 +221,16 @@ class JobLookup:
         where, at = entry["state"], entry["at"]
         status.update({"indexed": True, "queue": entry["queue"]})
         finished = status["finished_at"]
-        # The backend's outcome belongs to this run only if written after the last move
-        # (a dead job retried by hand keeps its old FAILURE until it runs again).
+        # The backend's outcome belongs to this run only if written after the move that
+        # queued the run (a dead job retried by hand keeps its old FAILURE until it runs
+        # again): for a done entry that is the move before the ack, which it keeps, since
+        # the ack may land seconds after the outcome was stored (acks batched, a warm
+        # stop, an outage); for a live entry, or a done one an earlier version wrote,
+        # the entry's own move. The second of slack is for the worker's clock, which
+        # dates the outcome, against Redis's.
+        since = entry["queued_at"] if entry["queued_at"] is not None else at
         final = state in ("SUCCESS", "FAILURE", "REVOKED") and finished is not None \
-            and finished >= at - 1
+            and finished >= since - 1
         if where == "queued":
             status.update({"state": "queued", "level": int(entry["ref"] or 0),
                            "finished_at": None})

@@ -6,6 +6,7 @@ same script as the move (``store/lua/include/job_index.lua``), so the entry cann
 where the job is. One hash field per job::
 
     {ns}:jobs        task id -> "<state>\\n<ms>\\n<queue>\\n<ref>\\n<detail>"
+                     (a done entry adds "\\n<queued ms>", below)
     {ns}:jobs_done   task id -> ms after which its finished entry is trimmed
 
 ========== ====================== =========================
@@ -27,6 +28,11 @@ script (``job_where.lua``) and returns such an entry as ``inflight`` in that poo
 form every reader takes; the scripts that move an in-flight job accept either form.
 
 ``ms`` is the Redis time of the move (for a job in flight: of the move that queued it).
+A done entry also keeps the ms of the entry it replaced, the move that queued the run it
+ended: the ack that writes it may come long after the run stored its outcome (acks
+batched, a warm stop, a Redis outage), so the outcome's time is checked against when the
+run was queued, not against the ack (``admin/job_status.py``). An entry written by an
+earlier version has no such field: its ``queued_at`` is None.
 Bounds: a live entry is replaced as the job moves and removed when the job is deleted
 (forget, dead-set trim); a ``done`` entry is kept ``job_index_ttl`` seconds: each finish
 trims up to 20 expired ones, and every worker pool's reaper trims up to
@@ -68,6 +74,7 @@ class IndexEntry(TypedDict):
     queue: str
     ref: str
     detail: str
+    queued_at: float | None  # a done entry's: seconds of the move that queued its run
 
 
 def index_keys(keys: Keys) -> list[str]:
@@ -85,10 +92,12 @@ def parse(raw: bytes | str | None) -> IndexEntry | None:
     if raw is None:
         return None
     parts = bytes_to_str(raw).split("\n")
-    if len(parts) != 5 or parts[0] not in STATES or not parts[1].isdigit():
+    if len(parts) not in (5, 6) or parts[0] not in STATES or not parts[1].isdigit():
         return None
+    queued = parts[5] if len(parts) == 6 else ""
     return IndexEntry(state=parts[0], at=int(parts[1]) / 1000, queue=parts[2],
-                      ref=parts[3], detail=parts[4])
+                      ref=parts[3], detail=parts[4],
+                      queued_at=int(queued) / 1000 if queued.isdigit() else None)
 
 
 def where_call(keys: Keys, task_id: str) -> tuple[str, list[str], list[Any]]:
@@ -108,7 +117,7 @@ def resolve(reply: Any) -> IndexEntry | None:
     pool = bytes_to_str(pool)
     if entry is not None and entry["state"] == "queued" and pool:
         return IndexEntry(state="inflight", at=entry["at"], queue=entry["queue"],
-                          ref=entry["detail"], detail=pool)
+                          ref=entry["detail"], detail=pool, queued_at=None)
     return entry
 
 

@@ -126,8 +126,9 @@ Layout (``ns`` = namespace)::
                                      expires 24 h after it (see history.py)
     {ns}:history:h:<hour>    hash    the same per hour (ms // 3600000); expires after 30 days
     {ns}:jobs                hash    task id -> where the job is now (the job index, see
-                                     job_index.py): "<state>\n<ms>\n<queue>\n<ref>\n<detail>",
-                                     written by the script that moves the job
+                                     job_index.py): "<state>\n<ms>\n<queue>\n<ref>\n<detail>"
+                                     (done: "\n<queued ms>" after it), written by the
+                                     script that moves the job
     {ns}:jobs_done           zset    task id -> ms after which its finished entry in
                                      {ns}:jobs is trimmed (job_index_ttl past the finish)
     {ns}:_kombu.binding.<exchange>, {ns}:_kombu.binding_permanent.<exchange>,

@@ -193,6 +193,30 @@ def test_running_and_reserved_jobs_are_in_flight_and_a_warm_stop_queues_the_rese
     assert redis_client.llen(K.queue(queue)) == 3
 
 
+def test_an_ack_landing_seconds_after_the_stored_outcome_still_shows_it(
+        app: Any, mode: Mode, redis_client: redis.Redis, worker_factory: Factory) -> None:
+    """The job's result is stored ``ACK_AFTER`` seconds before its ack (late acks) writes
+    the done entry, as a batched ack, a warm stop or a Redis outage can make it: the status
+    still says succeeded, with the result, since the done entry keeps when the run was
+    queued. Before, the outcome was checked against the ack's time with a second of slack,
+    and the status said "finished" without the result (seen in a loaded test run, when a
+    warm stop delayed an ack)."""
+    look = JobLookup(redis_client, Settings(), mode.app)
+    job = mode.send(app.acked_late, "k")
+    queued = entry(redis_client, job.id)
+    assert queued and queued["state"] == "queued"
+    start_workers(worker_factory, 1, app="tests.apps.proj_index", pool="prefork",
+                  concurrency=1, env=mode.env())
+    done = wait_for(lambda: (e := entry(redis_client, job.id)) and e["state"] == "done" and e,
+                    20, "the ack's done entry")
+    # (drop-in acks at the start: the result comes after the done entry)
+    st = until(look, job.id, "succeeded", timeout=10)
+    assert st["result"] == "'k'", st
+    assert queued["queued_at"] is None and done["queued_at"] == queued["at"]
+    if not mode.dropin:  # late acks: the ack came ACK_AFTER after the result
+        assert done["at"] - queued["at"] >= app.ACK_AFTER
+
+
 def test_job_past_the_old_search_windows_is_found(broker_url: str,
                                                   redis_client: redis.Redis) -> None:
     """The oldest of more than SCHEDULED_SCAN_MAX scheduled jobs and of more than DEAD_SCAN

@@ -19,7 +19,8 @@
 -- A job's index entry says done if it names the copy in flight under the tag (queued with
 -- that tag, as the fetch leaves it, or inflight with it, as a worker of an earlier
 -- version wrote it: include/job_index.lua's jix_owns); an entry naming another copy (a
--- retry scheduled under its task id) is left alone.
+-- retry scheduled under its task id) is left alone. The done entry keeps the time of the
+-- entry it replaces (when the run was queued).
 -- A tag no longer in the record (its pool was reaped and the job requeued) is
 -- ignored, so a late ack from a pool that came back never touches the new copy.
 -- A job queue at its max_concurrency is skipped by fetch (and left in the ready
@@ -41,8 +42,9 @@ for i = 5, #ARGV do
     local qname = string.sub(rec, 1, string.find(rec, '\n', 1, true) - 1)
     if indexTtl > 0 then
       local id = jix_task_id(jix_payload_after(rec, 1))
-      if jix_owns(KEYS[6], id, ARGV[i]) then
-        jix_finish(KEYS[6], KEYS[7], indexTtl, id, qname, ARGV[i], ARGV[4])
+      local owned, entry = jix_owns(KEYS[6], id, ARGV[i])
+      if owned then
+        jix_finish(KEYS[6], KEYS[7], indexTtl, id, qname, ARGV[i], ARGV[4], entry and entry[2])
       end
     end
     cursor_drop(ARGV[3], jix_payload_after(rec, 1), ARGV[i])

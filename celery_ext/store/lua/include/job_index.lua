@@ -1,6 +1,9 @@
 -- job index fragment: pasted by the loader (scripts.py) where a script says
 -- "-- @include job_index". Every script that moves a job writes where it is now:
--- {ns}:jobs            hash  task id -> "<state>\n<ms>\n<queue>\n<ref>\n<detail>"
+-- {ns}:jobs            hash  task id -> "<state>\n<ms>\n<queue>\n<ref>\n<detail>", and for a
+--                       done entry "\n<queued ms>" after it: when the run it ended was
+--                       queued (job_status.py tells this run's outcome from an older one
+--                       by it; the ack may come long after the outcome was stored)
 -- {ns}:jobs_done       zset  task id -> ms after which its finished entry is trimmed
 -- state / ref / detail: queued / priority level / delivery tag; scheduled, retry / job id /
 -- due ms; dead / dead job id / reason; done / delivery tag / pool id; and, written by a
@@ -58,9 +61,10 @@ end
 -- Whether the entry of `id` is missing or names the copy in flight under `tag` (above):
 -- the checks of the scripts that move an in-flight job (ack, requeue, recover, dead,
 -- throttle), so a move never overwrites the entry of another copy.
+-- The entry read is returned second.
 local function jix_owns(idx, id, tag)
   local f = jix_get(idx, id)
-  return not f or jix_names(f, tag)
+  return not f or jix_names(f, tag), f
 end
 -- The id of a pool whose in-flight hash ("<prefix><pool id>", keys.py) holds `tag`, from
 -- the pools that may own jobs (`pools`, {ns}:inflight_pools), or nil. One HEXISTS per
@@ -79,10 +83,11 @@ local function jix_is(idx, id, state, ref)
   local f = jix_get(idx, id)
   return not f or ((not state or f[1] == state) and (not ref or f[4] == ref)), f
 end
-local function jix_set(idx, id, state, queue, ref, detail)
+local function jix_set(idx, id, state, queue, ref, detail, queued_ms)
   if not id then return end
   redis.call('HSET', idx, id, state .. '\n' .. clock_ms() .. '\n' .. queue .. '\n'
-             .. (ref or '') .. '\n' .. (detail or ''))
+             .. (ref or '') .. '\n' .. (detail or '')
+             .. (queued_ms and ('\n' .. queued_ms) or ''))
 end
 -- Trim up to `limit` finished entries whose time in `done` is up: an entry that still
 -- says done is deleted once `ttl` ms have passed since its finish, or, finished later
@@ -105,10 +110,11 @@ local function jix_trim(idx, done, ttl, limit)
   return #old
 end
 -- A finished job: the entry is kept ttl ms; each finish trims a few expired ones (and
--- the pools' periodic trim, job_index_trim.lua, the rest).
-local function jix_finish(idx, done, ttl, id, queue, ref, detail)
+-- the pools' periodic trim, job_index_trim.lua, the rest). `queued_ms`: the ms of the
+-- entry the run was fetched under (the move that queued it), nil when it had none.
+local function jix_finish(idx, done, ttl, id, queue, ref, detail, queued_ms)
   if not id then return end
-  jix_set(idx, id, 'done', queue, ref, detail)
+  jix_set(idx, id, 'done', queue, ref, detail, queued_ms)
   redis.call('ZADD', done, clock_ms() + ttl, id)
   jix_trim(idx, done, ttl, 20)
 end
