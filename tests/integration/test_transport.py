@@ -271,6 +271,39 @@ def test_a_wake_up_sends_the_fetch_before_the_loop_turns_again(broker_url: str) 
         consumer.cancel()
 
 
+def test_a_fetch_sent_again_is_packed_once(broker_url: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle pool sends the same fetch after every wake-up: its command (keys built,
+    arguments encoded one by one, as much time as the round trip) is packed once and
+    sent again as it is, and the second fetch still brings the job (issue 36)."""
+    from celery_ext.transport.topology import node
+
+    built: list[object] = []
+    real = node.fetch_call
+    monkeypatch.setattr(node, "fetch_call", lambda *a: built.append(a) or real(*a))
+    got: list[str] = []
+    with Connection(broker_url, transport_options={"idle_refresh_interval": 3600}) as conn, \
+            Connection(broker_url) as other:
+        channel = conn.default_channel
+        queue = Queue("packed.once", routing_key="packed.once")
+        consumer = conn.Consumer([queue], no_ack=True,
+                                 callbacks=[lambda body, msg: got.append(body)])
+        consumer.consume()
+        cycle = conn.transport.cycle
+        cycle._register_BRPOP(channel)  # a fetch: the queue is empty
+        assert channel.client.connection.can_read(timeout=5)
+        with pytest.raises(Empty):
+            channel._brpop_read()
+        other.Producer().publish("hello", routing_key="packed.once", declare=[queue])
+        channel._ready.woken(["packed.once"])  # (what the wake-up says)
+        cycle._register_BRPOP(channel)  # the same fetch again
+        assert channel.client.connection.can_read(timeout=5)
+        assert channel._brpop_read()
+        assert got == ["hello"]
+        assert len(built) == 1
+        consumer.cancel()
+
+
 # -- one job queue per job name ----------------------------------------------------------------
 
 
