@@ -236,6 +236,16 @@ def test_a_subscription_confirmed_during_a_fetch_rereads_the_ready_set(
         consumer.cancel()
 
 
+def _no_ack_consumer(conn: Connection, name: str, got: list[str]) -> tuple[Any, Queue, Any]:
+    """A no-ack consumer of job queue ``name`` (this process registers no worker pool),
+    consuming, its deliveries appended to ``got``: the channel, the queue, the consumer."""
+    queue = Queue(name, routing_key=name)
+    consumer = conn.Consumer([queue], no_ack=True,
+                             callbacks=[lambda body, msg: got.append(body)])
+    consumer.consume()
+    return conn.default_channel, queue, consumer
+
+
 def test_a_wake_up_sends_the_fetch_before_the_loop_turns_again(broker_url: str) -> None:
     """An idle pool's job waits for the wake-up and then a fetch: the poller that reads
     the wake-up sends the fetch at once, not at the event loop's next turn (whose timers
@@ -246,11 +256,7 @@ def test_a_wake_up_sends_the_fetch_before_the_loop_turns_again(broker_url: str) 
     options = {"idle_refresh_interval": 3600}
     with Connection(broker_url, transport_options=options) as conn, \
             Connection(broker_url) as other:
-        channel = conn.default_channel
-        queue = Queue("wake.turn", routing_key="wake.turn")
-        consumer = conn.Consumer([queue], no_ack=True,
-                                 callbacks=[lambda body, msg: got.append(body)])
-        consumer.consume()
+        channel, queue, consumer = _no_ack_consumer(conn, "wake.turn", got)
         cycle = conn.transport.cycle
         cycle._register_WAKE(channel)  # as the event loop's poll does
         channel.wakeups.read()  # the subscribe confirmation
@@ -284,11 +290,7 @@ def test_a_fetch_sent_again_is_packed_once(broker_url: str,
     got: list[str] = []
     with Connection(broker_url, transport_options={"idle_refresh_interval": 3600}) as conn, \
             Connection(broker_url) as other:
-        channel = conn.default_channel
-        queue = Queue("packed.once", routing_key="packed.once")
-        consumer = conn.Consumer([queue], no_ack=True,
-                                 callbacks=[lambda body, msg: got.append(body)])
-        consumer.consume()
+        channel, queue, consumer = _no_ack_consumer(conn, "packed.once", got)
         cycle = conn.transport.cycle
         cycle._register_BRPOP(channel)  # a fetch: the queue is empty
         assert channel.client.connection.can_read(timeout=5)
