@@ -187,7 +187,12 @@ class Fetcher:
                 logger.debug("celery_ext: reconcile before fetch failed (%s)", exc)
         ready = channel._ready
         if not ready.has_active():
-            return  # idle: the WAKE listener and the ready refresh take over
+            # Idle: the WAKE listener and the ready refresh take over. No fetch will
+            # carry the acks the loop made: written now, not when the loop's timer
+            # fires (LOOP_ACK_DELAY later), so they do not meet the next job's wake-up.
+            if pool is not None:
+                pool.flush_acks()
+            return
         settings = channel.settings
         credit = channel.qos.can_consume_max_estimate()
         n = settings.fetch_batch if credit is None else min(credit, settings.fetch_batch)

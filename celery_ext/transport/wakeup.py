@@ -250,16 +250,22 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
             fanout = channel.active_fanout_queues
             if any(q not in fanout for q in channel._active_queues):
                 self._register_WAKE(channel)
-                if channel.qos.can_consume():
-                    self._check_idle_fetch_connection(channel)
-                    self._register_BRPOP(channel)
-                else:
+                if not self._fetch(channel):
                     starved = True
             if channel.active_fanout_queues:
                 self._register_LISTEN(channel)
         if self._in_get:
             self._watch_pipe()
             self.wake_pipe.armed = starved
+
+    def _fetch(self, channel: Channel) -> bool:
+        """Send a fetch on the channel's connection unless one is on the wire or it has
+        nothing to fetch from (``Fetcher.start``); False: no prefetch credit."""
+        if not channel.qos.can_consume():
+            return False
+        self._check_idle_fetch_connection(channel)
+        self._register_BRPOP(channel)
+        return True
 
     def _check_idle_fetch_connection(self, channel: Channel) -> None:
         """Before a fetch is sent on an idle connection, its health check (when due)
@@ -305,7 +311,13 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
         if chan_type is not None and chan_type[1] == "WAKE":
             # Reading a wake-up never consumes prefetch credit: always drain it,
             # or a level-triggered poller would spin on the readable socket.
-            chan_type[0].handlers["WAKE"]()
+            channel = chan_type[0]
+            channel.handlers["WAKE"]()
+            if not channel._in_poll and channel._ready.has_active():
+                # The fetch goes out now, not at the loop's next turn: an idle pool's
+                # job waits for this round trip, and a turn (timers, the other tick
+                # callbacks) was a fifth of the way from the wake-up to the fetch.
+                self._fetch(channel)
             return
         super().on_readable(fileno)
 

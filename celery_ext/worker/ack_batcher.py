@@ -7,10 +7,11 @@ jobs; one of three modes applies to each ack:
 
 * **event loop** (a prefork pool's results, a solo pool's jobs): an ack made in the
   loop's own thread waits, with those of the turns after it, until the loop sends its next
-  fetch, which they make room for (``flush``), a timer of the loop fires
-  ``LOOP_ACK_DELAY`` after the first of them (an idle loop writes them too), a turn finds
-  ``LOOP_ACKS_PER_CALL`` of them waiting (``on_loop_tick``), or the loop runs a job in its
-  own thread (``before_loop_job``: a solo pool). A prefork pool's main process sees each
+  fetch, which they make room for (``flush``), or finds nothing to fetch (an idle pool's
+  next turn: no fetch would carry them, ``flush``), a timer of the loop fires
+  ``LOOP_ACK_DELAY`` after the first of them, a turn finds ``LOOP_ACKS_PER_CALL`` of them
+  waiting (``on_loop_tick``), or the loop runs a job in its own thread
+  (``before_loop_job``: a solo pool). A prefork pool's main process sees each
   job's accept or result in a turn of its own: about one call per job without this, one
   per fetch with it;
 * **threads** (a threads pool's jobs, and any thread not the loop's): the acking thread
@@ -24,9 +25,9 @@ Which thread calls each method:
 ==========================  ============================================================
 ``add``                     the thread acking a job (Kombu's ``QoS.ack``): the event
                             loop's, a thread of a threads pool, a job's greenlet
-``flush``                   the consumer's thread before it sends a fetch and at each
-                            tick; a reconcile; the writer greenlet (gevent); ``add``'s
-                            thread
+``flush``                   the consumer's thread before it sends a fetch, when it has
+                            nothing to fetch, and at each tick; a reconcile; the writer
+                            greenlet (gevent); ``add``'s thread
 ``on_loop_tick``            the event loop's thread, each turn before it polls
 ``_loop_ack_due``           the event loop's thread: the timer ``add`` set
 ``before_loop_job``         any process's thread starting a job (``task_prerun``)

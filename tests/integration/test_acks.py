@@ -8,7 +8,9 @@ import time
 
 import pytest
 import redis
+from kombu import Connection, Queue
 from kombu.asynchronous import Hub
+from kombu.transport.virtual import Empty
 
 from celery_ext.config import LOOP_ACKS_PER_CALL, Settings
 from celery_ext.store import job_index, scripts
@@ -141,6 +143,42 @@ def test_acks_of_the_event_loop_thread_wait_for_its_fetch_or_timer_and_go_in_one
         pool.acks.flush()
         assert redis_client.hlen(K.inflight(pool.pool_id)) == 0
         assert pool.holdings.held() == set()
+    finally:
+        pool.acks.close()
+
+
+def test_an_idle_loop_writes_its_acks_at_its_next_turn(
+        broker_url: str, redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    """A pool with nothing to fetch sends no fetch for the loop's acks to go before: the
+    loop's next turn (``Fetcher.start``, idle) writes them, not its timer LOOP_ACK_DELAY
+    later, when the next job's wake-up may be arriving (one job at a time to an idle
+    pool: a fifth of the jobs met the previous one's ack on their way, issue 36)."""
+    scripts.Scripts(redis_client).load_all()
+    pool = WorkerPool(redis_server.client, Settings(), "server")
+    hub = Hub()
+    redis_client.hset(K.inflight(pool.pool_id), "t0", "q\n{}")
+    queue = Queue("idle.acks", routing_key="idle.acks")
+    try:
+        with Connection(broker_url) as conn:
+            channel = conn.default_channel
+            consumer = conn.Consumer([queue], no_ack=True, callbacks=[])
+            consumer.consume()
+            conn.transport.cycle._register_BRPOP(channel)  # a fetch: the queue is empty
+            assert channel.client.connection.can_read(timeout=5)
+            with pytest.raises(Empty):
+                channel._brpop_read()
+            assert not channel._ready.has_active()  # idle
+            channel._worker_pool = pool  # the loop's pool
+            pool.on_loop_tick(hub)  # this thread is now the event loop's
+            before = _evalsha_calls(redis_client)
+            pool.ack(["t0"])
+            assert _evalsha_calls(redis_client) == before  # left to a fetch or the timer
+            channel.fetcher.start()  # the next turn: nothing to fetch
+            pool.acks.flush()
+            assert _evalsha_calls(redis_client) == before + 1
+            assert not redis_client.hexists(K.inflight(pool.pool_id), "t0")
+            assert not channel._in_poll  # and no fetch was sent
+            consumer.cancel()
     finally:
         pool.acks.close()
 

@@ -236,6 +236,76 @@ def test_a_subscription_confirmed_during_a_fetch_rereads_the_ready_set(
         consumer.cancel()
 
 
+def _no_ack_consumer(conn: Connection, name: str, got: list[str]) -> tuple[Any, Queue, Any]:
+    """A no-ack consumer of job queue ``name`` (this process registers no worker pool),
+    consuming, its deliveries appended to ``got``: the channel, the queue, the consumer."""
+    queue = Queue(name, routing_key=name)
+    consumer = conn.Consumer([queue], no_ack=True,
+                             callbacks=[lambda body, msg: got.append(body)])
+    consumer.consume()
+    return conn.default_channel, queue, consumer
+
+
+def test_a_wake_up_sends_the_fetch_before_the_loop_turns_again(broker_url: str) -> None:
+    """An idle pool's job waits for the wake-up and then a fetch: the poller that reads
+    the wake-up sends the fetch at once, not at the event loop's next turn (whose timers
+    and other tick callbacks came first: a fifth of an idle pool's time from wake-up to
+    fetch, issue 36). Driven step by step on a real server: after the one ``on_readable``
+    that reads the wake-up, the fetch is on the wire and its reply is the job."""
+    got: list[str] = []
+    options = {"idle_refresh_interval": 3600}
+    with Connection(broker_url, transport_options=options) as conn, \
+            Connection(broker_url) as other:
+        channel, queue, consumer = _no_ack_consumer(conn, "wake.turn", got)
+        cycle = conn.transport.cycle
+        cycle._register_WAKE(channel)  # as the event loop's poll does
+        channel.wakeups.read()  # the subscribe confirmation
+        cycle._register_BRPOP(channel)  # a fetch: the queue is empty
+        assert channel.client.connection.can_read(timeout=5)
+        with pytest.raises(Empty):
+            channel._brpop_read()
+        assert not channel._ready.has_active() and not channel._in_poll  # idle
+
+        other.Producer().publish("hello", routing_key="wake.turn", declare=[queue])
+        wake = channel.wakeups.client.connection
+        assert wake.can_read(timeout=5)
+        cycle.on_readable(wake._sock.fileno())  # the poll reports the wake-up
+        assert channel._in_poll  # the fetch went out with it
+        assert channel.client.connection.can_read(timeout=5)
+        assert channel._brpop_read()
+        assert got == ["hello"]
+        consumer.cancel()
+
+
+def test_a_fetch_sent_again_is_packed_once(broker_url: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle pool sends the same fetch after every wake-up: its command (keys built,
+    arguments encoded one by one, as much time as the round trip) is packed once and
+    sent again as it is, and the second fetch still brings the job (issue 36)."""
+    from celery_ext.transport.topology import node
+
+    built: list[object] = []
+    real = node.fetch_call
+    monkeypatch.setattr(node, "fetch_call", lambda *a: built.append(a) or real(*a))
+    got: list[str] = []
+    with Connection(broker_url, transport_options={"idle_refresh_interval": 3600}) as conn, \
+            Connection(broker_url) as other:
+        channel, queue, consumer = _no_ack_consumer(conn, "packed.once", got)
+        cycle = conn.transport.cycle
+        cycle._register_BRPOP(channel)  # a fetch: the queue is empty
+        assert channel.client.connection.can_read(timeout=5)
+        with pytest.raises(Empty):
+            channel._brpop_read()
+        other.Producer().publish("hello", routing_key="packed.once", declare=[queue])
+        channel._ready.woken(["packed.once"])  # (what the wake-up says)
+        cycle._register_BRPOP(channel)  # the same fetch again
+        assert channel.client.connection.can_read(timeout=5)
+        assert channel._brpop_read()
+        assert got == ["hello"]
+        assert len(built) == 1
+        consumer.cancel()
+
+
 # -- one job queue per job name ----------------------------------------------------------------
 
 

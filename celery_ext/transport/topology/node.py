@@ -17,6 +17,12 @@ if TYPE_CHECKING:
     from celery_ext.transport.channel import Channel
 
 
+#: Packed fetch commands a channel keeps, by pool id, flags and candidates (an idle pool
+#: sends the same fetch after every wake-up, a busy one a few kinds): building a fetch's
+#: keys and encoding its arguments one by one cost about as much as its round trip.
+PACKED_FETCHES_KEPT = 64
+
+
 class OneNode(Topology):
     """One Redis server: Kombu's own connections, one copy of the layout."""
 
@@ -25,6 +31,7 @@ class OneNode(Topology):
         self._conninfo = conninfo
         self._server_id: str | None = None
         self._shared: Any = None
+        self._packed_fetches: dict[tuple[str, ...], Any] = {}
 
     def prepare(self) -> None:
         """Kombu's connection classes and binding keys, as they are."""
@@ -83,10 +90,19 @@ class OneNode(Topology):
     def send_fetch(self, conn: Any, pool_id: str, queues: list[str], flags: str,
                    lost: Callable[[], None]) -> None:
         """Send the script itself (by SHA: the event loop has no NOSCRIPT fallback; a
-        failed send is read, and counted lost, as its reply)."""
-        channel = self.channel
-        keys, args = fetch_call(channel.keys, channel.settings, pool_id, queues, flags)
-        conn.send_command("EVALSHA", _scripts.sha("fetch"), len(keys), *keys, *args)
+        failed send is read, and counted lost, as its reply), packed once per kind of
+        fetch (``PACKED_FETCHES_KEPT``)."""
+        kind = (pool_id, flags, *queues)
+        packed = self._packed_fetches.get(kind)
+        if packed is None:
+            channel = self.channel
+            keys, args = fetch_call(channel.keys, channel.settings, pool_id, queues, flags)
+            packed = conn.pack_command("EVALSHA", _scripts.sha("fetch"), len(keys), *keys,
+                                       *args)
+            if len(self._packed_fetches) >= PACKED_FETCHES_KEPT:
+                self._packed_fetches.clear()
+            self._packed_fetches[kind] = packed
+        conn.send_packed_command(packed)
 
     def read_fetch(self, conn: Any, **options: Any) -> Any:
         return self.channel.client.parse_response(conn, "EVALSHA", **options)
