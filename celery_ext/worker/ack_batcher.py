@@ -113,9 +113,12 @@ class AckBatcher:
     def on_loop_tick(self, loop: Any) -> None:
         """From the event loop ``loop`` (Kombu's hub), each turn before it polls: acks
         of its thread wait for the loop's writes from now on. Writes them now if
-        ``LOOP_ACKS_PER_CALL`` wait."""
-        self._loop, self._loop_pid = loop, os.getpid()
-        self._loop_thread = threading.get_ident()
+        ``LOOP_ACKS_PER_CALL`` wait. The loop's thread and process are noted at its first
+        turn (and again after ``event_loop_gone``), not at every turn: ``os.getpid`` is
+        a system call, and a prefork pool's loop turns about three times per job."""
+        if loop is not self._loop:
+            self._loop, self._loop_pid = loop, os.getpid()
+            self._loop_thread = threading.get_ident()
         if len(self._pending) >= LOOP_ACKS_PER_CALL:
             self.flush()
 

@@ -3,6 +3,7 @@ WorkerPool: acks coalesced per turn of the event loop."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -14,6 +15,8 @@ from celery_ext.config import LOOP_ACKS_PER_CALL, Settings
 from celery_ext.store import job_index, scripts
 from celery_ext.store.keys import Keys
 from celery_ext.testing.server import RedisServer
+from celery_ext.worker import ack_batcher
+from celery_ext.worker.ack_batcher import AckBatcher
 from celery_ext.worker.acks import MAX_UNREAD, AckSender
 from celery_ext.worker.worker_pool import WorkerPool
 from tests.apps import proj
@@ -143,6 +146,38 @@ def test_acks_of_the_event_loop_thread_wait_for_its_fetch_or_timer_and_go_in_one
         assert pool.holdings.held() == set()
     finally:
         pool.acks.close()
+
+
+def test_a_turn_of_the_event_loop_makes_no_system_call_to_note_its_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batcher notes the loop's process at its first turn, not at each: ``os.getpid``
+    is a system call, and a prefork pool's loop turns about three times per job (it
+    was one call per turn). A loop gone (closed, or the pool stopping) is noted again at
+    the next loop's first turn."""
+    written: list[list[str]] = []
+    batcher = AckBatcher(written.append, green=False)
+    calls = 0
+    getpid = os.getpid
+
+    def counting_getpid() -> int:
+        nonlocal calls
+        calls += 1
+        return getpid()
+
+    monkeypatch.setattr(ack_batcher.os, "getpid", counting_getpid)
+    hub = Hub()
+    try:
+        for _ in range(50):
+            batcher.on_loop_tick(hub)
+        assert calls == 1
+        batcher.add(["t1"])  # the loop's thread: waits for the loop's write
+        assert written == [] and len(hub.timer.queue) == 1
+        batcher.event_loop_gone()  # what it left is written; the next loop is noted anew
+        assert written == [["t1"]]
+        batcher.on_loop_tick(hub)
+        assert calls == 3  # (add checked the process once)
+    finally:
+        hub.close()
 
 
 def test_stopping_waits_for_an_ack_write_under_way_in_another_thread(
