@@ -168,12 +168,12 @@ def test_acks_of_the_event_loop_thread_wait_for_its_fetch_or_timer_and_go_in_one
         pool.acks.close()
 
 
-def test_a_turn_of_the_event_loop_makes_no_system_call_to_note_its_thread(
+def test_the_event_loops_turns_and_acks_make_no_system_call_to_know_their_process(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The batcher notes the loop's process at its first turn, not at each: ``os.getpid``
-    is a system call, and a prefork pool's loop turns about three times per job (it
-    was one call per turn). A loop gone (closed, or the pool stopping) is noted again at
-    the next loop's first turn."""
+    """The batcher knows its process without ``os.getpid`` (a system call): it was one
+    call per turn of the loop and one per ack made in the loop's thread, about three per
+    job in a prefork pool's main process. A forked child's copy still knows it is not the
+    loop's process: its acks are written at once."""
     written: list[list[str]] = []
     batcher = AckBatcher(written.append, green=False)
     calls = 0
@@ -184,18 +184,31 @@ def test_a_turn_of_the_event_loop_makes_no_system_call_to_note_its_thread(
         calls += 1
         return getpid()
 
-    monkeypatch.setattr(ack_batcher.os, "getpid", counting_getpid)
     hub = Hub()
     try:
-        for _ in range(50):
+        monkeypatch.setattr(ack_batcher.os, "getpid", counting_getpid)
+        for i in range(50):
             batcher.on_loop_tick(hub)
-        assert calls == 1
-        batcher.add(["t1"])  # the loop's thread: waits for the loop's write
-        assert written == [] and len(hub.timer.queue) == 1
-        batcher.event_loop_gone()  # what it left is written; the next loop is noted anew
-        assert written == [["t1"]]
+            batcher.add([f"t{i}"])  # the loop's thread: waits for the loop's write
+        assert calls == 0  # (the old code: 100)
+        monkeypatch.undo()
+        assert [len(b) for b in written] == [16, 16, 16]  # (a turn finding 16 waiting)
+        batcher.event_loop_gone()  # what it left is written
+        assert [t for batch in written for t in batch] == [f"t{i}" for i in range(50)]
         batcher.on_loop_tick(hub)
-        assert calls == 3  # (add checked the process once)
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: not the loop's process, whatever its thread
+            try:
+                before = len(written)
+                batcher.add(["child"])
+                os.write(write_end, b"1" if written[before:] == [["child"]] else b"0")
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        assert os.read(read_end, 1) == b"1"
+        os.waitpid(pid, 0)
+        os.close(read_end)
     finally:
         hub.close()
 
