@@ -376,6 +376,7 @@ class Transport(kredis.Transport):
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)
+        self.cycle.take_turns(loop, self.on_readable)  # (no reader re-added each turn)
         self.event_loop = loop
         # Acks made in the loop's thread are written by its turns (ack_batcher.py).
         use_event_loop(loop)

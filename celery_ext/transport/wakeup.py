@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from contextlib import suppress
 from queue import Empty
 from time import monotonic
@@ -156,6 +157,20 @@ class Wakeups:
             wake.connection = None
 
 
+#: The per-turn hook Kombu's Redis transport puts on an event loop
+#: (``kombu.transport.redis.Transport.register_with_event_loop``).
+KOMBU_POLL_START = "Transport.register_with_event_loop.<locals>.on_poll_start"
+
+
+def _kombu_poll_start_of(hook: Any, cycle: Any) -> bool:
+    """Whether ``hook`` (an ``on_tick`` callback) is Kombu's per-turn hook for ``cycle``."""
+    code, cells = getattr(hook, "__code__", None), getattr(hook, "__closure__", None)
+    if getattr(hook, "__qualname__", None) != KOMBU_POLL_START or code is None or not cells:
+        return False
+    cell = dict(zip(code.co_freevars, cells, strict=False)).get("cycle")
+    return cell is not None and cell.cell_contents is cycle
+
+
 #: Longest a poll waits once the worker is stopping (seconds). It does wait, and yields: a
 #: loop that polls again at once (Celery's green remote-control loop does) would
 #: otherwise spin and, under gevent, never let another greenlet run.
@@ -227,7 +242,51 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
         self._pipe_registered: Any = None
         #: The worker is stopping: ``get`` returns at once (``stop_soon``).
         self.stopping = False
+        #: This poller's per-turn hook on an event loop (``take_turns``): (loop, hook).
+        self._turn_hook: tuple[Any, Callable[[], None]] | None = None
+        #: Adds every socket's reader to the event loop again (``take_turns``).
+        self._add_readers: Callable[[], None] | None = None
         register_poll(self)
+
+    def take_turns(self, loop: Any, on_readable: Callable[[int], Any]) -> None:
+        """Replace Kombu's per-turn hook on ``loop`` with one that adds a socket's reader
+        only when the loop does not have it.
+
+        Kombu's hook adds every socket (fetch, wake-up, fanout) as a reader at each turn
+        of the loop: a failed ``epoll_ctl`` and the exception around it, three per turn,
+        about three turns per job in a prefork pool's main process. The epoll side needs
+        none of it: a socket is registered by ``_register`` when it is new, and every way
+        one leaves (a disconnect, a paused fetch, the loop's own error handling) also
+        takes it out of the loop's readers, which this hook then adds again. Once per
+        ``idle_refresh_interval`` (``maybe_refresh_ready``) every reader is added again
+        as Kombu does, in case a socket closed by any other way left its number to a new
+        one. A Kombu whose hook is not found keeps its own."""
+        kombu_hooks = [hook for hook in loop.on_tick if _kombu_poll_start_of(hook, self)]
+        if not kombu_hooks:
+            return
+        for hook in kombu_hooks:
+            loop.on_tick.discard(hook)
+        if self._turn_hook is not None:
+            old_loop, old_hook = self._turn_hook
+            old_loop.on_tick.discard(old_hook)
+        readers, add_reader, poll_start = loop.readers, loop.add_reader, self.on_poll_start
+
+        def on_poll_start() -> None:
+            poll_start()
+            paused = self._paused_brpop
+            for fd in self._fd_to_chan:
+                if fd not in paused:
+                    entry = readers.get(fd)
+                    if entry is None or entry[0] != on_readable:
+                        add_reader(fd, on_readable, fd)
+
+        def add_readers() -> None:
+            for fd in self.fds:
+                add_reader(fd, on_readable, fd)
+
+        loop.on_tick.add(on_poll_start)
+        self._turn_hook = (loop, on_poll_start)
+        self._add_readers = add_readers
 
     @property
     def draining(self) -> bool:
@@ -337,6 +396,8 @@ class MultiChannelPoller(kredis.MultiChannelPoller):
         return super().handle_event(fileno, event)
 
     def maybe_refresh_ready(self) -> None:
+        if self._add_readers is not None:
+            self._add_readers()  # (take_turns: what Kombu's hook did at every turn)
         for channel in list(self._channels):
             channel.fetcher.check_reply()  # raises: the consumer reconnects
             try:

@@ -49,6 +49,18 @@ from celery_ext.config import LOOP_ACK_DELAY, LOOP_ACKS_PER_CALL
 #: Most tags one coalesced ``ack`` call carries (more go in the next call).
 MAX_ACKS_PER_CALL = 256
 
+#: This process's id, renewed in a forked child: ``os.getpid`` is a system call, and the
+#: loop's thread asks at each ack (a prefork pool's main process: about one per job).
+_pid = os.getpid()
+
+
+def _renew_pid_after_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_renew_pid_after_fork)
+
 
 class AckBatcher:
     """The acks made and not yet written, and who writes them (thread-safe).
@@ -85,7 +97,7 @@ class AckBatcher:
             self._pending += tags
             if self._writing or self._green_write_due:
                 return
-            if threading.get_ident() == self._loop_thread and os.getpid() == self._loop_pid:
+            if threading.get_ident() == self._loop_thread and _pid == self._loop_pid:
                 if self._loop_timer is None:
                     # Armed while the loop handles events, so the poll that follows
                     # wakes for it: an idle loop writes its acks on time too.
@@ -114,9 +126,12 @@ class AckBatcher:
     def on_loop_tick(self, loop: Any) -> None:
         """From the event loop ``loop`` (Kombu's hub), each turn before it polls: acks
         of its thread wait for the loop's writes from now on. Writes them now if
-        ``LOOP_ACKS_PER_CALL`` wait."""
-        self._loop, self._loop_pid = loop, os.getpid()
-        self._loop_thread = threading.get_ident()
+        ``LOOP_ACKS_PER_CALL`` wait. The loop's thread and process are noted at its first
+        turn (and again after ``event_loop_gone``), not at every turn: a prefork pool's
+        loop turns about twice per job."""
+        if loop is not self._loop:
+            self._loop, self._loop_pid = loop, _pid
+            self._loop_thread = threading.get_ident()
         if len(self._pending) >= LOOP_ACKS_PER_CALL:
             self.flush()
 
@@ -124,7 +139,7 @@ class AckBatcher:
         """A job starts: if it runs in the event loop's own thread (a solo pool), the
         acks the loop owes are written first, so none waits for a job's whole run."""
         if (self._pending and threading.get_ident() == self._loop_thread
-                and os.getpid() == self._loop_pid):
+                and _pid == self._loop_pid):
             self.flush()
 
     def _loop_ack_due(self) -> None:

@@ -257,6 +257,72 @@ def test_a_connection_on_a_hub_leaves_no_reader_after_reconnect_and_close(
     hub.close()
 
 
+def test_a_turn_of_the_event_loop_adds_no_reader_the_loop_has(
+        redis_server: RedisServer, broker_url: str) -> None:
+    """Kombu's per-turn hook added every socket (fetch, wake-up, fanout) as a reader at
+    every turn of the loop: a failed ``epoll_ctl`` each. Ours adds a socket's reader only
+    when the loop lacks it (a new socket, or one the loop removed), and every one again at
+    the ready refresh; messages still come through the loop."""
+    hub = Hub()
+    added: list[int] = []
+    add_reader = hub.add_reader
+
+    def counting_add_reader(fd: Any, callback: Any, *args: Any) -> Any:
+        added.append(fd if isinstance(fd, int) else fd.fileno())
+        return add_reader(fd, callback, *args)
+
+    hub.add_reader = counting_add_reader  # type: ignore[method-assign]
+    queue = Queue("kc.turns", routing_key="kc.turns")
+    got: list[Any] = []
+    conn = Connection(broker_url)
+    try:
+        conn.ensure_connection()
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        consumer = conn.Consumer([queue], no_ack=True,
+                                 callbacks=[lambda body, msg: got.append(body)])
+        consumer.consume()
+        for _ in range(5):
+            hub.run_once()
+        cycle = conn.transport.cycle
+        ours = set(cycle.fds)
+        assert ours and ours <= set(hub.readers)
+        added.clear()
+        for _ in range(30):  # the hooks of 30 turns (an idle turn of the loop takes 1 s)
+            for hook in list(hub.on_tick):
+                hook()
+        assert added == [], added  # Kombu's hook: 30 turns x every socket
+        fd = next(iter(ours))
+        hub.remove(fd)  # the loop dropped one (its error handling does)
+        for hook in list(hub.on_tick):
+            hook()
+        assert added == [fd] and fd in hub.readers
+        added.clear()
+        cycle.maybe_refresh_ready()  # the ready refresh: every reader again
+        assert sorted(added) == sorted(cycle.fds)
+        # The fetch the message comes by is packed by hiredis, not by redis-py's packer
+        # (several times as long per fetch in a prefork main process).
+        fetch_conn = conn.default_channel.client.connection
+        packer = type(fetch_conn._command_packer)
+        packed: list[Any] = []
+        pack = packer.pack
+
+        def counting_pack(self: Any, *args: Any) -> Any:
+            packed.append(args[0])
+            return pack(self, *args)
+
+        packer.pack = counting_pack  # type: ignore[method-assign]
+        try:
+            conn.Producer().publish({"n": 1}, routing_key="kc.turns", declare=[queue])
+            wait_for(lambda: hub.run_once() or got, 5, "the message through the loop")
+        finally:
+            packer.pack = pack  # type: ignore[method-assign]
+        assert got == [{"n": 1}]
+        assert "EVALSHA" not in packed, packed
+    finally:
+        conn.release()
+    hub.close()
+
+
 def test_a_keyprefix_on_a_cluster_prefixes_every_copy(cluster: ClusterGroup,
                                                       cluster_url: str) -> None:
     """On a cluster the prefix goes before each job queue's own tag (``{ns:queue}``) and the

@@ -531,19 +531,25 @@ def test_prefetch_limit_caps_jobs_in_flight(
     assert any(f == limit and q > 0 for f, q in seen)
 
 
-def test_a_busy_pool_fetches_a_pools_worth_at_once_and_never_leaves_a_slot_waiting() -> None:
-    """Pure rule (the prefetch test above and the pools tests cover it in workers)."""
-    # -c 2, prefetch 8: 7 held and 1 free slot -> wait; 2 free -> fetch.
+def test_a_busy_pool_fetches_half_its_window_at_once_and_never_leaves_a_slot_waiting() -> None:
+    """Pure rule (the prefetch test above, the counted prefork drain in test_acks.py and
+    the pools tests cover it in workers)."""
+    # -c 2, prefetch 8: 5 held and 3 free slots -> wait; half the window free -> fetch.
     assert fetch_waits(free=1, held=7, concurrency=2, batch=16)
-    assert not fetch_waits(free=2, held=6, concurrency=2, batch=16)
+    assert fetch_waits(free=3, held=5, concurrency=2, batch=16)
+    assert not fetch_waits(free=4, held=4, concurrency=2, batch=16)
     # Fewer jobs held than slots: fetch whatever is free (idle pool, latency).
     assert not fetch_waits(free=1, held=1, concurrency=2, batch=16)
     assert not fetch_waits(free=8, held=0, concurrency=8, batch=16)
+    # A window of one job per slot (multiplier 1): a slot freed is a slot to fill.
+    assert not fetch_waits(free=1, held=3, concurrency=4, batch=16)
     # A pool larger than fetch_batch waits for at most a batch's worth.
     assert fetch_waits(free=15, held=40, concurrency=32, batch=16)
     assert not fetch_waits(free=16, held=40, concurrency=32, batch=16)
-    # Solo (-c 1) never waits.
-    assert not fetch_waits(free=1, held=3, concurrency=1, batch=16)
+    # Solo (-c 1, prefetch 4): two at a time once one job is held; none held: at once.
+    assert fetch_waits(free=1, held=3, concurrency=1, batch=16)
+    assert not fetch_waits(free=2, held=2, concurrency=1, batch=16)
+    assert not fetch_waits(free=3, held=0, concurrency=1, batch=16)
 
 
 def test_a_busy_pool_with_a_free_slot_fetches_at_once(

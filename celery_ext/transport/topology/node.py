@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from celery_ext.producer.publish_line import pack_evalsha
 from celery_ext.store import scripts as _scripts
 from celery_ext.store.connections import connections_for
 from celery_ext.store.keys import Keys
@@ -91,18 +92,18 @@ class OneNode(Topology):
                    lost: Callable[[], None]) -> None:
         """Send the script itself (by SHA: the event loop has no NOSCRIPT fallback; a
         failed send is read, and counted lost, as its reply), packed once per kind of
-        fetch (``PACKED_FETCHES_KEPT``)."""
+        fetch (``PACKED_FETCHES_KEPT``), by hiredis, as a publish is: redis-py's packer
+        costs several times that."""
         kind = (pool_id, flags, *queues)
         packed = self._packed_fetches.get(kind)
         if packed is None:
             channel = self.channel
             keys, args = fetch_call(channel.keys, channel.settings, pool_id, queues, flags)
-            packed = conn.pack_command("EVALSHA", _scripts.sha("fetch"), len(keys), *keys,
-                                       *args)
+            packed = pack_evalsha(_scripts.sha("fetch"), keys, args)
             if len(self._packed_fetches) >= PACKED_FETCHES_KEPT:
                 self._packed_fetches.clear()
             self._packed_fetches[kind] = packed
-        conn.send_packed_command(packed)
+        conn.send_packed_command([packed])
 
     def read_fetch(self, conn: Any, **options: Any) -> Any:
         return self.channel.client.parse_response(conn, "EVALSHA", **options)
