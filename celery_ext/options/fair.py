@@ -49,7 +49,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
-from celery import signals
+from celery import current_task, signals
+from celery._state import _get_active_apps, get_current_app
 from kombu.utils.encoding import bytes_to_str
 
 from celery_ext.options.limits import job_limits, write_limits
@@ -158,8 +159,6 @@ def _declaring_task(name: str) -> Any:
     current app is not always the publisher (several apps in one process, or apps made
     with ``set_as_current=False``). Registries are read as they are (``.tasks`` would
     finalize an app that may not want it)."""
-    from celery._state import _get_active_apps, get_current_app
-
     current = get_current_app()
     task = current._tasks.get(name)
     if task is not None and getattr(task, "fair_by", None) is not None:
@@ -179,8 +178,6 @@ def _on_before_publish(sender: Any = None, body: Any = None, headers: Any = None
     """Set the ``fair_key`` property of a job about to be published (module docstring)."""
     if not isinstance(properties, dict) or properties.get(PROPERTY) is not None:
         return
-    from celery import current_task
-
     task = _declaring_task(sender) if sender else None
     if task is not None:
         key = key_for(task, *_args_of(body))

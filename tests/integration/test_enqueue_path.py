@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -254,3 +255,24 @@ def test_a_job_is_stored_compact_and_fetched_as_celery_sent_it(
         assert message.delivery_info["routing_key"] == "enqueue_path.job"
         assert message.content_type == "application/json"
     assert got[rich.id].properties["priority"] == 3
+
+
+def test_a_publish_runs_no_import_statement(app: Celery) -> None:
+    """Nothing on the publish path imports per call: an ``import`` inside a function
+    runs Python's import machinery each time (the fair-key handler of
+    ``before_task_publish`` did, once per ``apply_async``: 10 calls here before)."""
+    job = app.tasks["enqueue_path.job"]
+    job.apply_async((0,))
+    calls: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and "importlib" in frame.f_code.co_filename:
+            calls.append(f"{frame.f_back.f_code.co_filename}:{frame.f_back.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        for i in range(10):
+            job.apply_async((i,))
+    finally:
+        sys.setprofile(None)
+    assert calls == []
