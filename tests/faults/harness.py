@@ -200,6 +200,31 @@ class Result:
         return asdict(self)
 
 
+def recovery(fault_at: float, running: set[str],
+             lines: list[tuple[str, str, int, float]]) -> float | None:
+    """Seconds from a fault until every job of ``running`` (running at the fault) was
+    done, from the record's ``lines``; None while one is not.
+
+    The run each job had at the fault began at its last start before it, and the first
+    end after that start ends it. An end stamped before the fault is a job that finished
+    as the fault struck: its worker wrote the line after the harness read the record
+    (seen under load), so it counts as done at the fault."""
+    if not running:
+        return 0.0
+    began: dict[str, float] = {}
+    for kind, job, _, at in lines:
+        if kind == "S" and job in running and at <= fault_at:
+            began[job] = at
+    ends: dict[str, float] = {}
+    for kind, job, _, at in lines:
+        if kind == "D" and job in running and job not in ends \
+                and at >= began.get(job, fault_at):
+            ends[job] = max(at, fault_at)
+    if len(ends) < len(running):
+        return None
+    return round(max(ends.values()) - fault_at, 2)
+
+
 @dataclass
 class Record:
     """The parsed append-only record: (kind, job, pid, time) per line, and how often
@@ -514,16 +539,7 @@ class Run:
         r.in_flight_at_faults = sum(f.in_flight for f in r.faults)
         for f in r.faults:
             # A poison pill ends in the dead set, not done: the others say when it was over.
-            running = set(f.running) - set(dead)
-            if not running:
-                f.recovery = 0.0
-                continue
-            ends = {}
-            for kind, job, _, at in rec.lines:
-                if kind == "D" and at >= f.at and job in running and job not in ends:
-                    ends[job] = at
-            if len(ends) == len(running):
-                f.recovery = round(max(ends.values()) - f.at, 2)
+            f.recovery = recovery(f.at, set(f.running) - set(dead), rec.lines)
         silent = [f for f in r.faults if f.kind in SILENT_FAULTS]
         resumed = [f.resumed for f in silent if f.resumed is not None]
         r.resumed_max = max(resumed) if resumed else None

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.harness import Options, Result, Run
+from tests.faults.harness import Options, Result, Run, recovery
 from tests.faults.scale import SCALE_SCENARIOS, RecordTail, ScaleRun, scale_table
 from tests.faults.scenarios import SCENARIOS
 
@@ -188,3 +188,23 @@ def test_the_record_tail_folds_only_complete_lines(tmp_path: Path) -> None:
     assert tail.starts["job-2"] == 2 and tail.first_starts["job-2"] == 1
     assert tail.done["job-2"] == [2.1]
     assert tail.running({11}) == ["job-2"] and tail.running({12}) == []  # 11 was killed
+
+
+def test_recovery_counts_a_job_that_ended_as_the_fault_struck() -> None:
+    """The lines of a CI run (threads_cut): job-000154 ended 4.6 ms before the fault's
+    stamp, but its line reached the record after the harness read it, so the fault listed
+    it as running. Its end counts at the fault; before, the fault never recovered."""
+    at = 1796690495.74018
+    lines = [("S", "job-000083", 20103, 1796690495.645681),
+             ("S", "job-000154", 20103, 1796690495.703962),
+             ("S", "job-000155", 20103, 1796690495.712421),
+             ("D", "job-000154", 20103, 1796690495.735599),
+             ("D", "job-000155", 20103, 1796690495.745363),
+             ("D", "job-000083", 20103, 1796690496.448045)]
+    running = {"job-000083", "job-000154", "job-000155"}
+    assert recovery(at, running, lines) == 0.71
+    assert recovery(at, running, lines[:-1]) is None  # job-000083 not done yet
+    assert recovery(at, set(), lines) == 0.0
+    # A job killed at the fault and run again elsewhere: the rerun's end counts.
+    rerun = [("S", "job-1", 1, at - 1.0), ("S", "job-1", 2, at + 2.0), ("D", "job-1", 2, at + 3.0)]
+    assert recovery(at, {"job-1"}, rerun) == 3.0
