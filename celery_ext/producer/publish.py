@@ -104,7 +104,7 @@ from celery_ext.options.priority import message_priority
 from celery_ext.options.unique import UNTIL_FINISHED, UniqueRequest, lock_value, take_pending
 from celery_ext.producer.bulk import Bulk, Write, current_bulk
 from celery_ext.producer.periodic_run import PeriodicRun, current_run, run_marker, write_run_apart
-from celery_ext.producer.publish_line import NOT_SENT, PublishConnection, pack_command, pack_evalsha
+from celery_ext.producer.publish_line import NOT_SENT, PublishConnection, pack_command
 from celery_ext.producer.scheduled import eta_delay_ms, retries_of, schedule_args
 from celery_ext.store import scripts as _scripts
 from celery_ext.store.compact import pack
@@ -430,7 +430,7 @@ class Enqueuer:
     def _commands(self, writes: Sequence[Write]) -> list[bytes]:
         """The round trip of ``writes`` in the Redis protocol: their EVALSHAs, and ``WAIT``
         when ``wait_replicas`` is set."""
-        commands = [pack_evalsha(_scripts.sha(w.script), w.keys, w.args) for w in writes]
+        commands = [_scripts.pack_evalsha(_scripts.sha(w.script), w.keys, w.args) for w in writes]
         if self.settings.wait_replicas:
             commands.append(pack_command("WAIT", self.settings.wait_replicas,
                                          self.settings.wait_timeout_ms))

@@ -28,19 +28,6 @@ def pack_command(*parts: str | int) -> bytes:
     return hiredis.pack_command(parts)  # type: ignore[arg-type]
 
 
-def pack_evalsha(sha: str, keys: list[str], args: list[Any]) -> bytes:
-    """``EVALSHA sha len(keys) *keys *args`` in the Redis protocol, as one buffer, packed
-    by hiredis (str, bytes, int or float arguments; str as UTF-8, redis-py's default
-    encoding): a few µs where redis-py's own packer, which also handles memoryviews
-    and splits large values, costs several times that per publish."""
-    try:
-        return hiredis.pack_command(("EVALSHA", sha, len(keys), *keys, *args))
-    except TypeError:
-        bad = next(type(a).__name__ for a in args
-                   if isinstance(a, bool) or not isinstance(a, str | bytes | int | float))
-        raise redis.exceptions.DataError(f"celery_ext: cannot send a {bad} to Redis") from None
-
-
 class PublishConnection:
     """One connection of a channel's connections, kept for the producer's script calls.
 

@@ -27,6 +27,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+import hiredis
 import redis
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
@@ -52,6 +53,20 @@ INCLUDE = "-- @include "
 _HELPER = re.compile(r"^local function (\w+)\(.*?^end$\n?", re.MULTILINE | re.DOTALL)
 #: A line that is only a comment (names in comments keep nothing).
 _COMMENT = re.compile(r"^\s*--.*$", re.MULTILINE)
+
+
+def pack_evalsha(sha: str, keys: list[str], args: list[Any]) -> bytes:
+    """``EVALSHA sha len(keys) *keys *args`` in the Redis protocol, as one buffer, packed
+    by hiredis (str, bytes, int or float arguments; str as UTF-8, redis-py's default
+    encoding): a few µs where redis-py's own packer, which also handles memoryviews
+    and splits large values, costs several times that per call. The calls sent on the
+    hot paths use it: a publish, a worker's fetch and its acks."""
+    try:
+        return hiredis.pack_command(("EVALSHA", sha, len(keys), *keys, *args))
+    except TypeError:
+        bad = next(type(a).__name__ for a in args
+                   if isinstance(a, bool) or not isinstance(a, str | bytes | int | float))
+        raise redis.exceptions.DataError(f"celery_ext: cannot send a {bad} to Redis") from None
 
 
 def used_helpers(fragment: str, script: str) -> str:

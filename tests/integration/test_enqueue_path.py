@@ -20,9 +20,10 @@ from kombu import Connection
 
 import celery_ext
 from celery_ext.producer.publish import Producer, Producers
-from celery_ext.producer.publish_line import NOT_SENT, pack_evalsha
+from celery_ext.producer.publish_line import NOT_SENT
 from celery_ext.store.compact import unpack
 from celery_ext.store.keys import Keys
+from celery_ext.store.scripts import pack_evalsha
 
 K = Keys("celery_ext")
 

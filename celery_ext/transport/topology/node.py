@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from celery_ext.producer.publish_line import pack_evalsha
 from celery_ext.store import scripts as _scripts
 from celery_ext.store.connections import connections_for
 from celery_ext.store.keys import Keys
@@ -99,7 +98,7 @@ class OneNode(Topology):
         if packed is None:
             channel = self.channel
             keys, args = fetch_call(channel.keys, channel.settings, pool_id, queues, flags)
-            packed = pack_evalsha(_scripts.sha("fetch"), keys, args)
+            packed = _scripts.pack_evalsha(_scripts.sha("fetch"), keys, args)
             if len(self._packed_fetches) >= PACKED_FETCHES_KEPT:
                 self._packed_fetches.clear()
             self._packed_fetches[kind] = packed
